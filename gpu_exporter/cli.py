@@ -1,0 +1,196 @@
+"""Command line: ``gpu-exporter serve``. Every flag can also be set as ``GPU_EXPORTER_<FLAG>``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+from gpu_exporter import __version__
+
+log = logging.getLogger("gpu_exporter")
+
+DEFAULT_LISTEN = ":9400"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    host: str  # "" means every interface
+    port: int
+    interval_seconds: float
+    simulate: str | None
+    log_level: str
+    max_age_seconds: float
+
+
+def parse_listen_address(text: str) -> tuple[str, int]:
+    """``":9400"``, ``"127.0.0.1:9400"``, ``"[::1]:9400"`` → (host, port); host "" = all.
+
+    >>> parse_listen_address(":9400"), parse_listen_address("[::1]:80")
+    (('', 9400), ('::1', 80))
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT such as :9400 or 127.0.0.1:9400, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def _env(flag: str, default: str | None) -> str | None:
+    return os.environ.get("GPU_EXPORTER_" + flag.upper().replace("-", "_"), default)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0.05 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected 0.05 to 3600 seconds, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-exporter",
+        description="NVIDIA GPU metrics for Prometheus, and a free-GPU picker for job scripts.",
+        epilog="Every flag can also be set in the environment as GPU_EXPORTER_<FLAG>, "
+        "e.g. GPU_EXPORTER_LISTEN_ADDRESS=127.0.0.1:9400.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-exporter {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve /metrics and /choose",
+        description="Sample NVML in the background and serve /metrics, /choose, /gpus.",
+        epilog="Every flag can also be set as GPU_EXPORTER_<FLAG> (GPU_EXPORTER_INTERVAL=2).",
+    )
+    serve.add_argument(
+        "--listen-address",
+        default=_env("listen-address", DEFAULT_LISTEN),
+        metavar="HOST:PORT",
+        help="address to listen on; ':9400' is every interface (default %(default)s; "
+        "note dcgm-exporter also defaults to 9400)",
+    )
+    serve.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        default=_env("interval", "1"),
+        metavar="SECONDS",
+        help="how often to sample NVML (default %(default)s)",
+    )
+    serve.add_argument(
+        "--simulate",
+        default=_env("simulate", None),
+        metavar="N|SCENARIO.toml",
+        help="use N simulated GPUs, or a scenario file, instead of the NVIDIA driver",
+    )
+    serve.add_argument(
+        "--max-age",
+        type=_positive_seconds,
+        default=_env("max-age", None),
+        metavar="SECONDS",
+        help="refuse /choose and fail /readyz when the last sample is older than this "
+        "(default: 5 intervals, at least 10 s)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=_env("log-level", "info"),
+        help="default %(default)s",
+    )
+    return parser
+
+
+def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
+    try:
+        host, port = parse_listen_address(args.listen_address)
+    except ValueError as exc:
+        parser.error(f"--listen-address: {exc}")
+    if args.log_level not in LOG_LEVELS:  # from the environment, which argparse does not check
+        parser.error(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+    interval = float(args.interval)
+    max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
+    return ServeConfig(host, port, interval, args.simulate, args.log_level, max_age)
+
+
+def serve(config: ServeConfig) -> int:
+    # Imported here so that `gpu-exporter --help` stays fast and needs no Flask.
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    from gpu_exporter.app import create_app
+    from gpu_exporter.metrics import GpuCollector
+    from gpu_exporter.nvml import Nvml
+    from gpu_exporter.sampler import Sampler, SystemClock, new_cache
+    from gpu_exporter.server import ListenError, Server
+
+    clock = SystemClock()
+    if config.simulate is not None:
+        from gpu_exporter.simulate import SimulatedNvml
+
+        try:
+            lib = SimulatedNvml.from_argument(config.simulate, clock=clock.monotonic)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        nvml = Nvml(lib, simulated=True)
+        log.warning("simulating %d GPUs (--simulate %s): no real device is read", len(lib.gpus), config.simulate)
+    else:
+        nvml = Nvml()
+
+    cache = new_cache(nvml, clock)
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(cache))
+    ProcessCollector(registry=registry)
+    app = create_app(cache, registry, clock=clock, max_age_seconds=config.max_age_seconds)
+
+    server = Server(app, config.host, config.port)
+    try:
+        server.bind()  # before NVML: a busy port fails fast, without touching the driver
+    except ListenError as exc:
+        log.error("%s", exc)
+        return 1
+
+    # NVML is initialised on the sampler thread of this (serving) process — never before a fork.
+    sampler = Sampler(nvml, cache, interval_seconds=config.interval_seconds, clock=clock)
+    sampler.start()
+
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            threading.Thread(target=server.stop, name="shutdown", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("listening on %s, sampling every %g s", server.address, config.interval_seconds)
+    try:
+        server.serve()
+    finally:
+        sampler.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        config = _serve_config(args, parser)
+        logging.basicConfig(
+            level=config.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+        return serve(config)
+    parser.error(f"unknown command {args.command!r}")

@@ -1,0 +1,93 @@
+"""The production HTTP server: cheroot, one process, a pool of threads.
+
+Why cheroot (see docs/design.md for the measurements): the cache and lease table live in
+one process, so a pre-fork server would add a master process for nothing and invite NVML
+initialisation before a fork; cheroot is a mature, pure-Python threaded WSGI server (the one
+under CherryPy) with TLS through the standard ``ssl`` module, and binding happens in a
+separate step, so a busy port is reported at once instead of after retries.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from typing import Any
+
+from cheroot import wsgi
+
+log = logging.getLogger(__name__)
+
+THREADS = 16  # request threads; scrapes and /choose take well under a millisecond each
+
+
+class ListenError(Exception):
+    """The address could not be bound; the message says what to do about it."""
+
+
+class Server:
+    def __init__(self, app: Any, host: str, port: int, *, threads: int = THREADS) -> None:
+        self.host = host
+        self.port = port
+        self._app = app
+        self._threads = threads
+        self._server: wsgi.Server | None = None
+
+    @property
+    def address(self) -> str:
+        """Where it listens, for people: ``:9400 (every interface)`` or ``127.0.0.1:9400``."""
+        if not self.host:
+            return f":{self.port} (every interface)"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def bind(self) -> None:
+        """Bind and listen now; raises :class:`ListenError` with a helpful message."""
+        # An empty host means every interface: IPv6 and IPv4 on one dual-stack socket where
+        # the kernel has IPv6, else IPv4 only.
+        hosts = [self.host] if self.host else ["::", "0.0.0.0"]
+        last: OSError | None = None
+        for host in hosts:
+            server = wsgi.Server((host, self.port), self._app, numthreads=self._threads)
+            server.server_name = "gpu-exporter"
+            try:
+                server.prepare()
+            except OSError as exc:
+                last = exc
+                if _in_use(exc):
+                    break
+                continue
+            self._server = server
+            self.port = server.bind_addr[1]  # the real port when 0 was asked for
+            return
+        where = f"{self.host or ''}:{self.port}"
+        if last is not None and _in_use(last):
+            raise ListenError(
+                f"cannot listen on {where}: the port is already in use "
+                "(another gpu-exporter, or dcgm-exporter, which also defaults to 9400?); "
+                "choose another with --listen-address"
+            )
+        raise ListenError(f"cannot listen on {where}: {last}")
+
+    def serve(self) -> None:
+        if self._server is None:
+            self.bind()
+        assert self._server is not None
+        self._server.serve()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+
+def _in_use(exc: OSError) -> bool:
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    return cause.errno == errno.EADDRINUSE or "in use" in str(exc).lower()
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for tests and examples)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
