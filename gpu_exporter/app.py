@@ -2,7 +2,8 @@
 
 * ``/metrics`` — Prometheus exposition of the latest snapshot (private registry).
 * ``/choose`` — the best free GPUs for a job script, as text or JSON.
-* ``/gpus`` — the snapshot as JSON; ``/healthz`` liveness; ``/readyz`` readiness; ``/`` landing page.
+* ``/gpus`` — the snapshot as JSON; ``/healthz`` liveness; ``/readyz`` readiness;
+  ``/`` a landing page.
 
 Errors are never tracebacks or HTML debug pages: a JSON body
 ``{"error": {"code", "message", "param"}}`` when JSON was asked for, otherwise one plain line.
@@ -14,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from flask import Flask, Response, jsonify, render_template_string, request
+from flask import Flask, Response, jsonify, render_template, request
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
@@ -61,7 +62,9 @@ def _error_response(status: int, code: str, message: str, param: str | None = No
     return resp
 
 
-def snapshot_problem(snapshot: Snapshot, monotonic_now: float, max_age_seconds: float) -> ApiError | None:
+def snapshot_problem(
+    snapshot: Snapshot, monotonic_now: float, max_age_seconds: float
+) -> ApiError | None:
     """Why this snapshot must not be used to hand out GPUs, or None if it may."""
     if snapshot.sequence == 0:
         return ApiError(503, "not_ready", "no sample yet: the exporter is starting")
@@ -118,7 +121,9 @@ def parse_choose_args(args: Any) -> ChooseRequest:
         _bad("max_util", f"max_util: {exc}")
     exclude = tuple(s.strip() for s in args.get("exclude", "").split(",") if s.strip())
     for selector in exclude:
-        if not (selector.isdigit() or selector.upper().startswith(("GPU-", "MIG-")) or ":" in selector):
+        if not (
+            selector.isdigit() or selector.upper().startswith(("GPU-", "MIG-")) or ":" in selector
+        ):
             _bad(
                 "exclude",
                 f"exclude: {selector!r} is not an NVML index, a UUID (GPU-…) or a PCI bus id",
@@ -132,37 +137,6 @@ def gpu_json(gpu: GpuSample) -> dict[str, Any]:
 
 def _rejected_json(r: Rejected) -> dict[str, Any]:
     return {"index": r.gpu.index, "uuid": r.gpu.uuid, "reasons": list(r.reasons)}
-
-
-_LANDING = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta http-equiv="refresh" content="5">
-<title>gpu-exporter</title>
-<style>
- body{font:15px/1.4 system-ui,sans-serif;margin:2em auto;max-width:60em;padding:0 1em;color:#222}
- table{border-collapse:collapse;width:100%} td,th{padding:.3em .6em;border-bottom:1px solid #ddd;text-align:left}
- .down{color:#b00} .sim{background:#fff3cd;padding:.5em 1em;border-radius:4px}
- code{background:#f4f4f4;padding:0 .2em}
-</style></head><body>
-<h1>gpu-exporter {{ version }}</h1>
-{% if snapshot.simulated %}<p class="sim"><strong>Simulated GPUs</strong> (--simulate):
-these are not real devices.</p>{% endif %}
-{% if not snapshot.nvml_up %}<p class="down">NVML is not available: {{ snapshot.nvml_error }}</p>{% endif %}
-<table id="gpus"><tr><th>GPU</th><th>Name</th><th>UUID</th><th>Memory used</th><th>Utilization</th><th>State</th></tr>
-{% for g in snapshot.gpus %}<tr class="gpu">
-<td>{{ g.index }}</td><td>{{ g.name or "" }}</td><td><code>{{ g.uuid }}</code></td>
-<td>{% if g.memory_used_bytes is not none %}{{ fmt(g.memory_used_bytes) }} / {{ fmt(g.memory_total_bytes) }}{% endif %}</td>
-<td>{% if g.utilization_ratio is not none %}{{ "%.0f"|format(g.utilization_ratio * 100) }} %{% endif %}</td>
-<td>{% if g.up %}up{% else %}<span class="down">down: {{ g.error }}</span>{% endif %}</td></tr>
-{% endfor %}</table>
-<ul>
-<li><a href="metrics">/metrics</a> — Prometheus metrics</li>
-<li><a href="choose?n=1&amp;format=json">/choose?n=1</a> — the freest GPU
-(<code>export CUDA_VISIBLE_DEVICES=$(curl -fsS HOST:9400/choose?n=1)</code>)</li>
-<li><a href="gpus">/gpus</a> — the snapshot as JSON</li>
-<li><a href="healthz">/healthz</a>, <a href="readyz">/readyz</a> — liveness and readiness</li>
-</ul></body></html>
-"""
 
 
 def create_app(
@@ -200,8 +174,8 @@ def create_app(
     @app.get("/")
     def index() -> str:
         snapshot, _ = current()
-        return render_template_string(
-            _LANDING, snapshot=snapshot, version=__version__, fmt=format_bytes
+        return render_template(
+            "index.html", snapshot=snapshot, version=__version__, fmt=format_bytes
         )
 
     @app.get("/healthz")

@@ -54,9 +54,7 @@ class NotEnoughGpus(Exception):
         self.requested = requested
         self.ranking = ranking
         total = len(ranking.qualified) + len(ranking.rejected)
-        details = "; ".join(
-            f"gpu {r.gpu.index}: {', '.join(r.reasons)}" for r in ranking.rejected
-        )
+        details = "; ".join(f"gpu {r.gpu.index}: {', '.join(r.reasons)}" for r in ranking.rejected)
         super().__init__(
             f"{len(ranking.qualified)} of {total} GPUs qualify, {requested} requested"
             + (f" ({details})" if details else "")
@@ -109,9 +107,8 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
         if free is None:
             reasons.append("free memory unknown")
         elif free < filters.min_free_bytes:
-            reasons.append(
-                f"free memory {format_bytes(free)} < min_free {format_bytes(filters.min_free_bytes)}"
-            )
+            wanted = format_bytes(filters.min_free_bytes)
+            reasons.append(f"free memory {format_bytes(free)} < min_free {wanted}")
     if filters.max_util_ratio is not None:
         util = gpu.utilization_ratio
         if util is None:

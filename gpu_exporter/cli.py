@@ -143,7 +143,11 @@ def serve(config: ServeConfig) -> int:
             log.error("%s", exc)
             return 2
         nvml = Nvml(lib, simulated=True)
-        log.warning("simulating %d GPUs (--simulate %s): no real device is read", len(lib.gpus), config.simulate)
+        log.warning(
+            "simulating %d GPUs (--simulate %s): no real device is read",
+            len(lib.gpus),
+            config.simulate,
+        )
     else:
         nvml = Nvml()
 

@@ -21,7 +21,9 @@ from gpu_exporter.model import CLOCKS, GpuSample, Snapshot
 from gpu_exporter.sampler import SnapshotCache
 
 GPU_LABELS = ("gpu", "uuid")
-SAMPLED = " Sampled in the background every --interval (see gpu_exporter_last_sample_timestamp_seconds)."
+SAMPLED = (
+    " Sampled in the background every --interval (see gpu_exporter_last_sample_timestamp_seconds)."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,29 +62,73 @@ GPU_UP = MetricSpec(
     "nvmlDeviceGetHandleByIndex and every value call",
 )
 GPU_VALUES: tuple[MetricSpec, ...] = (
-    _gpu("gpu_memory_total_bytes", "Total frame-buffer memory.", "nvmlDeviceGetMemoryInfo_v2",
-         "memory_total_bytes"),
-    _gpu("gpu_memory_used_bytes", "Frame-buffer memory in use, excluding the driver's "
-         "reservation (as nvidia-smi >= 510).", "nvmlDeviceGetMemoryInfo_v2", "memory_used_bytes"),
-    _gpu("gpu_memory_free_bytes", "Frame-buffer memory free for allocations.",
-         "nvmlDeviceGetMemoryInfo_v2", "memory_free_bytes"),
-    _gpu("gpu_memory_reserved_bytes", "Frame-buffer memory reserved by the driver.",
-         "nvmlDeviceGetMemoryInfo_v2", "memory_reserved_bytes"),
-    _gpu("gpu_utilization_ratio", "Fraction of the last sample period (0-1) in which a kernel "
-         "was running.", "nvmlDeviceGetUtilizationRates", "utilization_ratio"),
-    _gpu("gpu_memory_utilization_ratio", "Fraction of the last sample period (0-1) in which "
-         "device memory was read or written.", "nvmlDeviceGetUtilizationRates",
-         "memory_utilization_ratio"),
-    _gpu("gpu_power_draw_watts", "Power draw of the whole board.", "nvmlDeviceGetPowerUsage",
-         "power_draw_watts"),
-    _gpu("gpu_power_limit_watts", "Power limit the driver enforces.",
-         "nvmlDeviceGetEnforcedPowerLimit", "power_limit_watts"),
-    _gpu("gpu_energy_joules_total", "Energy consumed since the driver was loaded.",
-         "nvmlDeviceGetTotalEnergyConsumption", "energy_joules", type="counter"),
-    _gpu("gpu_temperature_celsius", "GPU core temperature.", "nvmlDeviceGetTemperature",
-         "temperature_celsius"),
-    _gpu("gpu_fan_speed_ratio", "Fan speed as a fraction of its maximum (absent on "
-         "passively cooled cards).", "nvmlDeviceGetFanSpeed", "fan_speed_ratio"),
+    _gpu(
+        "gpu_memory_total_bytes",
+        "Total frame-buffer memory.",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "memory_total_bytes",
+    ),
+    _gpu(
+        "gpu_memory_used_bytes",
+        "Frame-buffer memory in use, excluding the driver's reservation (as nvidia-smi >= 510).",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "memory_used_bytes",
+    ),
+    _gpu(
+        "gpu_memory_free_bytes",
+        "Frame-buffer memory free for allocations.",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "memory_free_bytes",
+    ),
+    _gpu(
+        "gpu_memory_reserved_bytes",
+        "Frame-buffer memory reserved by the driver.",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "memory_reserved_bytes",
+    ),
+    _gpu(
+        "gpu_utilization_ratio",
+        "Fraction of the last sample period (0-1) in which a kernel was running.",
+        "nvmlDeviceGetUtilizationRates",
+        "utilization_ratio",
+    ),
+    _gpu(
+        "gpu_memory_utilization_ratio",
+        "Fraction of the last sample period (0-1) in which device memory was read or written.",
+        "nvmlDeviceGetUtilizationRates",
+        "memory_utilization_ratio",
+    ),
+    _gpu(
+        "gpu_power_draw_watts",
+        "Power draw of the whole board.",
+        "nvmlDeviceGetPowerUsage",
+        "power_draw_watts",
+    ),
+    _gpu(
+        "gpu_power_limit_watts",
+        "Power limit the driver enforces.",
+        "nvmlDeviceGetEnforcedPowerLimit",
+        "power_limit_watts",
+    ),
+    _gpu(
+        "gpu_energy_joules_total",
+        "Energy consumed since the driver was loaded.",
+        "nvmlDeviceGetTotalEnergyConsumption",
+        "energy_joules",
+        type="counter",
+    ),
+    _gpu(
+        "gpu_temperature_celsius",
+        "GPU core temperature.",
+        "nvmlDeviceGetTemperature",
+        "temperature_celsius",
+    ),
+    _gpu(
+        "gpu_fan_speed_ratio",
+        "Fan speed as a fraction of its maximum (absent on passively cooled cards).",
+        "nvmlDeviceGetFanSpeed",
+        "fan_speed_ratio",
+    ),
     MetricSpec(
         "gpu_clock_hz",
         "gauge",
@@ -91,14 +137,17 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
         "nvmlDeviceGetClockInfo",
         per_label=tuple((c, f"clock_{c}_hz") for c in CLOCKS),
     ),
-    _gpu("gpu_compute_processes", "Compute processes with a context on the GPU, as far as "
-         "this process can see them.", "nvmlDeviceGetComputeRunningProcesses",
-         "compute_processes"),
+    _gpu(
+        "gpu_compute_processes",
+        "Compute processes with a context on the GPU, as far as this process can see them.",
+        "nvmlDeviceGetComputeRunningProcesses",
+        "compute_processes",
+    ),
 )
 BUILD_INFO = MetricSpec(
     "gpu_exporter_build_info",
     "gauge",
-    "Always 1; the exporter's version, and backend=\"simulated\" when --simulate is on.",
+    'Always 1; the exporter\'s version, and backend="simulated" when --simulate is on.',
     ("version", "backend"),
     "the exporter",
 )
@@ -217,9 +266,7 @@ def markdown_table() -> str:
     for spec in METRICS:
         help_text = spec.help.removesuffix(SAMPLED).replace("|", "\\|")
         labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
-        rows.append(
-            f"| `{spec.name}` | {spec.type} | {labels} | {spec.source} | {help_text} |"
-        )
+        rows.append(f"| `{spec.name}` | {spec.type} | {labels} | {spec.source} | {help_text} |")
     return "\n".join(rows) + "\n"
 
 

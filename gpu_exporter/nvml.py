@@ -16,6 +16,7 @@ functions, which is how :mod:`gpu_exporter.simulate` drives this same code witho
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -32,7 +33,9 @@ ERROR_NAMES: dict[int, str] = {
 }
 _CODES_BY_NAME = {name: code for code, name in ERROR_NAMES.items()}
 
-_UNSUPPORTED_CODES = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
+_UNSUPPORTED_CODES = frozenset(
+    {pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}
+)
 # The GPU itself is gone or unusable until reset (Xid 79 "fallen off the bus" and friends).
 _LOST_CODES = frozenset(
     {
@@ -165,7 +168,7 @@ class Nvml:
             raise error from exc
 
     def error_counts(self) -> dict[tuple[str, str], int]:
-        """Failed calls so far, by (NVML function, error name). Unsupported ones are not failures."""
+        """Failed calls so far, by (NVML function, error name). Unsupported is not failure."""
         with self._errors_lock:
             return dict(self._errors)
 
@@ -181,10 +184,8 @@ class Nvml:
         self._memory_v2 = True
 
     def shutdown(self) -> None:
-        try:
+        with contextlib.suppress(NvmlError):
             self._call("nvmlShutdown")
-        except NvmlError:
-            pass
 
     def driver_version(self) -> str:
         return _text(self._call("nvmlSystemGetDriverVersion"))
@@ -225,7 +226,7 @@ class Nvml:
         return MemoryInfo(int(m.total), int(m.used), int(m.free), None)
 
     def utilization(self, handle: Any) -> tuple[float, float]:
-        """(GPU busy ratio, memory-controller busy ratio), each 0–1, over the driver's last period."""
+        """(GPU busy, memory-controller busy), each a ratio 0–1 over the driver's last period."""
         u = self._call("nvmlDeviceGetUtilizationRates", handle)
         return u.gpu / 100.0, u.memory / 100.0
 
@@ -251,8 +252,6 @@ class Nvml:
     def compute_processes(self, handle: Any) -> tuple[ProcessInfo, ...]:
         procs = self._call("nvmlDeviceGetComputeRunningProcesses", handle)
         return tuple(
-            ProcessInfo(
-                int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)
-            )
+            ProcessInfo(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory))
             for p in procs
         )

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -102,7 +103,12 @@ def read_gpu(
     r = _FieldReader(handle, identity.uuid, unsupported)
     try:
         r.read(
-            ("memory_total_bytes", "memory_used_bytes", "memory_free_bytes", "memory_reserved_bytes"),
+            (
+                "memory_total_bytes",
+                "memory_used_bytes",
+                "memory_free_bytes",
+                "memory_reserved_bytes",
+            ),
             lambda h: _astuple_memory(nvml, h),
         )
         r.read(("utilization_ratio", "memory_utilization_ratio"), nvml.utilization)
@@ -112,7 +118,7 @@ def read_gpu(
         r.read(("temperature_celsius",), nvml.temperature_celsius)
         r.read(("fan_speed_ratio",), nvml.fan_speed_ratio)
         for clock in CLOCKS:
-            r.read((f"clock_{clock}_hz",), lambda h, c=clock: nvml.clock_hz(h, c))
+            r.read((f"clock_{clock}_hz",), functools.partial(nvml.clock_hz, clock=clock))
         r.read(("compute_processes",), lambda h: len(nvml.compute_processes(h)))
     except GpuLost as exc:
         # Whatever was read before the GPU went away is dropped: no stale values that look fresh.
@@ -250,14 +256,10 @@ class Sampler:
             self._cuda_version = _optional(lambda _: self.nvml.cuda_driver_version(), None)
         except NvmlError as exc:
             self._init_error = str(exc)
-            log.warning(
-                "NVML is not available (%s); retrying in %.0f s", exc, self._init_delay
-            )
+            log.warning("NVML is not available (%s); retrying in %.0f s", exc, self._init_delay)
             self._schedule_init(now)
             return
-        log.info(
-            "NVML initialised: driver %s, CUDA %s", self._driver_version, self._cuda_version
-        )
+        log.info("NVML initialised: driver %s, CUDA %s", self._driver_version, self._cuda_version)
         self._initialised = True
         self._init_error = None
         self._init_delay = INIT_BACKOFF_INITIAL_SECONDS

@@ -175,16 +175,17 @@ class SimGpu:
 
     @property
     def uuid(self) -> str:
-        n = 0x5A1E0000 + self.index
-        return f"GPU-{n:08x}-{self.index:04x}-4{self.index:03x}-8000-{0xC0FFEE000000 + self.index:012x}"
+        i = self.index
+        return f"GPU-{0x5A1E0000 + i:08x}-{i:04x}-4{i:03x}-8000-{0xC0FFEE000000 + i:012x}"
 
     @property
     def pci_bus_id(self) -> str:
-        return f"00000000:{0x18 + 0x10 * self.index:02X}:00.0"
+        # Eight GPUs per PCI domain, like an 8-GPU baseboard per root complex.
+        return f"{self.index // 8:08X}:{0x18 + 0x10 * (self.index % 8):02X}:00.0"
 
 
 def _int(v: float) -> int:
-    return int(round(v))
+    return round(v)
 
 
 class SimulatedNvml:
@@ -295,7 +296,10 @@ class SimulatedNvml:
             memory_free=usable - used,
             utilization_gpu=_int(util * 100),
             utilization_memory=_int(util * 60),
-            power_usage_mw=_int(1000 * (m.idle_power_watts + (m.power_limit_watts - m.idle_power_watts) * 0.9 * util)),
+            power_usage_mw=_int(
+                1000
+                * (m.idle_power_watts + (m.power_limit_watts - m.idle_power_watts) * 0.9 * util)
+            ),
             power_limit_mw=_int(m.power_limit_watts * 1000),
             temperature_c=_int(31 + 50 * util),
             fan_percent=_int(30 + 50 * util),
@@ -325,8 +329,7 @@ class SimulatedNvml:
         index = gpu.index if gpu is not None else None
         for fault in self.faults:
             if fault.active(t) and fault.matches(function, index):
-                if fault.gpu is None or index is not None:
-                    raise nvml.make_error(nvml.error_code(fault.error))
+                raise nvml.make_error(nvml.error_code(fault.error))
         if function != "nvmlInit" and not self.initialised:
             raise nvml.make_error(nvml.error_code("UNINITIALIZED"))
         if gpu is not None and (function in gpu.unsupported or function in gpu.model.unsupported):
@@ -424,4 +427,3 @@ class SimulatedNvml:
             SimpleNamespace(pid=pid, usedGpuMemory=used)
             for pid, used in self.state(gpu.index).processes
         ]
-

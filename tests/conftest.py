@@ -60,7 +60,9 @@ class Stack:
         return self.registry.get_sample_value(name, labels)
 
 
-def build_stack(sim_factory: Callable[[FakeClock], SimulatedNvml], *, max_age: float = 10.0) -> Stack:
+def build_stack(
+    sim_factory: Callable[[FakeClock], SimulatedNvml], *, max_age: float = 10.0
+) -> Stack:
     clock = FakeClock()
     sim = sim_factory(clock)
     nvml = Nvml(sim, simulated=True)

@@ -109,7 +109,12 @@ def test_memory_v2_excludes_reserved() -> None:
         return SimpleNamespace(total=100, reserved=5, used=20, free=75)
 
     info = Nvml(FakeLib(nvmlDeviceGetMemoryInfo=memory)).memory(None)
-    assert (info.total_bytes, info.used_bytes, info.free_bytes, info.reserved_bytes) == (100, 20, 75, 5)
+    assert (info.total_bytes, info.used_bytes, info.free_bytes, info.reserved_bytes) == (
+        100,
+        20,
+        75,
+        5,
+    )
 
 
 def test_memory_falls_back_to_v1_on_old_drivers_and_remembers() -> None:
@@ -131,9 +136,15 @@ def test_memory_falls_back_to_v1_on_old_drivers_and_remembers() -> None:
 
 
 def test_processes_keep_unknown_memory_absent() -> None:
-    procs = [SimpleNamespace(pid=10, usedGpuMemory=1024), SimpleNamespace(pid=11, usedGpuMemory=None)]
+    procs = [
+        SimpleNamespace(pid=10, usedGpuMemory=1024),
+        SimpleNamespace(pid=11, usedGpuMemory=None),
+    ]
     w = Nvml(FakeLib(nvmlDeviceGetComputeRunningProcesses=lambda h: procs))
-    assert [(p.pid, p.used_memory_bytes) for p in w.compute_processes(None)] == [(10, 1024), (11, None)]
+    assert [(p.pid, p.used_memory_bytes) for p in w.compute_processes(None)] == [
+        (10, 1024),
+        (11, None),
+    ]
 
 
 def test_error_names_round_trip() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from conftest import Stack, build_stack, sim_of
+
 from gpu_exporter.simulate import Fault, Load, SimGpu, SimulatedNvml
 
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -27,7 +27,9 @@ def test_values_match_the_simulated_state() -> None:
     s = three_gpus()
     s.sample()
     snap = s.cache.get()
-    assert snap.nvml_up and snap.driver_version == "550.54.15" and snap.cuda_driver_version == "12.4"
+    assert (
+        snap.nvml_up and snap.driver_version == "550.54.15" and snap.cuda_driver_version == "12.4"
+    )
     for gpu in snap.gpus:
         st = s.sim.state(gpu.index)
         assert gpu.up and gpu.error is None
@@ -139,7 +141,9 @@ def test_nvml_missing_at_start_then_appearing() -> None:
 
 def test_backoff_is_capped_at_five_minutes() -> None:
     s = build_stack(
-        lambda clock: SimulatedNvml([], faults=[Fault("nvmlInit", "DRIVER_NOT_LOADED")], clock=clock.monotonic)
+        lambda clock: SimulatedNvml(
+            [], faults=[Fault("nvmlInit", "DRIVER_NOT_LOADED")], clock=clock.monotonic
+        )
     )
     gaps = []
     last = None
@@ -157,7 +161,9 @@ def test_backoff_is_capped_at_five_minutes() -> None:
 
 
 def test_driver_going_away_mid_run_reinitialises() -> None:
-    s = three_gpus(Fault("nvmlDeviceGetCount", "LIB_RM_VERSION_MISMATCH", after_seconds=5, for_seconds=3))
+    s = three_gpus(
+        Fault("nvmlDeviceGetCount", "LIB_RM_VERSION_MISMATCH", after_seconds=5, for_seconds=3)
+    )
     s.sample()
     assert s.cache.get().nvml_up
     s.clock.advance(5)
