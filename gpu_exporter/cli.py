@@ -28,6 +28,9 @@ class ServeConfig:
     simulate: str | None
     log_level: str
     max_age_seconds: float
+    state_dir: str | None = None  # None: leases are not kept across restarts
+    max_lease_seconds: float = 3600.0
+    max_gpus_per_requester: int = 0  # 0: no limit
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -56,6 +59,15 @@ def _positive_seconds(text: str) -> float:
     if not 0.05 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"expected 0.05 to 3600 seconds, got {text!r}")
     return value
+
+
+def _duration(text: str) -> float:
+    from gpu_exporter.units import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,12 +115,40 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 5 intervals, at least 10 s)",
     )
     serve.add_argument(
+        "--state-dir",
+        default=_env("state-dir", None),
+        metavar="DIR",
+        help="keep leases in DIR/leases.json so a restart never re-issues claimed GPUs "
+        "(default: $STATE_DIRECTORY as systemd sets it, else ~/.local/state/gpu-exporter)",
+    )
+    serve.add_argument(
+        "--max-lease",
+        type=_duration,
+        default=_env("max-lease", "1h"),
+        metavar="DURATION",
+        help="longest lease /choose grants, e.g. 10m or 2h (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-gpus-per-requester",
+        type=int,
+        default=_env("max-gpus-per-requester", "0"),
+        metavar="N",
+        help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
         help="default %(default)s",
     )
     return parser
+
+
+def _default_state_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return os.path.join(base, "gpu-exporter")
 
 
 def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
@@ -120,7 +160,19 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
     interval = float(args.interval)
     max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
-    return ServeConfig(host, port, interval, args.simulate, args.log_level, max_age)
+    if args.max_gpus_per_requester < 0:
+        parser.error("--max-gpus-per-requester must be 0 (no limit) or more")
+    return ServeConfig(
+        host,
+        port,
+        interval,
+        args.simulate,
+        args.log_level,
+        max_age,
+        state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or _default_state_dir(),
+        max_lease_seconds=float(args.max_lease),
+        max_gpus_per_requester=int(args.max_gpus_per_requester),
+    )
 
 
 def serve(config: ServeConfig) -> int:
