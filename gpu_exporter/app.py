@@ -21,16 +21,24 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
 from gpu_exporter import __version__
-from gpu_exporter.choose import Filters, NotEnoughGpus, Rejected, choose
+from gpu_exporter.choose import SORTS, Choice, Filters, NotEnoughGpus, Rejected, Window, score
+from gpu_exporter.leases import Lease, LeaseError, LeaseTable
+from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.sampler import Clock, SnapshotCache, SystemClock
-from gpu_exporter.units import format_bytes, parse_bytes, parse_ratio
+from gpu_exporter.units import format_bytes, parse_bytes, parse_duration, parse_ratio
 
 log = logging.getLogger(__name__)
 
 MAX_N = 1024
-CHOOSE_PARAMS = ("n", "format", "min_free", "max_util", "exclude")
-CHOOSE_FORMATS = ("uuid", "index", "json")
+MAX_WAIT_SECONDS = 3600.0
+DEFAULT_LEASE_SECONDS = 60.0
+CHOOSE_PARAMS = (
+    "n", "format", "lease", "owner", "wait", "idle_for", "sort",
+    "min_free", "min_total", "max_util", "max_mem_util", "max_procs", "model", "include", "exclude",
+)  # fmt: skip
+CHOOSE_FORMATS = ("uuid", "index", "env", "json")
+WAIT_POLL_SECONDS = 0.1  # waiters also wake at once on lease changes
 
 
 @dataclass
@@ -46,7 +54,7 @@ def _bad(param: str, message: str) -> NoReturn:
 
 
 def _wants_json() -> bool:
-    if request.args.get("format") == "json" or request.path == "/gpus":
+    if request.args.get("format") == "json" or request.path.startswith(("/gpus", "/leases")):
         return True
     best = request.accept_mimetypes.best_match(["text/plain", "application/json"])
     return best == "application/json" and request.accept_mimetypes[best] > 0
@@ -86,49 +94,111 @@ class ChooseRequest:
     n: int
     format: str
     filters: Filters
+    sort: str = "free"
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    owner: str | None = None
+    wait_seconds: float = 0.0
+    idle_for_seconds: float | None = None
 
 
-def parse_choose_args(args: Any) -> ChooseRequest:
-    """Validate ``/choose``'s query string strictly: unknown or repeated parameters are errors."""
+def check_params(args: Any, allowed: tuple[str, ...], endpoint: str) -> None:
+    """Unknown or repeated query parameters are errors, never silently ignored."""
     for name in args:
-        if name not in CHOOSE_PARAMS:
+        if name not in allowed:
+            takes = ", ".join(allowed) if allowed else "no parameters"
             raise ApiError(
                 400,
                 "unknown_parameter",
-                f"unknown parameter {name!r}; /choose takes {', '.join(CHOOSE_PARAMS)}",
+                f"unknown parameter {name!r}; {endpoint} takes {takes}",
                 name,
             )
         if len(args.getlist(name)) > 1:
             _bad(name, f"{name} given more than once")
 
+
+def _parsed(args: Any, name: str, parse: Any) -> Any:
+    if name not in args:
+        return None
+    try:
+        return parse(args[name])
+    except ValueError as exc:
+        _bad(name, f"{name}: {exc}")
+
+
+def _duration(args: Any, name: str, maximum: float) -> float | None:
+    value: float | None = _parsed(args, name, parse_duration)
+    if value is not None and value > maximum:
+        _bad(name, f"{name}: at most {maximum:g} s, got {args[name]!r}")
+    return value
+
+
+def _selectors(args: Any, name: str) -> tuple[str, ...]:
+    selectors = tuple(s.strip() for s in args.get(name, "").split(",") if s.strip())
+    for selector in selectors:
+        if not (
+            selector.isdigit() or selector.upper().startswith(("GPU-", "MIG-")) or ":" in selector
+        ):
+            _bad(
+                name,
+                f"{name}: {selector!r} is not an NVML index, a UUID (GPU-…) or a PCI bus id",
+            )
+    return selectors
+
+
+def parse_choose_args(args: Any) -> ChooseRequest:
+    """Validate ``/choose``'s query string strictly."""
+    check_params(args, CHOOSE_PARAMS, "/choose")
     raw_n = args.get("n", "1")
     if not raw_n.isdigit() or not 1 <= int(raw_n) <= MAX_N:
         _bad("n", f"n must be a whole number from 1 to {MAX_N}, got {raw_n!r}")
     fmt = args.get("format", "uuid")
     if fmt not in CHOOSE_FORMATS:
         _bad("format", f"format must be one of {', '.join(CHOOSE_FORMATS)}, got {fmt!r}")
+    sort = args.get("sort", "free")
+    if sort not in SORTS:
+        _bad("sort", f"sort must be one of {', '.join(SORTS)}, got {sort!r}")
+    raw_procs = args.get("max_procs")
+    if raw_procs is not None and not raw_procs.isdigit():
+        _bad("max_procs", f"max_procs must be a whole number (0 = no processes), got {raw_procs!r}")
+    owner = args.get("owner")
+    if owner is not None and (len(owner) > 64 or not owner.isprintable()):
+        _bad("owner", "owner must be at most 64 printable characters")
+    model = args.get("model")
+    if model is not None and not model.strip():
+        _bad("model", "model must not be empty")
+    lease = _parsed(args, "lease", parse_duration)
+    filters = Filters(
+        min_free_bytes=_parsed(args, "min_free", parse_bytes),
+        max_util_ratio=_parsed(args, "max_util", parse_ratio),
+        exclude=_selectors(args, "exclude"),
+        min_total_bytes=_parsed(args, "min_total", parse_bytes),
+        max_mem_util_ratio=_parsed(args, "max_mem_util", parse_ratio),
+        max_procs=None if raw_procs is None else int(raw_procs),
+        model=model,
+        include=_selectors(args, "include"),
+    )
+    return ChooseRequest(
+        n=int(raw_n),
+        format=fmt,
+        filters=filters,
+        sort=sort,
+        lease_seconds=DEFAULT_LEASE_SECONDS if lease is None else lease,
+        owner=owner,
+        wait_seconds=_duration(args, "wait", MAX_WAIT_SECONDS) or 0.0,
+        idle_for_seconds=_duration(args, "idle_for", MAX_WAIT_SECONDS),
+    )
 
-    min_free = max_util = None
-    try:
-        if "min_free" in args:
-            min_free = parse_bytes(args["min_free"])
-    except ValueError as exc:
-        _bad("min_free", f"min_free: {exc}")
-    try:
-        if "max_util" in args:
-            max_util = parse_ratio(args["max_util"])
-    except ValueError as exc:
-        _bad("max_util", f"max_util: {exc}")
-    exclude = tuple(s.strip() for s in args.get("exclude", "").split(",") if s.strip())
-    for selector in exclude:
-        if not (
-            selector.isdigit() or selector.upper().startswith(("GPU-", "MIG-")) or ":" in selector
-        ):
-            _bad(
-                "exclude",
-                f"exclude: {selector!r} is not an NVML index, a UUID (GPU-…) or a PCI bus id",
-            )
-    return ChooseRequest(int(raw_n), fmt, Filters(min_free, max_util, exclude))
+
+def history_window(cache: SnapshotCache, seconds: float, monotonic_now: float) -> Window:
+    """The samples of the last ``seconds``, for ``idle_for``."""
+    history = cache.history()
+    covered = history[0].age_seconds(monotonic_now) if history else 0.0
+    past = tuple(
+        (snap.age_seconds(monotonic_now), snap.gpus)
+        for snap in history
+        if snap.age_seconds(monotonic_now) <= seconds
+    )
+    return Window(seconds, covered, past)
 
 
 def gpu_json(gpu: GpuSample) -> dict[str, Any]:
@@ -139,23 +209,45 @@ def _rejected_json(r: Rejected) -> dict[str, Any]:
     return {"index": r.gpu.index, "uuid": r.gpu.uuid, "reasons": list(r.reasons)}
 
 
+def choice_text(choice: Choice, lease: Lease | None, fmt: str) -> str:
+    """The text formats of a successful ``/choose``, newline-terminated."""
+    uuids = ",".join(g.uuid for g in choice.chosen)
+    if fmt == "index":
+        return ",".join(str(g.index) for g in choice.chosen) + "\n"
+    if fmt == "env":
+        line = f"export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={uuids}"
+        return line + (f" GPU_LEASE={lease.id}" if lease else "") + "\n"
+    return uuids + "\n"
+
+
 def create_app(
     cache: SnapshotCache,
     registry: CollectorRegistry,
     *,
     clock: Clock | None = None,
     max_age_seconds: float = 10.0,
+    leases: LeaseTable | None = None,
+    requests: RequestCounter | None = None,
 ) -> Flask:
-    """Build the app. Everything it reads comes in through the arguments."""
+    """Build the app. Everything it reads comes in through the arguments.
+
+    Pass the same ``leases`` and ``requests`` to the metrics collector to export them.
+    """
     app = Flask(__name__)
-    app.config["JSON_SORT_KEYS"] = False
+    app.json.sort_keys = False  # type: ignore[attr-defined]
     clock = clock or SystemClock()
+    table = leases if leases is not None else LeaseTable(clock)
+    counter = requests if requests is not None else RequestCounter()
 
     def current() -> tuple[Snapshot, float]:
         return cache.get(), clock.monotonic()
 
     @app.errorhandler(ApiError)
     def api_error(exc: ApiError) -> Response:
+        return _error_response(exc.status, exc.code, exc.message, exc.param)
+
+    @app.errorhandler(LeaseError)
+    def lease_error(exc: LeaseError) -> Response:
         return _error_response(exc.status, exc.code, exc.message, exc.param)
 
     @app.errorhandler(HTTPException)
@@ -206,32 +298,101 @@ def create_app(
             }
         )
 
-    @app.get("/choose")
-    def choose_route() -> Response:
-        req = parse_choose_args(request.args)
-        snapshot, now = current()
-        problem = snapshot_problem(snapshot, now, max_age_seconds)
-        if problem is not None:
-            raise problem
+    def claim(req: ChooseRequest) -> tuple[Choice, Lease | None, Snapshot, float]:
+        """Select and claim under the lease table's lock, waiting first come first served."""
+        deadline = clock.monotonic() + req.wait_seconds
+        requester = request.remote_addr or "unknown"
+        ticket = table.enqueue()
         try:
-            choice = choose(snapshot.gpus, req.n, req.filters)
-        except NotEnoughGpus as exc:
-            raise ApiError(503, "not_enough_gpus", str(exc)) from None
+            while True:
+                snapshot, now = current()
+                problem = snapshot_problem(snapshot, now, max_age_seconds)
+                ahead = table.ahead_of(ticket)
+                failure: ApiError | None = problem
+                if problem is None and ahead == 0:
+                    window = None
+                    if req.idle_for_seconds is not None:
+                        window = history_window(cache, req.idle_for_seconds, now)
+                    try:
+                        choice, lease = table.claim(
+                            snapshot,
+                            req.n,
+                            req.filters,
+                            ttl_seconds=req.lease_seconds,
+                            requester=requester,
+                            owner=req.owner,
+                            sort=req.sort,
+                            window=window,
+                        )
+                        return choice, lease, snapshot, now
+                    except NotEnoughGpus as exc:
+                        failure = ApiError(503, "not_enough_gpus", str(exc))
+                elif problem is None:
+                    failure = ApiError(
+                        503,
+                        "not_enough_gpus",
+                        f"{ahead} earlier requests are waiting for GPUs and are served first",
+                    )
+                if clock.monotonic() >= deadline:
+                    assert failure is not None
+                    raise failure
+                with table.changed:
+                    table.changed.wait(WAIT_POLL_SECONDS)
+        finally:
+            table.dequeue(ticket)
+
+    @app.route("/choose", methods=["GET", "POST"])
+    def choose_route() -> Response:
+        try:
+            req = parse_choose_args(request.values)
+            choice, lease, snapshot, now = claim(req)
+        except (ApiError, LeaseError) as exc:
+            counter.inc(exc.code)
+            raise
+        counter.inc("ok")
         if req.format == "json":
+            chosen = [
+                {**gpu_json(g), "rank": place, "score": score(g, req.sort)}
+                for place, g in enumerate(choice.chosen, start=1)
+            ]
             resp = jsonify(
                 {
                     "n": req.n,
-                    "chosen": [gpu_json(g) for g in choice.chosen],
+                    "sort": req.sort,
+                    "chosen": chosen,
                     "rejected": [_rejected_json(r) for r in choice.not_chosen],
+                    "lease": lease.to_json() if lease else None,
                     "sampled_at": snapshot.taken_at_seconds,
                     "snapshot_age_seconds": round(snapshot.age_seconds(now), 3),
                 }
             )
         else:
-            ids = (g.uuid if req.format == "uuid" else str(g.index) for g in choice.chosen)
-            resp = Response(",".join(ids) + "\n", mimetype="text/plain")
+            resp = Response(choice_text(choice, lease, req.format), mimetype="text/plain")
+        if lease is not None:
+            resp.headers["X-GPU-Lease"] = lease.id
+            resp.headers["X-GPU-Lease-Expires"] = f"{lease.expires_at:.3f}"
         resp.headers["Cache-Control"] = "no-store"
         return resp
+
+    @app.get("/leases")
+    def list_leases() -> Response:
+        check_params(request.args, (), "/leases")
+        return jsonify({"leases": [x.to_json() for x in table.active(cache.get())]})
+
+    @app.delete("/leases/<lease_id>")
+    def release_lease(lease_id: str) -> Response:
+        check_params(request.args, (), "DELETE /leases/<id>")
+        lease = table.release(lease_id)
+        return jsonify({"released": lease.id, "lease": lease.to_json()})
+
+    @app.post("/leases/<lease_id>/renew")
+    def renew_lease(lease_id: str) -> Response:
+        check_params(request.values, ("ttl",), "/leases/<id>/renew")
+        ttl = _parsed(request.values, "ttl", parse_duration)
+        if ttl is not None and ttl <= 0:
+            _bad("ttl", "ttl must be more than 0; DELETE the lease to release it")
+        lease = table.renew(lease_id, DEFAULT_LEASE_SECONDS if ttl is None else ttl)
+        return jsonify(lease.to_json())
 
     metrics_app = make_wsgi_app(registry)
     app.wsgi_app = DispatcherMiddleware(app.wsgi_app, {"/metrics": metrics_app})  # type: ignore[method-assign]

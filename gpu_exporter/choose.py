@@ -8,6 +8,11 @@ The default order, best first:
 3. highest NVML index, so GPU 0 — where programs that ignore ``CUDA_VISIBLE_DEVICES``
    land — stays free the longest.
 
+Other orders (``sort=``): ``free_ratio`` (free share of the card), ``util`` (least busy
+first), ``power`` (lowest draw/limit first) and ``pack`` (the fullest card that still passes
+the filters, to keep whole cards free). Each falls back to the default order on ties, then to
+the index rule above, so every order is total and deterministic.
+
 A GPU that is down never qualifies. A filter on a value the GPU cannot report rejects it
 (unknown is not "free"). Memory used by processes we cannot see (another container) is
 already counted in NVML's "used", so it is never mistaken for free memory.
@@ -15,7 +20,7 @@ already counted in NVML's "used", so it is never mistaken for free memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpu_exporter.model import GpuSample
@@ -24,11 +29,28 @@ from gpu_exporter.units import format_bytes
 GIB = 2**30
 
 
+SORTS = ("free", "free_ratio", "util", "power", "pack")
+
+
 @dataclass(frozen=True, slots=True)
 class Filters:
     min_free_bytes: int | None = None
     max_util_ratio: float | None = None
     exclude: tuple[str, ...] = ()  # NVML indices, UUIDs (or their prefixes), PCI bus ids
+    min_total_bytes: int | None = None
+    max_mem_util_ratio: float | None = None
+    max_procs: int | None = None  # 0: no compute process at all
+    model: str | None = None  # case-insensitive substring of the name
+    include: tuple[str, ...] = ()  # when given, only these GPUs
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """``idle_for``: every GPU must have met the filters in each of these past samples."""
+
+    seconds: float
+    covered_seconds: float  # how far back the history actually reaches
+    past: tuple[tuple[float, tuple[GpuSample, ...]], ...]  # (age in seconds, GPUs), oldest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,53 +122,147 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     if not gpu.up:
         return (f"down: {gpu.error or 'not answering'}",)
     reasons = []
+    if filters.include and not any(selector_matches(gpu, s) for s in filters.include):
+        reasons.append("not included")
     if any(selector_matches(gpu, s) for s in filters.exclude):
         reasons.append("excluded")
-    if filters.min_free_bytes is not None:
-        free = gpu.memory_free_bytes
-        if free is None:
-            reasons.append("free memory unknown")
-        elif free < filters.min_free_bytes:
-            wanted = format_bytes(filters.min_free_bytes)
-            reasons.append(f"free memory {format_bytes(free)} < min_free {wanted}")
-    if filters.max_util_ratio is not None:
-        util = gpu.utilization_ratio
-        if util is None:
-            reasons.append("utilization unknown")
-        elif util > filters.max_util_ratio:
-            reasons.append(f"utilization {util:.2f} > max_util {filters.max_util_ratio:.2f}")
+    if filters.model is not None and filters.model.lower() not in (gpu.name or "").lower():
+        reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
+    _at_least(reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free")
+    _at_least(reasons, "total memory", gpu.memory_total_bytes, filters.min_total_bytes, "min_total")
+    _at_most(reasons, "utilization", gpu.utilization_ratio, filters.max_util_ratio, "max_util")
+    _at_most(
+        reasons,
+        "memory utilization",
+        gpu.memory_utilization_ratio,
+        filters.max_mem_util_ratio,
+        "max_mem_util",
+    )
+    if filters.max_procs is not None:
+        procs = gpu.compute_processes
+        if procs is None:  # an unsupported process list never reads as "idle"
+            reasons.append("compute processes unknown")
+        elif procs > filters.max_procs:
+            reasons.append(f"{procs} compute processes > max_procs {filters.max_procs}")
     return tuple(reasons)
 
 
-def sort_key(gpu: GpuSample) -> tuple[bool, int, bool, float, int]:
-    """Ascending key for the default order (see the module docstring). Unknowns sort last."""
-    free = gpu.memory_free_bytes
+def _at_least(
+    reasons: list[str], what: str, value: int | None, limit: int | None, param: str
+) -> None:
+    if limit is None:
+        return
+    if value is None:
+        reasons.append(f"{what} unknown")
+    elif value < limit:
+        reasons.append(f"{what} {format_bytes(value)} < {param} {format_bytes(limit)}")
+
+
+def _at_most(
+    reasons: list[str], what: str, value: float | None, limit: float | None, param: str
+) -> None:
+    if limit is None:
+        return
+    if value is None:
+        reasons.append(f"{what} unknown")
+    elif value > limit:
+        reasons.append(f"{what} {value:.2f} > {param} {limit:.2f}")
+
+
+def window_reasons(gpu: GpuSample, filters: Filters, window: Window) -> tuple[str, ...]:
+    """Why ``gpu`` did not meet ``filters`` throughout ``window``; empty when it did."""
+    if window.covered_seconds < window.seconds:
+        return (
+            f"only {window.covered_seconds:.0f} s of history for idle_for {window.seconds:g} s",
+        )
+    for age, gpus in window.past:
+        past = next((g for g in gpus if g.uuid == gpu.uuid), None)
+        if past is None:
+            return (f"not present {age:.0f} s ago",)
+        reasons = rejection_reasons(past, filters)
+        if reasons:
+            return (f"{age:.0f} s ago: {reasons[0]}",)
+    return ()
+
+
+SortKey = tuple[tuple[bool, float], ...]
+
+
+def _known(value: float | None) -> tuple[bool, float]:
+    """Unknown values sort after every known one."""
+    return (value is None, value if value is not None else 0.0)
+
+
+def score(gpu: GpuSample, sort: str = "free") -> float | None:
+    """The figure a sort order ranks by (shown as ``score`` in JSON); None when unknown."""
+    free, total = gpu.memory_free_bytes, gpu.memory_total_bytes
+    if sort in ("free", "pack"):
+        return None if free is None else float(free // GIB)
+    if sort == "free_ratio":
+        return None if free is None or not total else round(free / total, 2)
+    if sort == "util":
+        return gpu.utilization_ratio
+    if sort == "power":
+        draw, limit = gpu.power_draw_watts, gpu.power_limit_watts
+        return None if draw is None or not limit else round(draw / limit, 2)
+    raise ValueError(f"unknown sort {sort!r}")
+
+
+def sort_key(gpu: GpuSample, sort: str = "free") -> SortKey:
+    """Ascending key: best first. Ties fall back to the default order, then highest index."""
+    free = score(gpu, "free")
     util = gpu.utilization_ratio
-    return (
-        free is None,
-        -(free // GIB) if free is not None else 0,
-        util is None,
-        util if util is not None else 0.0,
-        -gpu.index,
-    )
+    default = (_known(None if free is None else -free), _known(util), (False, -gpu.index))
+    if sort == "free":
+        return default
+    primary = score(gpu, sort)
+    if primary is not None and sort in ("free_ratio",):
+        primary = -primary  # more is better
+    if sort == "pack":  # least free memory that still passed the filters
+        return (_known(primary), _known(util), (False, -gpu.index))
+    return (_known(primary), *default)
 
 
-def rank(gpus: Iterable[GpuSample], filters: Filters) -> Ranking:
+def rank(
+    gpus: Iterable[GpuSample],
+    filters: Filters,
+    *,
+    sort: str = "free",
+    window: Window | None = None,
+    leased: Mapping[str, str] | None = None,
+) -> Ranking:
+    """Split GPUs into qualified (best first) and rejected (with reasons).
+
+    ``leased`` maps the UUIDs of GPUs someone holds to a short description of the lease.
+    """
     qualified, rejected = [], []
     for gpu in sorted(gpus, key=lambda g: g.index):
         reasons = rejection_reasons(gpu, filters)
+        if not reasons and leased and gpu.uuid in leased:
+            reasons = (leased[gpu.uuid],)
+        if not reasons and window is not None:
+            reasons = window_reasons(gpu, filters, window)
         if reasons:
             rejected.append(Rejected(gpu, reasons))
         else:
             qualified.append(gpu)
-    return Ranking(tuple(sorted(qualified, key=sort_key)), tuple(rejected))
+    ordered = sorted(qualified, key=lambda g: sort_key(g, sort))
+    return Ranking(tuple(ordered), tuple(rejected))
 
 
-def choose(gpus: Iterable[GpuSample], n: int, filters: Filters) -> Choice:
+def choose(
+    gpus: Iterable[GpuSample],
+    n: int,
+    filters: Filters,
+    *,
+    sort: str = "free",
+    window: Window | None = None,
+    leased: Mapping[str, str] | None = None,
+) -> Choice:
     """The ``n`` best qualifying GPUs; raises :class:`NotEnoughGpus` if fewer qualify."""
     if n < 1:
         raise ValueError("n must be at least 1")
-    ranking = rank(gpus, filters)
+    ranking = rank(gpus, filters, sort=sort, window=window, leased=leased)
     if len(ranking.qualified) < n:
         raise NotEnoughGpus(n, ranking)
     chosen = ranking.qualified[:n]

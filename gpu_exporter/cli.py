@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 from gpu_exporter import __version__
@@ -175,12 +176,28 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     )
 
 
+def _state_file(state_dir: str | None) -> Path | None:
+    """``<state-dir>/leases.json``, or None (with a warning) when the directory is unusable."""
+    if state_dir is None:
+        return None
+    path = Path(state_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is not writable")
+    except OSError as exc:
+        log.warning("leases will not survive a restart: cannot use --state-dir %s (%s)", path, exc)
+        return None
+    return path / "leases.json"
+
+
 def serve(config: ServeConfig) -> int:
     # Imported here so that `gpu-exporter --help` stays fast and needs no Flask.
     from prometheus_client import CollectorRegistry, ProcessCollector
 
     from gpu_exporter.app import create_app
-    from gpu_exporter.metrics import GpuCollector
+    from gpu_exporter.leases import LeaseTable
+    from gpu_exporter.metrics import GpuCollector, RequestCounter
     from gpu_exporter.nvml import Nvml
     from gpu_exporter.sampler import Sampler, SystemClock, new_cache
     from gpu_exporter.server import ListenError, Server
@@ -204,10 +221,24 @@ def serve(config: ServeConfig) -> int:
         nvml = Nvml()
 
     cache = new_cache(nvml, clock)
+    leases = LeaseTable(
+        clock,
+        state_file=_state_file(config.state_dir),
+        max_ttl_seconds=config.max_lease_seconds,
+        max_gpus_per_requester=config.max_gpus_per_requester,
+    )
+    requests = RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache))
+    registry.register(GpuCollector(cache, leases=leases, requests=requests))
     ProcessCollector(registry=registry)
-    app = create_app(cache, registry, clock=clock, max_age_seconds=config.max_age_seconds)
+    app = create_app(
+        cache,
+        registry,
+        clock=clock,
+        max_age_seconds=config.max_age_seconds,
+        leases=leases,
+        requests=requests,
+    )
 
     server = Server(app, config.host, config.port)
     try:

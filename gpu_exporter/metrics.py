@@ -10,8 +10,11 @@ global gauges, nothing left behind when a GPU disappears — and never calls NVM
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -19,6 +22,9 @@ from prometheus_client.registry import Collector
 from gpu_exporter import __version__
 from gpu_exporter.model import CLOCKS, GpuSample, Snapshot
 from gpu_exporter.sampler import SnapshotCache
+
+if TYPE_CHECKING:
+    from gpu_exporter.leases import LeaseTable
 
 GPU_LABELS = ("gpu", "uuid")
 SAMPLED = (
@@ -144,6 +150,13 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
         "compute_processes",
     ),
 )
+GPU_LEASED = MetricSpec(
+    "gpu_leased",
+    "gauge",
+    "1 while a /choose lease holds the GPU, else 0.",
+    GPU_LABELS,
+    "the lease table",
+)
 BUILD_INFO = MetricSpec(
     "gpu_exporter_build_info",
     "gauge",
@@ -180,8 +193,46 @@ NVML_ERRORS = MetricSpec(
     ("function", "error"),
     "every NVML call",
 )
-EXPORTER_METRICS = (BUILD_INFO, NVML_UP, LAST_SAMPLE, SAMPLE_DURATION, NVML_ERRORS)
-METRICS: tuple[MetricSpec, ...] = (GPU_INFO, GPU_UP, *GPU_VALUES, *EXPORTER_METRICS)
+CHOOSE_REQUESTS = MetricSpec(
+    "gpu_exporter_choose_requests_total",
+    "counter",
+    "/choose requests by result: ok, or the error code (not_enough_gpus, invalid_parameter…).",
+    ("result",),
+    "the exporter",
+)
+LEASES_DROPPED = MetricSpec(
+    "gpu_exporter_lease_gpus_released_total",
+    "counter",
+    "GPUs released from leases before expiry: arrived (the job showed up), down, gone.",
+    ("reason",),
+    "the lease table",
+)
+EXPORTER_METRICS = (
+    BUILD_INFO,
+    NVML_UP,
+    LAST_SAMPLE,
+    SAMPLE_DURATION,
+    NVML_ERRORS,
+    CHOOSE_REQUESTS,
+    LEASES_DROPPED,
+)
+METRICS: tuple[MetricSpec, ...] = (GPU_INFO, GPU_UP, *GPU_VALUES, GPU_LEASED, *EXPORTER_METRICS)
+
+
+class RequestCounter:
+    """Thread-safe counts of /choose results."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def inc(self, result: str) -> None:
+        with self._lock:
+            self._counts[result] += 1
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
 
 
 def _family(spec: MetricSpec) -> GaugeMetricFamily | CounterMetricFamily:
@@ -244,16 +295,45 @@ def exporter_families(snapshot: Snapshot, version: str = __version__) -> Iterato
     yield errors
 
 
-class GpuCollector(Collector):
-    """A prometheus_client collector over the snapshot cache."""
+def lease_families(
+    snapshot: Snapshot, leases: LeaseTable, requests: RequestCounter
+) -> Iterator[Metric]:
+    held = leases.holders(snapshot)
+    leased = _family(GPU_LEASED)
+    for gpu in snapshot.gpus:
+        leased.add_metric([str(gpu.index), gpu.uuid], 1 if gpu.uuid in held else 0)
+    yield leased
+    results = _family(CHOOSE_REQUESTS)
+    for result, count in sorted(requests.counts().items()):
+        results.add_metric([result], count)
+    yield results
+    dropped = _family(LEASES_DROPPED)
+    for reason, count in sorted(leases.dropped.items()):
+        dropped.add_metric([reason], count)
+    yield dropped
 
-    def __init__(self, cache: SnapshotCache, version: str = __version__) -> None:
+
+class GpuCollector(Collector):
+    """A prometheus_client collector over the snapshot cache (and the lease table)."""
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        version: str = __version__,
+        *,
+        leases: LeaseTable | None = None,
+        requests: RequestCounter | None = None,
+    ) -> None:
         self._cache = cache
         self._version = version
+        self._leases = leases
+        self._requests = requests or RequestCounter()
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._cache.get()  # one snapshot for the whole scrape
         yield from gpu_families(snapshot)
+        if self._leases is not None:
+            yield from lease_families(snapshot, self._leases, self._requests)
         yield from exporter_families(snapshot, self._version)
 
 

@@ -11,7 +11,8 @@ from flask.testing import FlaskClient
 from prometheus_client import CollectorRegistry
 
 from gpu_exporter.app import create_app
-from gpu_exporter.metrics import GpuCollector
+from gpu_exporter.leases import LeaseTable
+from gpu_exporter.metrics import GpuCollector, RequestCounter
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.sampler import Sampler, SnapshotCache, new_cache
 from gpu_exporter.simulate import SimGpu, SimulatedNvml
@@ -46,6 +47,7 @@ class Stack:
     sampler: Sampler
     registry: CollectorRegistry
     app: Flask
+    leases: LeaseTable
 
     @property
     def client(self) -> FlaskClient:
@@ -61,17 +63,25 @@ class Stack:
 
 
 def build_stack(
-    sim_factory: Callable[[FakeClock], SimulatedNvml], *, max_age: float = 10.0
+    sim_factory: Callable[[FakeClock], SimulatedNvml],
+    *,
+    max_age: float = 10.0,
+    clock: FakeClock | None = None,
+    leases: LeaseTable | None = None,
 ) -> Stack:
-    clock = FakeClock()
+    clock = clock or FakeClock()
     sim = sim_factory(clock)
     nvml = Nvml(sim, simulated=True)
     cache = new_cache(nvml, clock)
     sampler = Sampler(nvml, cache, interval_seconds=1.0, clock=clock)
+    table = leases or LeaseTable(clock)
+    requests = RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, version="test"))
-    app = create_app(cache, registry, clock=clock, max_age_seconds=max_age)
-    return Stack(clock, sim, nvml, cache, sampler, registry, app)
+    registry.register(GpuCollector(cache, version="test", leases=table, requests=requests))
+    app = create_app(
+        cache, registry, clock=clock, max_age_seconds=max_age, leases=table, requests=requests
+    )
+    return Stack(clock, sim, nvml, cache, sampler, registry, app, table)
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ def test_choose_filters(stack: Stack) -> None:
         ("n=-1", "n", "n must be a whole number from 1 to 1024, got '-1'"),
         ("n=1e9", "n", "n must be a whole number from 1 to 1024, got '1e9'"),
         ("n=1&n=2", "n", "n given more than once"),
-        ("format=xml", "format", "format must be one of uuid, index, json, got 'xml'"),
+        ("format=xml", "format", "format must be one of uuid, index, env, json, got 'xml'"),
         (
             "min_free=lots",
             "min_free",
@@ -93,7 +93,9 @@ def test_unknown_parameters_are_rejected(stack: Stack) -> None:
     assert resp.get_json() == {
         "error": {
             "code": "unknown_parameter",
-            "message": "unknown parameter 'gpus'; /choose takes n, format, min_free, max_util, exclude",
+            "message": "unknown parameter 'gpus'; /choose takes n, format, lease, owner, wait, "
+            "idle_for, sort, min_free, min_total, max_util, max_mem_util, max_procs, model, "
+            "include, exclude",
             "param": "gpus",
         }
     }
@@ -218,7 +220,7 @@ def test_unknown_paths_and_methods_are_one_plain_line(stack: Stack) -> None:
         404,
         "error: Not Found: /nope (see / for the endpoints)\n",
     )
-    resp = stack.client.post("/choose")
+    resp = stack.client.put("/choose")
     assert resp.status_code == 405
     assert resp.text.startswith("error: ") and resp.text.count("\n") == 1
 

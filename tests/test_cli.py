@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +29,8 @@ def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **(env or {})},
+        # A fresh state directory per process: leases must not leak between tests.
+        env={**os.environ, "GPU_EXPORTER_STATE_DIR": tempfile.mkdtemp(), **(env or {})},
         cwd=ROOT,
     )
 
@@ -89,7 +91,8 @@ def test_serves_metrics_and_choose(server: tuple[str, subprocess.Popen[str]]) ->
     ids = text.strip().split(",")
     assert len(ids) == 2 and all(i.startswith("GPU-") for i in ids)
     status, text = get(base + "/choose?n=5")
-    assert status == 503 and text.startswith("error: 3 of 3 GPUs qualify, 5 requested")
+    # the two GPUs just chosen are leased for 60 s, so only one qualifies now
+    assert status == 503 and text.startswith("error: 1 of 3 GPUs qualify, 5 requested")
 
 
 def test_samples_keep_coming(server: tuple[str, subprocess.Popen[str]]) -> None:

@@ -84,7 +84,7 @@ def test_lost_gpu_exports_up_zero_and_no_values() -> None:
     uuid = s.sim.gpus[2].uuid
     text = generate_latest(s.registry).decode()
     lines = [line for line in text.splitlines() if uuid in line and not line.startswith("#")]
-    assert sorted(line.split("{")[0] for line in lines) == ["gpu_info", "gpu_up"]
+    assert sorted(line.split("{")[0] for line in lines) == ["gpu_info", "gpu_leased", "gpu_up"]
     assert s.value("gpu_memory_used_bytes", 0) is not None  # the others stay
 
 
@@ -114,7 +114,9 @@ def test_help_text_says_values_are_sampled() -> None:
     text = generate_latest(mixed().registry).decode()
     assert "# HELP gpu_memory_used_bytes" in text
     for spec in METRICS:
-        if spec.name.startswith("gpu_") and not spec.name.startswith(("gpu_exporter_", "gpu_info")):
+        if spec.name.startswith("gpu_") and not spec.name.startswith(
+            ("gpu_exporter_", "gpu_info", "gpu_leased")
+        ):
             assert spec.help.endswith(SAMPLED), spec.name
 
 

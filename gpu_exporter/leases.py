@@ -1,0 +1,351 @@
+"""Leases: ``/choose`` selects AND claims GPUs under one lock, so concurrent jobs never share.
+
+A lease holds GPUs (by UUID) until the first of:
+
+* it is released (``DELETE /leases/<id>``) or its TTL runs out (``POST …/renew`` extends it);
+* the claimant's work shows up on that GPU — a new compute process, or memory use up by more
+  than :data:`ARRIVAL_BYTES` since the lease began — after which NVML's own figures keep
+  other jobs away and the lease is no longer needed for that GPU;
+* the GPU disappears or goes down (reported in the log and in
+  ``gpu_exporter_leases_dropped_total``).
+
+The table is written to ``<state-dir>/leases.json`` (atomically: temporary file, fsync,
+rename) on every change and read back at start, so a restart never re-issues GPUs that were
+just handed out. Expiry uses the wall clock for that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import tempfile
+import threading
+from collections import Counter, deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpu_exporter.choose import Choice, Filters, Window, choose
+from gpu_exporter.model import GpuSample, Snapshot
+from gpu_exporter.sampler import Clock
+
+log = logging.getLogger(__name__)
+
+ARRIVAL_BYTES = 256 * 2**20  # a memory rise this large means the claimant's job has started
+STATE_VERSION = 1
+
+
+class LeaseError(Exception):
+    """A lease request that must be refused; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One GPU inside a lease, with what it looked like when it was claimed."""
+
+    uuid: str
+    index: int
+    processes_at_claim: int | None
+    memory_used_at_claim: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    id: str
+    gpus: tuple[Held, ...]
+    created_at: float  # Unix time
+    expires_at: float
+    requester: str  # client address
+    owner: str | None = None  # free-form label from ?owner=
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(g.uuid for g in self.gpus)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "gpus": list(self.uuids),
+            "indices": [g.index for g in self.gpus],
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "requester": self.requester,
+            "owner": self.owner,
+        }
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            **self.to_json(),
+            "held": [
+                [g.uuid, g.index, g.processes_at_claim, g.memory_used_at_claim] for g in self.gpus
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, data: dict[str, Any]) -> Lease:
+        return cls(
+            id=str(data["id"]),
+            gpus=tuple(Held(str(u), int(i), p, m) for u, i, p, m in data["held"]),
+            created_at=float(data["created_at"]),
+            expires_at=float(data["expires_at"]),
+            requester=str(data["requester"]),
+            owner=data.get("owner"),
+        )
+
+
+def _arrived(held: Held, gpu: GpuSample) -> bool:
+    procs, used = gpu.compute_processes, gpu.memory_used_bytes
+    if (
+        procs is not None
+        and held.processes_at_claim is not None
+        and procs > held.processes_at_claim
+    ):
+        return True
+    if used is not None and held.memory_used_at_claim is not None:
+        return used - held.memory_used_at_claim >= ARRIVAL_BYTES
+    return False
+
+
+class LeaseTable:
+    """Every active lease, behind one lock. All methods are thread-safe."""
+
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        state_file: Path | None = None,
+        max_ttl_seconds: float = 3600.0,
+        max_gpus_per_requester: int = 0,
+    ) -> None:
+        self._clock = clock
+        self._state_file = state_file
+        self.max_ttl_seconds = max_ttl_seconds
+        self.max_gpus_per_requester = max_gpus_per_requester
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.RLock()
+        self.changed = threading.Condition(self._lock)  # notified on every change
+        self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
+        self._queue: deque[object] = deque()  # claimers, first come first served
+        if state_file is not None:
+            self._load(state_file)
+
+    # -- queries ----------------------------------------------------------------------------
+    def active(self, snapshot: Snapshot | None = None) -> tuple[Lease, ...]:
+        with self._lock:
+            self._prune(snapshot)
+            return tuple(sorted(self._leases.values(), key=lambda lease: lease.created_at))
+
+    def holders(self, snapshot: Snapshot | None = None) -> dict[str, Lease]:
+        """UUID → the lease holding it."""
+        return {uuid: lease for lease in self.active(snapshot) for uuid in lease.uuids}
+
+    def get(self, lease_id: str) -> Lease:
+        with self._lock:
+            self._prune(None)
+            try:
+                return self._leases[lease_id]
+            except KeyError:
+                raise LeaseError(
+                    404, "unknown_lease", f"no active lease {lease_id!r} (expired or released?)"
+                ) from None
+
+    # -- changes ----------------------------------------------------------------------------
+    def claim(
+        self,
+        snapshot: Snapshot,
+        n: int,
+        filters: Filters,
+        *,
+        ttl_seconds: float,
+        requester: str,
+        owner: str | None = None,
+        sort: str = "free",
+        window: Window | None = None,
+    ) -> tuple[Choice, Lease | None]:
+        """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them.
+
+        Raises :class:`~gpu_exporter.choose.NotEnoughGpus` or :class:`LeaseError`.
+        """
+        if ttl_seconds > self.max_ttl_seconds:
+            raise LeaseError(
+                429,
+                "lease_too_long",
+                f"lease {ttl_seconds:g} s is longer than this exporter allows "
+                f"({self.max_ttl_seconds:g} s, --max-lease); renew it instead",
+                "lease",
+            )
+        with self._lock:
+            self._prune(snapshot)
+            now = self._clock.time()
+            leased = {
+                uuid: f"leased until {lease.expires_at - now:.0f} s from now"
+                + (f" by {lease.owner}" if lease.owner else "")
+                for lease in self._leases.values()
+                for uuid in lease.uuids
+            }
+            if ttl_seconds > 0 and self.max_gpus_per_requester:
+                holding = sum(
+                    len(lease.gpus)
+                    for lease in self._leases.values()
+                    if lease.requester == requester
+                )
+                if holding + n > self.max_gpus_per_requester:
+                    raise LeaseError(
+                        429,
+                        "too_many_gpus",
+                        f"{requester} holds {holding} GPUs in leases; {n} more would exceed the "
+                        f"limit of {self.max_gpus_per_requester} per requester",
+                        "n",
+                    )
+            choice = choose(snapshot.gpus, n, filters, sort=sort, window=window, leased=leased)
+            if ttl_seconds <= 0:
+                return choice, None
+            lease = Lease(
+                id=secrets.token_urlsafe(9),
+                gpus=tuple(
+                    Held(g.uuid, g.index, g.compute_processes, g.memory_used_bytes)
+                    for g in choice.chosen
+                ),
+                created_at=now,
+                expires_at=now + ttl_seconds,
+                requester=requester,
+                owner=owner,
+            )
+            self._leases[lease.id] = lease
+            self._changed()
+            return choice, lease
+
+    def release(self, lease_id: str) -> Lease:
+        with self._lock:
+            lease = self.get(lease_id)
+            del self._leases[lease_id]
+            self._changed()
+            return lease
+
+    def renew(self, lease_id: str, ttl_seconds: float) -> Lease:
+        if ttl_seconds > self.max_ttl_seconds:
+            raise LeaseError(
+                429,
+                "lease_too_long",
+                f"ttl {ttl_seconds:g} s is longer than this exporter allows "
+                f"({self.max_ttl_seconds:g} s, --max-lease)",
+                "ttl",
+            )
+        with self._lock:
+            lease = replace(self.get(lease_id), expires_at=self._clock.time() + ttl_seconds)
+            self._leases[lease_id] = lease
+            self._changed()
+            return lease
+
+    # -- the queue of claimers ----------------------------------------------------------------
+    def enqueue(self) -> object:
+        """Join the queue of claimers; the returned ticket must be passed to :meth:`dequeue`."""
+        ticket = object()
+        with self._lock:
+            self._queue.append(ticket)
+        return ticket
+
+    def ahead_of(self, ticket: object) -> int:
+        """How many claimers came before this one and are still waiting."""
+        with self._lock:
+            return self._queue.index(ticket)
+
+    def dequeue(self, ticket: object) -> None:
+        with self._lock:
+            self._queue.remove(ticket)
+            self.changed.notify_all()
+
+    # -- housekeeping -----------------------------------------------------------------------
+    def _prune(self, snapshot: Snapshot | None) -> None:
+        """Drop expired leases, and GPUs that are gone or whose claimant's work arrived."""
+        now = self._clock.time()
+        changed = False
+        for lease in list(self._leases.values()):
+            if lease.expires_at <= now:
+                del self._leases[lease.id]
+                changed = True
+                continue
+            if (
+                snapshot is None
+                or not snapshot.nvml_up
+                or snapshot.taken_at_seconds <= lease.created_at
+            ):
+                continue
+            by_uuid = {g.uuid: g for g in snapshot.gpus}
+            keep = []
+            for held in lease.gpus:
+                gpu = by_uuid.get(held.uuid)
+                reason = (
+                    "gone" if gpu is None
+                    else "down" if not gpu.up
+                    else "arrived" if _arrived(held, gpu)
+                    else None
+                )  # fmt: skip
+                if reason is None:
+                    keep.append(held)
+                    continue
+                self.dropped[reason] += 1
+                level = logging.INFO if reason == "arrived" else logging.WARNING
+                log.log(level, "lease %s: GPU %s released (%s)", lease.id, held.uuid, reason)
+            if len(keep) != len(lease.gpus):
+                changed = True
+                if keep:
+                    self._leases[lease.id] = replace(lease, gpus=tuple(keep))
+                else:
+                    del self._leases[lease.id]
+        if changed:
+            self._changed()
+
+    def _changed(self) -> None:
+        self._save()
+        self.changed.notify_all()
+
+    def _save(self) -> None:
+        if self._state_file is None:
+            return
+        data = {"version": STATE_VERSION, "leases": [x.to_state() for x in self._leases.values()]}
+        try:
+            _write_atomically(self._state_file, json.dumps(data, indent=1))
+        except OSError as exc:
+            log.error("cannot save leases to %s: %s", self._state_file, exc)
+
+    def _load(self, path: Path) -> None:
+        try:
+            data = json.loads(path.read_text())
+            leases = [Lease.from_state(x) for x in data["leases"]]
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            bad = path.with_suffix(".corrupt")
+            log.error("cannot read leases from %s (%s); moved it to %s", path, exc, bad)
+            with contextlib.suppress(OSError):
+                path.replace(bad)
+            return
+        now = self._clock.time()
+        self._leases = {x.id: x for x in leases if x.expires_at > now}
+        log.info("restored %d active leases from %s", len(self._leases), path)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
