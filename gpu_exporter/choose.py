@@ -175,7 +175,7 @@ def window_reasons(gpu: GpuSample, filters: Filters, window: Window) -> tuple[st
         return (
             f"only {window.covered_seconds:.0f} s of history for idle_for {window.seconds:g} s",
         )
-    for age, gpus in window.past:
+    for age, gpus in reversed(window.past):  # the most recent violation is the telling one
         past = next((g for g in gpus if g.uuid == gpu.uuid), None)
         if past is None:
             return (f"not present {age:.0f} s ago",)

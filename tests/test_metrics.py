@@ -8,9 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import Stack, build_stack, sim_of
 from prometheus_client import generate_latest
 
+from conftest import Stack, build_stack, sim_of
 from gpu_exporter.metrics import METRICS, SAMPLED, markdown_table
 from gpu_exporter.simulate import Fault, Load, SimGpu
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import Stack, build_stack, sim_of
 
+from conftest import Stack, build_stack, sim_of
 from gpu_exporter.simulate import Fault, Load, SimGpu, SimulatedNvml
 
 A100 = "NVIDIA A100-SXM4-80GB"

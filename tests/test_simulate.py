@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import FakeClock, build_stack
 
+from conftest import FakeClock, build_stack
 from gpu_exporter import nvml
 from gpu_exporter.simulate import MODELS, Fault, SimulatedNvml
 
