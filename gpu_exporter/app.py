@@ -25,6 +25,7 @@ from gpu_exporter.choose import SORTS, Choice, Filters, NotEnoughGpus, Rejected,
 from gpu_exporter.leases import Lease, LeaseError, LeaseTable
 from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
+from gpu_exporter.openapi import document as openapi_document
 from gpu_exporter.sampler import Clock, SnapshotCache, SystemClock
 from gpu_exporter.units import format_bytes, parse_bytes, parse_duration, parse_ratio
 
@@ -269,6 +270,10 @@ def create_app(
         return render_template(
             "index.html", snapshot=snapshot, version=__version__, fmt=format_bytes
         )
+
+    @app.get("/openapi.json")
+    def openapi() -> Response:
+        return jsonify(openapi_document())
 
     @app.get("/healthz")
     def healthz() -> Response:

@@ -1,0 +1,257 @@
+"""The OpenAPI 3 document for the HTTP API, served at ``/openapi.json``.
+
+Built from the same tuples the handlers validate against (``CHOOSE_PARAMS``,
+``CHOOSE_FORMATS``, ``SORTS``), and checked by tests against the Flask routes and by a
+schemathesis run against the app.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_exporter import __version__
+from gpu_exporter.choose import SORTS
+
+_DURATION = {"type": "string", "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*(ms|s|m|h)?\s*$"}
+_SIZE = {"type": "string", "examples": ["8GiB", "500MB", "1073741824"]}
+_RATIO = {"type": "string", "examples": ["0.3", "30%"]}
+_SELECTORS = {"type": "string", "examples": ["0,GPU-5a1e", "00000000:3B:00.0"]}
+
+_CHOOSE_PARAMETERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "n": ("How many GPUs (1-1024).", {"type": "integer", "minimum": 1, "maximum": 1024}),
+    "format": (
+        "uuid (default), index, env or json.",
+        {"type": "string", "enum": ["uuid", "index", "env", "json"]},
+    ),
+    "lease": ("Claim the GPUs for this long (default 60s); 0 = advice only.", _DURATION),
+    "owner": ("A label shown in /leases.", {"type": "string", "maxLength": 64}),
+    "wait": (
+        "Wait up to this long (at most 1h) for enough GPUs, first come first served.",
+        _DURATION,
+    ),
+    "idle_for": ("Every sample of this window must meet the filters.", _DURATION),
+    "sort": ("Ranking order.", {"type": "string", "enum": list(SORTS)}),
+    "min_free": ("Free memory at least this.", _SIZE),
+    "min_total": ("Total memory at least this.", _SIZE),
+    "max_util": ("GPU utilization at most this.", _RATIO),
+    "max_mem_util": ("Memory-controller utilization at most this.", _RATIO),
+    "max_procs": ("At most this many compute processes.", {"type": "integer", "minimum": 0}),
+    "model": ("The GPU name contains this (case-insensitive).", {"type": "string"}),
+    "include": ("Only these GPUs: indices, UUIDs or prefixes, PCI bus ids.", _SELECTORS),
+    "exclude": ("Never these GPUs: indices, UUIDs or prefixes, PCI bus ids.", _SELECTORS),
+}
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message", "param"],
+            "properties": {
+                "code": {"type": "string"},
+                "message": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_LEASE = {
+    "type": "object",
+    "required": ["id", "gpus", "indices", "created_at", "expires_at", "requester", "owner"],
+    "properties": {
+        "id": {"type": "string"},
+        "gpus": {"type": "array", "items": {"type": "string"}},
+        "indices": {"type": "array", "items": {"type": "integer"}},
+        "created_at": {"type": "number"},
+        "expires_at": {"type": "number"},
+        "requester": {"type": "string"},
+        "owner": {"type": ["string", "null"]},
+    },
+}
+_GPU = {
+    "type": "object",
+    "required": ["index", "uuid", "up"],
+    "properties": {
+        "index": {"type": "integer"},
+        "uuid": {"type": "string"},
+        "up": {"type": "boolean"},
+        "name": {"type": ["string", "null"]},
+        "memory_free_bytes": {"type": ["integer", "null"]},
+        "utilization_ratio": {"type": ["number", "null"]},
+    },
+}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    described = {
+        400: "Invalid or unknown parameter.",
+        404: "No such lease.",
+        429: "Over a lease limit.",
+        503: "Not enough GPUs qualify, NVML is unavailable, or the sample is stale.",
+    }
+    return {
+        str(s): {
+            "description": described[s],
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/Error"}},
+                "text/plain": {"schema": {"type": "string"}},
+            },
+        }
+        for s in statuses
+    }
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _text(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"text/plain": {"schema": {"type": "string"}}}}
+
+
+def document() -> dict[str, Any]:
+    choose_params = [
+        {"name": name, "in": "query", "required": False, "description": d, "schema": schema}
+        for name, (d, schema) in _CHOOSE_PARAMETERS.items()
+    ]
+    choose_ok = {
+        "description": "The chosen GPUs (and the lease, unless lease=0).",
+        "headers": {"X-GPU-Lease": {"schema": {"type": "string"}, "description": "Lease id."}},
+        "content": {
+            "text/plain": {"schema": {"type": "string"}},
+            "application/json": {"schema": {"$ref": "#/components/schemas/Choice"}},
+        },
+    }
+    choose_op = {
+        "summary": "Choose the freest GPUs and claim them with a lease",
+        "parameters": choose_params,
+        "responses": {"200": choose_ok, **_errors(400, 429, 503)},
+    }
+    lease_id = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    lease_ref = {"$ref": "#/components/schemas/Lease"}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "gpu-exporter",
+            "version": __version__,
+            "description": "NVML metrics for Prometheus and a race-free free-GPU picker.",
+        },
+        "paths": {
+            "/choose": {"get": choose_op, "post": {**choose_op, "operationId": "choosePost"}},
+            "/leases": {
+                "get": {
+                    "summary": "Active leases",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["leases"],
+                                "properties": {"leases": {"type": "array", "items": lease_ref}},
+                            },
+                            "Active leases, oldest first.",
+                        ),
+                        **_errors(400),
+                    },
+                }
+            },
+            "/leases/{lease_id}": {
+                "delete": {
+                    "summary": "Release a lease",
+                    "parameters": [lease_id],
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["released", "lease"],
+                                "properties": {"released": {"type": "string"}, "lease": lease_ref},
+                            },
+                            "Released.",
+                        ),
+                        **_errors(400, 404),
+                    },
+                }
+            },
+            "/leases/{lease_id}/renew": {
+                "post": {
+                    "summary": "Extend a lease",
+                    "parameters": [
+                        lease_id,
+                        {"name": "ttl", "in": "query", "required": False, "schema": _DURATION},
+                    ],
+                    "responses": {
+                        "200": _json(lease_ref, "The renewed lease."),
+                        **_errors(400, 404, 429),
+                    },
+                }
+            },
+            "/gpus": {
+                "get": {
+                    "summary": "The current snapshot",
+                    "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}, "")},
+                }
+            },
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": _text("")}}},
+            "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _text("ok")}}},
+            "/readyz": {
+                "get": {
+                    "summary": "Readiness: NVML up and the sample fresh",
+                    "responses": {"200": _text("ready"), "503": _text("not ready: <reason>")},
+                }
+            },
+            "/openapi.json": {
+                "get": {"summary": "This document", "responses": {"200": _json({}, "")}}
+            },
+            "/": {
+                "get": {
+                    "summary": "Status page",
+                    "responses": {
+                        "200": {
+                            "description": "HTML",
+                            "content": {"text/html": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": {
+                "Error": _ERROR,
+                "Lease": _LEASE,
+                "Gpu": _GPU,
+                "Choice": {
+                    "type": "object",
+                    "required": ["n", "chosen", "rejected", "lease", "snapshot_age_seconds"],
+                    "properties": {
+                        "n": {"type": "integer"},
+                        "sort": {"type": "string"},
+                        "chosen": {"type": "array", "items": {"$ref": "#/components/schemas/Gpu"}},
+                        "rejected": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["index", "uuid", "reasons"],
+                                "properties": {
+                                    "index": {"type": "integer"},
+                                    "uuid": {"type": "string"},
+                                    "reasons": {"type": "array", "items": {"type": "string"}},
+                                },
+                            },
+                        },
+                        "lease": {"oneOf": [lease_ref, {"type": "null"}]},
+                        "snapshot_age_seconds": {"type": "number"},
+                    },
+                },
+                "Snapshot": {
+                    "type": "object",
+                    "required": ["simulated", "nvml_up", "gpus"],
+                    "properties": {
+                        "simulated": {"type": "boolean"},
+                        "nvml_up": {"type": "boolean"},
+                        "nvml_error": {"type": ["string", "null"]},
+                        "gpus": {"type": "array", "items": {"$ref": "#/components/schemas/Gpu"}},
+                    },
+                },
+            }
+        },
+    }

@@ -1,0 +1,92 @@
+"""/openapi.json is valid, covers every route and parameter, and the app keeps to it."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from flask import Flask
+from hypothesis import HealthCheck, settings
+from openapi_spec_validator import validate
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from conftest import FakeClock, Stack, build_stack
+from gpu_exporter.app import CHOOSE_FORMATS, CHOOSE_PARAMS
+from gpu_exporter.openapi import document
+from gpu_exporter.simulate import SimulatedNvml
+
+
+def test_document_is_valid_openapi() -> None:
+    validate(document())  # type: ignore[arg-type]
+
+
+def test_served_document_equals_the_module(stack: Stack) -> None:
+    assert stack.client.get("/openapi.json").get_json() == document()
+
+
+def test_every_route_is_documented_and_nothing_else(stack: Stack) -> None:
+    routes = set()
+    for rule in stack.app.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        path = rule.rule.replace("<lease_id>", "{lease_id}")
+        routes |= {(path, m.lower()) for m in rule.methods or () if m not in ("HEAD", "OPTIONS")}
+    routes.add(("/metrics", "get"))  # mounted WSGI app, not a Flask rule
+    documented = {(p, m) for p, ops in document()["paths"].items() for m in ops}
+    assert routes == documented
+
+
+def test_choose_parameters_match_the_handler() -> None:
+    params = document()["paths"]["/choose"]["get"]["parameters"]
+    assert tuple(p["name"] for p in params) == CHOOSE_PARAMS
+    fmt = next(p for p in params if p["name"] == "format")
+    assert tuple(fmt["schema"]["enum"]) == CHOOSE_FORMATS
+
+
+class _FastClock(FakeClock):
+    """Every read moves time on 10 minutes: waits end at once, leases expire between calls."""
+
+    def time(self) -> float:
+        self.advance(600)
+        return super().time()
+
+    def monotonic(self) -> float:
+        self.advance(600)
+        return super().monotonic()
+
+
+def _fuzz_app() -> Flask:
+    clock = _FastClock()
+    s = build_stack(
+        lambda c: SimulatedNvml.with_gpus(4, clock=c.monotonic), clock=clock, max_age=1e12
+    )
+    s.sample()
+    return s.app
+
+
+@schemathesis.check
+def no_crash(ctx: object, response: schemathesis.Response, case: schemathesis.Case) -> bool:
+    """5xx only as the documented 503 (not enough GPUs, NVML down, stale) — never a 500."""
+    assert response.status_code < 500 or response.status_code == 503, response.content[:300]
+    assert b"Traceback" not in response.content
+    return True
+
+
+schema = schemathesis.openapi.from_wsgi("/openapi.json", _fuzz_app())
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+def test_schemathesis_finds_no_5xx_and_no_schema_violation(case: schemathesis.Case) -> None:
+    case.call_and_validate(
+        checks=[
+            no_crash,
+            status_code_conformance,
+            content_type_conformance,
+            response_schema_conformance,
+        ]
+    )
