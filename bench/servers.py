@@ -1,0 +1,844 @@
+"""Compare WSGI servers for the exporter on this machine: cheroot, waitress, gunicorn.
+
+Run from the repository root::
+
+    .venv/bin/python bench/servers.py            # default size, about 2 minutes
+    .venv/bin/python bench/servers.py --quick    # a smoke run, under 20 s
+
+cheroot is the project's own dependency. waitress and gunicorn are not, and must not be
+installed into the project's environment; put them in a separate directory instead::
+
+    .venv/bin/pip install --target /tmp/benchdeps waitress gunicorn
+
+``--deps DIR`` (default ``$BENCH_DEPS`` or ``/tmp/benchdeps``) is added to ``sys.path`` here
+and to ``PYTHONPATH`` for the server processes; a server that cannot be imported is skipped
+with a note.
+
+For each server this script starts the real app — 8 simulated GPUs, a sampler thread every
+second, the lease table, ``GpuCollector`` and ``ProcessCollector``, wired as
+``gpu-exporter serve --simulate 8`` wires them — in a subprocess listening on a free
+127.0.0.1 port: cheroot through ``gpu_exporter.server.Server``, the production wrapper;
+waitress with ``threads=16``; gunicorn as one worker, ``-k gthread --threads 16 -w 1``, with
+the app and its sampler built in the worker after the fork. It waits for ``/readyz``, then
+measures ``/healthz`` (the no-op baseline), ``/choose?n=1&lease=0`` (``lease=0``: the same
+selection under the same lock, without claiming the GPU for 60 s, which would leave nothing
+to choose after 8 requests) and ``/metrics``:
+
+* sequential latency: one keep-alive connection, one request at a time;
+* throughput: 16 keep-alive connections, each sending its share of a fixed number of
+  requests back to back, and the server's CPU time per request over that window.
+
+The load generator is Python (``http.client``). So that its own GIL does not cap the figures,
+the 16 client connections are spread over ``--client-procs`` processes (default 2, 8 threads
+each; 1 and 4 gave the same figures within noise on 2 cores). With 2 cores the client and the
+server share the machine, which is why server CPU time per request is reported too.
+
+Then two probes: ``/healthz`` latency while 15, then 20, never-satisfiable
+``/choose?wait=`` long-polls hold request threads (16 in every server), and how fast and how
+clearly each server fails when its port is already in use. Every phase is bounded by a
+request count and a deadline; servers are stopped (SIGTERM, then SIGKILL of their process
+group) before the script exits.
+
+Results: a markdown table on stdout and JSON in ``bench/results/servers.json``
+(``servers-quick.json`` for ``--quick``, so that a smoke run does not replace real figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import http.client
+import importlib.metadata
+import importlib.util
+import json
+import math
+import multiprocessing
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkContext, SpawnContext
+
+    Context = ForkContext | SpawnContext
+
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+HOST = "127.0.0.1"
+SERVERS = ("cheroot", "waitress", "gunicorn")
+# cheroot as gpu_exporter.server.Server configures it, but with a listen backlog of
+# BACKLOG instead of cheroot's default of 5 (waitress defaults to 1024, gunicorn to 2048).
+VARIANTS = ("cheroot-backlog",)
+BACKLOG = 1024
+MODULE = {"cheroot-backlog": "cheroot"}  # what must be importable, where not the name
+# /choose claims what it picks for 60 s by default, so 8 GPUs would be gone after 8 requests
+# and every later one would be a 503; lease=0 runs the same selection under the same lock
+# without holding anything.
+ENDPOINTS = ("/healthz", "/choose?n=1&lease=0", "/metrics")
+SERVER_THREADS = 16
+CLIENTS = 16
+GPUS = 8
+SAMPLE_INTERVAL_SECONDS = 1.0
+REQUEST_TIMEOUT_SECONDS = 10.0
+READY_TIMEOUT_SECONDS = 30.0
+BUSY_PORT_TIMEOUT_SECONDS = 15.0
+# Never satisfiable (one GPU more than there are), so each such request waits its full time.
+BURST = 32  # new connections at once, as from job scripts that start together
+LONG_POLL_WAITERS = (SERVER_THREADS - 1, SERVER_THREADS + 4)  # one thread left; none left
+LONG_POLL_PATH = f"/choose?n={GPUS + 1}&lease=0&wait={{seconds:g}}s"
+VERSIONED = ("cheroot", "waitress", "gunicorn", "flask", "werkzeug", "prometheus-client")
+
+
+@dataclass(frozen=True, slots=True)
+class Size:
+    sequential: int  # timed requests per endpoint, one connection
+    warmup: int  # untimed requests before the sequential run
+    concurrent: int  # requests per endpoint over all clients
+    phase_seconds: float  # deadline for each phase
+    long_poll_seconds: float  # how long the long-poll probe's requests wait
+    burst_rounds: int  # rounds of BURST new connections at once
+
+
+DEFAULT_SIZE = Size(
+    sequential=1000,
+    warmup=100,
+    concurrent=6000,
+    phase_seconds=8.0,
+    long_poll_seconds=2.0,
+    burst_rounds=5,
+)
+QUICK_SIZE = Size(
+    sequential=100,
+    warmup=20,
+    concurrent=320,
+    phase_seconds=1.5,
+    long_poll_seconds=0.4,
+    burst_rounds=1,
+)
+
+
+# -- the server side (runs in the subprocess) --------------------------------------------------
+
+
+def _build_app() -> tuple[Any, Any]:
+    """The app as ``gpu-exporter serve --simulate 8`` builds it, and its (unstarted) sampler."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    from gpu_exporter.app import create_app
+    from gpu_exporter.leases import LeaseTable
+    from gpu_exporter.metrics import GpuCollector, RequestCounter
+    from gpu_exporter.nvml import Nvml
+    from gpu_exporter.sampler import Sampler, SystemClock, new_cache
+    from gpu_exporter.simulate import SimulatedNvml
+
+    clock = SystemClock()
+    nvml = Nvml(SimulatedNvml.with_gpus(GPUS, clock=clock.monotonic), simulated=True)
+    cache = new_cache(nvml, clock)
+    leases = LeaseTable(clock)  # in memory only, as without --state-dir
+    requests = RequestCounter()
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(cache, leases=leases, requests=requests))
+    ProcessCollector(registry=registry)
+    max_age = max(10.0, 5 * SAMPLE_INTERVAL_SECONDS)
+    app = create_app(
+        cache, registry, clock=clock, max_age_seconds=max_age, leases=leases, requests=requests
+    )
+    sampler = Sampler(nvml, cache, interval_seconds=SAMPLE_INTERVAL_SECONDS, clock=clock)
+    return app, sampler
+
+
+def _serve_cheroot(port: int) -> int:
+    from gpu_exporter.server import ListenError, Server
+
+    app, sampler = _build_app()
+    server = Server(app, HOST, port, threads=SERVER_THREADS)
+    try:
+        server.bind()
+    except ListenError as exc:
+        print(f"cheroot: {exc}", file=sys.stderr)
+        return 1
+    sampler.start()
+
+    def on_term(signum: int, frame: object) -> None:
+        threading.Thread(target=server.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        server.serve()
+    finally:
+        sampler.stop()
+    return 0
+
+
+def _serve_cheroot_backlog(port: int) -> int:
+    from cheroot import wsgi
+
+    app, sampler = _build_app()
+    server = wsgi.Server((HOST, port), app, numthreads=SERVER_THREADS, request_queue_size=BACKLOG)
+    server.server_name = "gpu-exporter"
+    try:
+        server.prepare()
+    except OSError as exc:
+        print(f"cheroot: cannot listen on {HOST}:{port}: {exc}", file=sys.stderr)
+        return 1
+    sampler.start()
+
+    def on_term(signum: int, frame: object) -> None:
+        threading.Thread(target=server.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        server.serve()
+    finally:
+        sampler.stop()
+    return 0
+
+
+def _serve_waitress(port: int) -> int:
+    from waitress import create_server
+
+    app, sampler = _build_app()
+    try:
+        server = create_server(app, host=HOST, port=port, threads=SERVER_THREADS)
+    except OSError as exc:
+        print(f"waitress: cannot listen on {HOST}:{port}: {exc}", file=sys.stderr)
+        return 1
+    sampler.start()
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        server.run()
+    finally:
+        sampler.stop()
+    return 0
+
+
+def _serve_gunicorn(port: int) -> int:
+    from gunicorn.app.base import BaseApplication
+
+    options = {
+        "bind": f"{HOST}:{port}",
+        "workers": 1,
+        "worker_class": "gthread",
+        "threads": SERVER_THREADS,
+        "loglevel": "warning",
+        "graceful_timeout": 2,
+        "control_socket_disable": True,  # gunicorn ≥ 25.1 would create ~/.gunicorn/gunicorn.ctl
+    }
+
+    class Application(BaseApplication):  # type: ignore[misc]
+        def load_config(self) -> None:
+            for key, value in options.items():
+                if key in self.cfg.settings:
+                    self.cfg.set(key, value)
+
+        def load(self) -> Any:
+            # Called in the worker, after the fork: the sampler (the NVML owner) starts here.
+            app, sampler = _build_app()
+            sampler.start()
+            return app
+
+    Application().run()
+    return 0
+
+
+SERVE = {
+    "cheroot": _serve_cheroot,
+    "waitress": _serve_waitress,
+    "gunicorn": _serve_gunicorn,
+    "cheroot-backlog": _serve_cheroot_backlog,
+}
+
+
+# -- process bookkeeping -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (field 3 onwards), or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and its descendants (gunicorn's worker is a child of its arbiter)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _proc_stat(int(entry.name))
+            if stat is not None:
+                parents[int(entry.name)] = int(stat[1])
+    found, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += frontier
+    return found
+
+
+def _cpu_seconds(root: int) -> float | None:
+    """User + system CPU time of the process tree, or None where /proc is not available."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    ticks = 0
+    for pid in _tree(root):
+        stat = _proc_stat(pid)
+        if stat is not None:
+            ticks += int(stat[11]) + int(stat[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(root: int) -> float | None:
+    total = 0
+    for pid in _tree(root):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+    return round(total / 1024, 1) if total else None
+
+
+class ServerProcess:
+    """One server in a subprocess of its own session, with its output in a temporary file."""
+
+    def __init__(self, name: str, port: int, deps: str) -> None:
+        self.name = name
+        self.port = port
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (deps, env.get("PYTHONPATH")) if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
+        command = [sys.executable, __file__, "--serve", name, "--port", str(port)]
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until /readyz answers 200 (first sample taken); raises if it never does."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.output()}")
+            try:
+                conn = http.client.HTTPConnection(HOST, self.port, timeout=1)
+                conn.request("GET", "/readyz")
+                ready = conn.getresponse().status == 200
+                conn.close()
+                if ready:
+                    return time.monotonic() - started
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} not ready after {timeout:g} s:\n{self.output()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers such as a gunicorn worker
+        self.proc.wait()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def running(name: str, deps: str) -> Iterator[ServerProcess]:
+    server = ServerProcess(name, _free_port(), deps)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- the client side ---------------------------------------------------------------------------
+
+
+def _get(conn: http.client.HTTPConnection, path: str) -> int:
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    resp.read()
+    return resp.status
+
+
+def _timed_get(conn: http.client.HTTPConnection, path: str) -> float | None:
+    """Milliseconds for one request on a keep-alive connection; None when it did not give 200."""
+    started = time.perf_counter()
+    try:
+        ok = _get(conn, path) == 200
+    except (OSError, http.client.HTTPException):
+        conn.close()  # http.client reconnects on the next request
+        ok = False
+    elapsed = (time.perf_counter() - started) * 1000
+    return elapsed if ok else None
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def _summary(latencies: list[float]) -> dict[str, float]:
+    ordered = sorted(latencies)
+    return {
+        "p50_ms": round(_percentile(ordered, 0.50), 3),
+        "p99_ms": round(_percentile(ordered, 0.99), 3),
+        "mean_ms": round(statistics.fmean(ordered), 3) if ordered else math.nan,
+    }
+
+
+def sequential(port: int, path: str, size: Size) -> dict[str, Any]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_SECONDS)
+    body_bytes = 0
+    try:
+        for _ in range(size.warmup):
+            _timed_get(conn, path)
+        conn.request("GET", path)
+        body_bytes = len(conn.getresponse().read())
+        latencies: list[float] = []
+        errors = 0
+        deadline = time.monotonic() + size.phase_seconds
+        for _ in range(size.sequential):
+            ms = _timed_get(conn, path)
+            if ms is None:
+                errors += 1
+            else:
+                latencies.append(ms)
+            if time.monotonic() > deadline:
+                break
+    finally:
+        conn.close()
+    return {"requests": len(latencies), "errors": errors, "body_bytes": body_bytes} | _summary(
+        latencies
+    )
+
+
+# One client thread's result: latencies (ms), errors, monotonic start and end.
+ThreadResult = tuple[list[float], int, float, float]
+
+
+def _client_process(
+    port: int,
+    path: str,
+    threads: int,
+    per_thread: int,
+    phase_seconds: float,
+    barrier: Barrier,
+    results: Any,  # multiprocessing.Queue[list[ThreadResult]]
+) -> None:
+    """Runs in a client process: ``threads`` keep-alive connections, ``per_thread`` requests."""
+    out: list[ThreadResult] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        conn = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_SECONDS)
+        latencies: list[float] = []
+        errors = 0
+        _timed_get(conn, path)  # connect and warm up before the clock starts
+        try:
+            barrier.wait(READY_TIMEOUT_SECONDS)
+        except threading.BrokenBarrierError:
+            per = 0
+        else:
+            per = per_thread
+        started = time.monotonic()
+        deadline = started + phase_seconds
+        for _ in range(per):
+            ms = _timed_get(conn, path)
+            if ms is None:
+                errors += 1
+            else:
+                latencies.append(ms)
+            if time.monotonic() > deadline:
+                break
+        ended = time.monotonic()
+        conn.close()
+        with lock:
+            out.append((latencies, errors, started, ended))
+
+    workers = [threading.Thread(target=client) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    results.put(out)
+
+
+def concurrent(
+    server: ServerProcess, path: str, size: Size, procs: int, ctx: Context
+) -> dict[str, Any]:
+    threads = CLIENTS // procs
+    per_thread = max(1, size.concurrent // CLIENTS)
+    barrier = ctx.Barrier(procs * threads + 1)
+    queue = ctx.Queue()
+    args = (server.port, path, threads, per_thread, size.phase_seconds, barrier, queue)
+    clients = [ctx.Process(target=_client_process, args=args, daemon=True) for _ in range(procs)]
+    for c in clients:
+        c.start()
+    try:
+        barrier.wait(READY_TIMEOUT_SECONDS)  # every connection is open and warm
+        cpu_before = _cpu_seconds(server.proc.pid)
+        per_proc: list[list[ThreadResult]] = [
+            queue.get(timeout=size.phase_seconds + 3 * REQUEST_TIMEOUT_SECONDS) for _ in clients
+        ]
+        cpu_after = _cpu_seconds(server.proc.pid)
+    finally:
+        for c in clients:
+            c.join(5)
+            if c.is_alive():
+                c.kill()
+    flat = [r for results in per_proc for r in results]
+    latencies = [ms for r in flat for ms in r[0]]
+    errors = sum(r[1] for r in flat)
+    seconds = max(r[3] for r in flat) - min(r[2] for r in flat)
+    cpu_us = None
+    if cpu_before is not None and cpu_after is not None and latencies:
+        cpu_us = round((cpu_after - cpu_before) / len(latencies) * 1e6)
+    return {
+        "requests": len(latencies),
+        "errors": errors,
+        "clients": CLIENTS,
+        "client_processes": procs,
+        "seconds": round(seconds, 3),
+        "requests_per_second": round(len(latencies) / seconds) if seconds > 0 else None,
+        "server_cpu_us_per_request": cpu_us,
+    } | _summary(latencies)
+
+
+def long_poll(port: int, waiters: int, wait_seconds: float) -> dict[str, Any]:
+    """Hold ``waiters`` requests in ``/choose?wait=``, then time one ``/healthz``.
+
+    Every server here runs the app on a pool of SERVER_THREADS threads, so a waiting request
+    holds a thread; this shows what happens to a scrape when the waits use them all.
+    """
+    path = LONG_POLL_PATH.format(seconds=wait_seconds)
+    statuses: list[int] = []
+
+    def wait_request(conn: http.client.HTTPConnection) -> None:
+        try:
+            statuses.append(_get(conn, path))
+        except (OSError, http.client.HTTPException):
+            statuses.append(-1)
+        finally:
+            conn.close()
+
+    # Connect one at a time first, so that a short listen backlog (cheroot's is 5) cannot
+    # delay some of the waiters and leave their threads free; then send all the requests.
+    conns = []
+    for _ in range(waiters):
+        conn = http.client.HTTPConnection(
+            HOST, port, timeout=wait_seconds + REQUEST_TIMEOUT_SECONDS
+        )
+        conn.connect()
+        conns.append(conn)
+    threads = [threading.Thread(target=wait_request, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    time.sleep(min(0.3, wait_seconds / 2))  # let every waiter reach the app
+    conn = http.client.HTTPConnection(HOST, port, timeout=wait_seconds + REQUEST_TIMEOUT_SECONDS)
+    ms = _timed_get(conn, "/healthz")
+    conn.close()
+    for t in threads:
+        t.join()
+    return {
+        "waiters": waiters,
+        "wait_seconds": wait_seconds,
+        "healthz_ms": None if ms is None else round(ms, 1),
+        "waiter_statuses": sorted(set(statuses)),
+    }
+
+
+def _burst_round(port: int, path: str) -> list[float | None]:
+    go = threading.Event()
+    results: list[float | None] = []
+
+    def one() -> None:
+        conn = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_SECONDS)
+        go.wait()
+        results.append(_timed_get(conn, path))  # connect, request, response
+        conn.close()
+
+    threads = [threading.Thread(target=one) for _ in range(BURST)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    go.set()
+    for t in threads:
+        t.join()
+    return results
+
+
+def burst(port: int, rounds: int) -> dict[str, Any]:
+    """BURST new connections at once, one ``/choose`` each, as job scripts starting together."""
+    latencies: list[float] = []
+    errors = 0
+    for _ in range(rounds):
+        results = _burst_round(port, ENDPOINTS[1])
+        latencies += [ms for ms in results if ms is not None]
+        errors += sum(ms is None for ms in results)
+        time.sleep(0.1)
+    ordered = sorted(latencies)
+    return {
+        "connections": BURST,
+        "rounds": rounds,
+        "errors": errors,
+        "p50_ms": round(_percentile(ordered, 0.5), 1),
+        "max_ms": round(ordered[-1], 1) if ordered else None,
+        "over_900ms": sum(ms > 900 for ms in ordered),  # a dropped SYN is retried after 1 s
+    }
+
+
+def busy_port(name: str, deps: str) -> dict[str, Any]:
+    """Start the server on a port that is already listening; how fast and how does it fail?"""
+    with socket.socket() as blocker:
+        blocker.bind((HOST, 0))
+        blocker.listen()
+        server = ServerProcess(name, blocker.getsockname()[1], deps)
+        started = time.monotonic()
+        try:
+            server.proc.wait(BUSY_PORT_TIMEOUT_SECONDS)
+            exited_after: float | None = round(time.monotonic() - started, 2)
+        except subprocess.TimeoutExpired:
+            exited_after = None
+        output = server.output().strip().splitlines()
+        returncode = server.proc.returncode
+        server.stop()
+    return {
+        "exit_seconds": exited_after,  # None: still running after BUSY_PORT_TIMEOUT_SECONDS
+        "returncode": returncode,
+        "message": output[-1] if output else "",
+        "output_lines": len(output),
+    }
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for dist in VERSIONED:
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = None
+    return found
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _client_context() -> Context:
+    # fork starts client processes in milliseconds; this process holds no threads or NVML then.
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+def bench_server(name: str, deps: str, size: Size, procs: int, ctx: Context) -> dict[str, Any]:
+    result: dict[str, Any] = {"server": name, "available": True}
+    started = time.monotonic()
+
+    def progress(step: str) -> None:
+        print(f"  {name}: {step} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
+
+    with running(name, deps) as server:
+        result["startup_seconds"] = round(server.wait_ready(READY_TIMEOUT_SECONDS), 2)
+        endpoints: dict[str, Any] = {}
+        for path in ENDPOINTS:
+            endpoints[path] = {
+                "sequential": sequential(server.port, path, size),
+                "concurrent": concurrent(server, path, size, procs, ctx),
+            }
+            progress(path)
+        result["endpoints"] = endpoints
+        result["long_poll"] = [
+            long_poll(server.port, waiters, size.long_poll_seconds) for waiters in LONG_POLL_WAITERS
+        ]
+        progress("long-poll probe")
+        result["burst"] = burst(server.port, size.burst_rounds)
+        progress("connection-burst probe")
+        result["rss_mib_after"] = _rss_mib(server.proc.pid)
+        result["processes"] = len(_tree(server.proc.pid))
+    result["busy_port"] = busy_port(name, deps)
+    progress("busy-port probe")
+    return result
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "| server | endpoint | seq p50 ms | seq p99 ms | 16 clients req/s | "
+        "16 clients p50 ms | 16 clients p99 ms | server CPU µs/req | errors |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    measured = [s for s in report["servers"] if s["available"]]
+    for path in ENDPOINTS:
+        for s in measured:
+            seq, con = s["endpoints"][path]["sequential"], s["endpoints"][path]["concurrent"]
+            lines.append(
+                f"| {s['server']} | `{path}` | {_fmt(seq['p50_ms'])} | {_fmt(seq['p99_ms'])} "
+                f"| {_fmt(con['requests_per_second'])} | {_fmt(con['p50_ms'], 1)} "
+                f"| {_fmt(con['p99_ms'], 1)} | {_fmt(con['server_cpu_us_per_request'])} "
+                f"| {seq['errors'] + con['errors']} |"
+            )
+    lines += [
+        "",
+        "| server | processes | RSS MiB | ready after s | port in use: exits after s (rc) "
+        "| /healthz ms with {} / {} long-polls waiting |".format(*LONG_POLL_WAITERS),
+        "|---|--:|--:|--:|---|---|",
+    ]
+    burst_lines = [
+        f"| server | {BURST} new connections at once: p50 ms | max ms | slower than 0.9 s |",
+        "|---|--:|--:|--:|",
+    ]
+    for s in measured:
+        busy = s["busy_port"]
+        lines.append(
+            f"| {s['server']} | {s['processes']} | {_fmt(s['rss_mib_after'], 1)} "
+            f"| {_fmt(s['startup_seconds'])} "
+            f"| {_fmt(busy['exit_seconds'])} ({_fmt(busy['returncode'])}) "
+            f"| {' / '.join(_fmt(p['healthz_ms'], 1) for p in s['long_poll'])} |"
+        )
+        b = s["burst"]
+        burst_lines.append(
+            f"| {s['server']} | {_fmt(b['p50_ms'], 1)} | {_fmt(b['max_ms'], 1)} "
+            f"| {b['over_900ms']} of {b['connections'] * b['rounds']} |"
+        )
+    lines += ["", *burst_lines]
+    for s in report["servers"]:
+        if not s["available"]:
+            lines.append(f"\n{s['server']}: skipped — {s['note']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run, under 20 s")
+    parser.add_argument(
+        "--deps",
+        default=os.environ.get("BENCH_DEPS", "/tmp/benchdeps"),
+        help="directory with waitress and gunicorn (pip install --target); default %(default)s",
+    )
+    parser.add_argument(
+        "--client-procs",
+        type=int,
+        choices=(1, 2, 4, 8, 16),
+        default=2,
+        help="processes the 16 client connections are spread over (default %(default)s)",
+    )
+    parser.add_argument(
+        "--servers",
+        help=f"comma-separated, from {', '.join(SERVE)} (default: all; --quick: the first 3)",
+    )
+    parser.add_argument("--out", type=Path, help="JSON file (default bench/results/servers.json)")
+    parser.add_argument("--serve", choices=tuple(SERVE), help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.deps and args.deps not in sys.path:
+        sys.path.insert(0, args.deps)
+    if args.serve:
+        return SERVE[args.serve](args.port)
+
+    size = QUICK_SIZE if args.quick else DEFAULT_SIZE
+    out: Path = args.out or RESULTS_DIR / ("servers-quick.json" if args.quick else "servers.json")
+    ctx = _client_context()
+    started = time.monotonic()
+    report: dict[str, Any] = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "mode": "quick" if args.quick else "default",
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu": cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "versions": versions(),
+            "size": asdict(size),
+            "gpus": GPUS,
+            "server_threads": SERVER_THREADS,
+            "client": f"http.client keep-alive, {CLIENTS} connections in {args.client_procs} "
+            f"processes × {CLIENTS // args.client_procs} threads",
+        },
+        "servers": [],
+    }
+    names = args.servers.split(",") if args.servers else SERVERS + ((), VARIANTS)[not args.quick]
+    for name in names:
+        if name not in SERVE:
+            parser.error(f"unknown server {name!r}; choose from {', '.join(SERVE)}")
+        if not available(MODULE.get(name, name)):
+            note = f"not importable; pip install --target {args.deps} {MODULE.get(name, name)}"
+            print(f"{name}: skipped ({note})", file=sys.stderr)
+            report["servers"].append({"server": name, "available": False, "note": note})
+            continue
+        print(f"{name}: measuring", file=sys.stderr, flush=True)
+        report["servers"].append(bench_server(name, args.deps, size, args.client_procs, ctx))
+    report["meta"]["wall_seconds"] = round(time.monotonic() - started, 1)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, out)
+    meta = report["meta"]
+    print(
+        f"\n{meta['cpu_count']} CPUs ({meta['cpu']}), Python {meta['python']}, {meta['client']}; "
+        f"{meta['wall_seconds']} s\n"
+    )
+    print(markdown(report))
+    print(f"\nJSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
