@@ -312,7 +312,7 @@ def create_app(
             while True:
                 snapshot, now = current()
                 problem = snapshot_problem(snapshot, now, max_age_seconds)
-                ahead = table.ahead_of(ticket)
+                ahead, waiting_ahead = table.ahead_of(ticket)
                 failure: ApiError | None = problem
                 if problem is None and ahead == 0:
                     window = None
@@ -332,14 +332,18 @@ def create_app(
                         return choice, lease, snapshot, now
                     except NotEnoughGpus as exc:
                         failure = ApiError(503, "not_enough_gpus", str(exc))
+                        if clock.monotonic() < deadline:
+                            table.mark_waiting(ticket)  # later claimers now queue behind us
+                elif problem is None and waiting_ahead == 0:
+                    failure = None  # only requests being served are ahead: our turn is next
                 elif problem is None:
                     failure = ApiError(
                         503,
                         "not_enough_gpus",
-                        f"{ahead} earlier requests are waiting for GPUs and are served first",
+                        f"{waiting_ahead} earlier requests are waiting for GPUs and are "
+                        "served first",
                     )
-                if clock.monotonic() >= deadline:
-                    assert failure is not None
+                if failure is not None and clock.monotonic() >= deadline:
                     raise failure
                 with table.changed:
                     table.changed.wait(WAIT_POLL_SECONDS)

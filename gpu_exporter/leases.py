@@ -136,6 +136,7 @@ class LeaseTable:
         self.changed = threading.Condition(self._lock)  # notified on every change
         self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
         self._queue: deque[object] = deque()  # claimers, first come first served
+        self._waiting: set[object] = set()  # claimers that failed once and are waiting
         if state_file is not None:
             self._load(state_file)
 
@@ -255,14 +256,25 @@ class LeaseTable:
             self._queue.append(ticket)
         return ticket
 
-    def ahead_of(self, ticket: object) -> int:
-        """How many claimers came before this one and are still waiting."""
+    def ahead_of(self, ticket: object) -> tuple[int, int]:
+        """(claimers before this one, how many of those are waiting for GPUs).
+
+        Claimers ahead that are merely being served take a millisecond; only waiters ahead
+        make a request without ``wait`` give up.
+        """
         with self._lock:
-            return self._queue.index(ticket)
+            position = self._queue.index(ticket)
+            waiting = sum(1 for t in list(self._queue)[:position] if t in self._waiting)
+            return position, waiting
+
+    def mark_waiting(self, ticket: object) -> None:
+        with self._lock:
+            self._waiting.add(ticket)
 
     def dequeue(self, ticket: object) -> None:
         with self._lock:
             self._queue.remove(ticket)
+            self._waiting.discard(ticket)
             self.changed.notify_all()
 
     # -- housekeeping -----------------------------------------------------------------------
