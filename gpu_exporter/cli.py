@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("log-level", "info"),
         help="default %(default)s",
     )
+
+    from gpu_exporter.run import add_choose_parser, add_run_parser
+
+    add_choose_parser(sub)
+    add_run_parser(sub)
     return parser
 
 
@@ -280,4 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream=sys.stderr,
         )
         return serve(config)
+    if args.command == "choose":
+        from gpu_exporter.run import choose_main
+
+        return choose_main(args)
+    if args.command == "run":
+        from gpu_exporter.run import run_main
+
+        return run_main(args)
     parser.error(f"unknown command {args.command!r}")

@@ -1,0 +1,438 @@
+"""`gpu-exporter choose` and `gpu-exporter run` against the /choose + /leases contract.
+
+`run` is tested as a real process (signals, exit statuses, the child's environment);
+`choose` in this process through cli.main. Server: see tests/fake_exporter.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_exporter import ROOT, FakeExporter, RemoteExporter, _start_real, exporter_under_test
+
+from gpu_exporter import client
+from gpu_exporter.cli import main
+from gpu_exporter.nvml import Nvml
+from gpu_exporter.simulate import Fault, SimulatedNvml
+
+Exporter = FakeExporter | RemoteExporter
+ENV_LINE = re.compile(
+    r"export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=(?P<gpus>GPU-[0-9a-f-]+) "
+    r"GPU_LEASE=(?P<lease>\S+)\n"
+)
+
+
+@pytest.fixture
+def exporter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Exporter]:
+    with exporter_under_test(tmp_path) as ex:
+        monkeypatch.setenv(client.URL_ENV, ex.url)
+        yield ex
+
+
+def fake_only(exporter: Exporter) -> FakeExporter:
+    if exporter.fake is None:
+        pytest.skip("needs the fake server's knobs")
+    return exporter.fake
+
+
+def cli(*args: str, **popen: object) -> subprocess.Popen[str]:
+    """`gpu-exporter ARGS` in its own session (no controlling terminal), pipes for output."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpu_exporter", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        **popen,  # type: ignore[call-overload]
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"gpu-exporter did not finish: {out!r} {err!r}") from None
+    return proc.returncode, out, err
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    return finish(cli(*args))
+
+
+def read_line(proc: subprocess.Popen[str], timeout: float = 10) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, "no output from the command"
+    return proc.stdout.readline()
+
+
+# -- run ---------------------------------------------------------------------------------
+
+
+def test_run_gives_the_command_its_gpu_and_releases_after(exporter: Exporter) -> None:
+    status, out, err = run(
+        "run",
+        "-n",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        'echo "$CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER $GPU_LEASE"',
+    )
+    assert status == 0, err
+    uuid, order, lease = out.split()
+    assert uuid.startswith("GPU-") and "," not in uuid
+    assert order == "PCI_BUS_ID"
+    assert lease not in exporter.lease_ids()
+    assert "gpu-exporter run: GPU " in err and lease in err and uuid in err
+    if exporter.fake is not None:
+        assert ("DELETE", f"/leases/{lease}", {}) in exporter.fake.requests
+
+
+def test_run_takes_the_command_without_a_separator_and_filters(exporter: Exporter) -> None:
+    status, out, err = run(
+        "run",
+        "-q",
+        "-n",
+        "2",
+        "--exclude",
+        "0,1",
+        "--owner",
+        "ci",
+        "sh",
+        "-c",
+        "echo $CUDA_VISIBLE_DEVICES",
+    )
+    assert status == 0, err
+    assert err == ""
+    uuids = out.strip().split(",")
+    assert len(uuids) == 2
+    listed = client.choose(2, lease=0, exclude="2,3")
+    assert not set(uuids) & set(listed.uuids)
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"), [("exit 7", 7), ("exit 0", 0), ("kill -TERM $$", 128 + 15)]
+)
+def test_run_exits_with_the_commands_status(exporter: Exporter, script: str, expected: int) -> None:
+    status, _, err = run("run", "-q", "--", "sh", "-c", script)
+    assert status == expected, err
+    assert exporter.lease_ids() == set()
+
+
+CHILD = """
+import signal, sys, time
+def stop(signum, frame):
+    print("child got", signal.Signals(signum).name, flush=True)
+    sys.exit(5)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+print("ready", flush=True)
+time.sleep(20)
+print("not interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_run_forwards_signals_to_the_command(exporter: Exporter, signum: signal.Signals) -> None:
+    proc = cli("run", "-q", "--", sys.executable, "-c", CHILD)
+    try:
+        assert read_line(proc) == "ready\n"
+        assert len(exporter.lease_ids()) == 1
+        proc.send_signal(signum)  # to `gpu-exporter run` alone, not its process group
+        status, out, err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert out == f"child got {signum.name}\n", err
+    assert status == 5
+    assert exporter.lease_ids() == set()
+
+
+def test_run_renews_the_lease_while_the_command_runs(exporter: Exporter) -> None:
+    check = (
+        "import os, time; from gpu_exporter.client import leases\n"
+        "time.sleep(0.6)  # twice the TTL\n"
+        "print([l.id for l in leases()] == [os.environ['GPU_LEASE']])\n"
+    )
+    status, out, err = run("run", "--lease", "300ms", "--", sys.executable, "-c", check)
+    assert (status, out) == (0, "True\n"), err
+    assert "renewed every 0.1 s" in err
+    assert exporter.lease_ids() == set()
+
+
+def test_run_does_not_start_the_command_when_no_gpus_qualify(exporter: Exporter) -> None:
+    status, out, err = run("run", "-n", "99", "--", "sh", "-c", "echo ran")
+    assert status == 3
+    assert out == ""
+    assert err.startswith("gpu-exporter run: error: ") and err.count("\n") == 1
+
+
+def test_run_reports_a_missing_command(exporter: Exporter) -> None:
+    status, _, err = run("run", "--", "no-such-command-here")
+    assert status == 127
+    assert "cannot run 'no-such-command-here'" in err
+    assert exporter.lease_ids() == set()
+
+
+def test_run_needs_a_command() -> None:
+    status, _, err = run("run", "-n", "1")
+    assert status == 2 and "no command given" in err
+
+
+@pytest.fixture
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_run_without_a_server_falls_back_to_local_nvml_with_a_warning(
+    closed_port_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nvml = Nvml(SimulatedNvml.with_gpus(2, clock=time.monotonic), simulated=True)
+    monkeypatch.setattr(client, "_open_local_nvml", lambda: nvml)
+    assert main(["run", "--url", closed_port_url, "--", "sh", "-c", "exit 4"]) == 4
+    err = capsys.readouterr().err
+    assert "warning: cannot reach gpu-exporter" in err and "No lease protects" in err
+    assert "without a lease" in err
+
+
+def test_run_without_a_server_or_a_driver_refuses(
+    closed_port_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sim = SimulatedNvml([], faults=[Fault("nvmlInit", "DRIVER_NOT_LOADED")], clock=time.monotonic)
+    monkeypatch.setattr(client, "_open_local_nvml", lambda: Nvml(sim, simulated=True))
+    marker = Path(os.devnull)
+    assert main(["run", "--url", closed_port_url, "--", "sh", "-c", f"echo ran > {marker}"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach gpu-exporter" in err and "no NVIDIA driver" in err
+    assert "refusing to run without a GPU" in err
+    assert main(["run", "--no-local-fallback", "--url", closed_port_url, "--", "true"]) == 1
+    assert "choose locally" not in capsys.readouterr().err
+
+
+# -- choose ------------------------------------------------------------------------------
+
+
+def test_choose_env_format_prints_an_export_line_with_the_lease(
+    exporter: Exporter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["choose", "--format", "env"]) == 0
+    out = capsys.readouterr().out
+    match = ENV_LINE.fullmatch(out)
+    assert match, out
+    assert match["lease"] in exporter.lease_ids()
+
+
+def test_choose_prints_exactly_what_choose_answers(
+    exporter: Exporter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["choose", "-n", "2", "--lease", "0", "--url", exporter.url]) == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"GPU-[0-9a-f-]+,GPU-[0-9a-f-]+\n", out), out
+    assert main(["choose", "--format", "index", "--lease", "0"]) == 0
+    assert re.fullmatch(r"\d+\n", capsys.readouterr().out)
+    assert main(["choose", "--format", "json", "--lease", "0"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["lease"] is None and len(data["chosen"]) == 1
+    assert exporter.lease_ids() == set()
+
+
+def test_choose_passes_every_flag_to_the_server(
+    exporter: Exporter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = fake_only(exporter)
+    argv = ["choose", "-n", "1", "--lease", "2m", "--wait", "1s", "--owner", "me"]
+    filters = {
+        "--min-free": "1GiB",
+        "--min-total": "16GiB",
+        "--max-util": "50%",
+        "--max-mem-util": "0.9",
+        "--max-procs": "2",
+        "--model": "A100",
+        "--include": "1,2,3",
+        "--exclude": "GPU-fa4e0002",
+        "--idle-for": "0s",
+        "--sort": "free",
+    }
+    for flag, value in filters.items():
+        argv += [flag, value]
+    assert main(argv) == 0, capsys.readouterr().err
+    method, path, params = fake.requests[-1]
+    assert (method, path) == ("POST", "/choose")
+    assert params == {
+        "n": "1",
+        "format": "uuid",
+        "lease": "2m",
+        "wait": "1s",
+        "owner": "me",
+        **{flag[2:].replace("-", "_"): value for flag, value in filters.items()},
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "message"),
+    [
+        (["-n", "99"], 3, "error: "),
+        (["--min-free", "lots"], 2, "error: min_free"),
+        (["--url", "CLOSED"], 1, "error: cannot reach gpu-exporter at CLOSED"),
+    ],
+)
+def test_choose_errors_are_one_line_and_an_exit_status(
+    exporter: Exporter,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    status: int,
+    message: str,
+    closed_port_url: str,
+) -> None:
+    argv = [closed_port_url if a == "CLOSED" else a for a in argv]
+    assert main(["choose", *argv]) == status
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        captured.err.startswith(message.replace("CLOSED", closed_port_url))
+        and captured.err.count("\n") == 1
+    )
+
+
+def test_choose_exits_3_on_fake_503_and_1_on_429(
+    exporter: Exporter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = fake_only(exporter)
+    fake.fail_next(503, "not_enough_gpus", "0 of 4 GPUs qualify, 1 requested")
+    assert main(["choose"]) == 3
+    assert capsys.readouterr().err == "error: 0 of 4 GPUs qualify, 1 requested\n"
+    fake.fail_next(429, "lease_limit", "127.0.0.1 already holds 4 GPUs (limit 4)")
+    assert main(["choose"]) == 1
+    assert capsys.readouterr().err == "error: 127.0.0.1 already holds 4 GPUs (limit 4)\n"
+
+
+@pytest.mark.parametrize("argv", [["-n", "0"], ["--lease", "forever"], ["--format", "yaml"]])
+def test_choose_rejects_bad_flags_with_status_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["choose", *argv])
+    assert caught.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_choose_and_run_read_the_url_from_the_environment(
+    exporter: Exporter,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    closed_port_url: str,
+) -> None:
+    assert os.environ[client.URL_ENV] == exporter.url
+    assert main(["choose", "--lease", "0"]) == 0
+    assert capsys.readouterr().out.startswith("GPU-")
+    monkeypatch.setenv(client.URL_ENV, closed_port_url)
+    assert main(["choose", "--lease", "0"]) == 1
+    assert closed_port_url in capsys.readouterr().err
+    assert main(["run", "--no-local-fallback", "--", "true"]) == 1
+    assert closed_port_url in capsys.readouterr().err
+
+
+def test_help_lists_the_new_commands() -> None:
+    status, out, _ = run("--help")
+    assert status == 0 and "choose" in out and "run" in out
+    started = time.monotonic()
+    status, out, _ = run("run", "--help")
+    assert status == 0 and "-- COMMAND" in out and "--max-util" in out
+    assert time.monotonic() - started < 10
+
+
+COUNTING_CHILD = """
+import signal, sys, time
+seen = []
+signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+print("ready", flush=True)
+deadline = time.monotonic() + 20
+while not seen and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.3)  # a second, forwarded copy would arrive in this time
+print(f"SIGINT x{len(seen)}", flush=True)
+sys.exit(5)
+"""
+
+# Makes the pty on stdin the controlling terminal of this new session, then runs argv.
+TAKE_TERMINAL = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+def test_ctrl_c_on_a_terminal_reaches_the_command_once(exporter: Exporter) -> None:
+    """The terminal sends ^C's SIGINT to the whole foreground group: no second copy from us."""
+    command = ["run", "-q", "--", sys.executable, "-c", COUNTING_CHILD]
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", TAKE_TERMINAL, sys.executable, "-m", "gpu_exporter", *command],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        try:
+            assert read_line(proc) == "ready\n"
+            os.write(master, b"\x03")  # ^C
+            status, out, err = finish(proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert (status, out) == (5, "SIGINT x1\n"), err
+    assert exporter.lease_ids() == set()
+
+
+@pytest.mark.slow
+def test_run_against_the_real_server(tmp_path: Path) -> None:
+    """Whatever GPU_EXPORTER_TEST_SERVER says: one round trip through `gpu-exporter serve`."""
+    real = _start_real(tmp_path)
+    try:
+        proc = cli(
+            "run",
+            "-n",
+            "2",
+            "--lease",
+            "300ms",
+            "--url",
+            real.url,
+            "--",
+            sys.executable,
+            "-c",
+            "import os, time; time.sleep(0.5); print(os.environ['CUDA_VISIBLE_DEVICES'])",
+        )
+        status, out, err = finish(proc)
+        assert status == 0, err
+        assert len(out.strip().split(",")) == 2
+        assert real.lease_ids() == set()
+        assert main(["choose", "--url", real.url, "-n", "99"]) == 3
+    finally:
+        assert real.proc is not None
+        real.proc.terminate()
+        real.proc.communicate(timeout=10)
