@@ -19,6 +19,9 @@ from cheroot import wsgi
 log = logging.getLogger(__name__)
 
 THREADS = 16  # request threads; scrapes and /choose take well under a millisecond each
+# Connections the kernel queues before accept(): cheroot's default of 5 made a burst of 32
+# job scripts wait up to ~2 s (bench/servers.py, docs/server-choice.md).
+LISTEN_BACKLOG = 1024
 
 
 class ListenError(Exception):
@@ -48,7 +51,12 @@ class Server:
         hosts = [self.host] if self.host else ["::", "0.0.0.0"]
         last: OSError | None = None
         for host in hosts:
-            server = wsgi.Server((host, self.port), self._app, numthreads=self._threads)
+            server = wsgi.Server(
+                (host, self.port),
+                self._app,
+                numthreads=self._threads,
+                request_queue_size=LISTEN_BACKLOG,
+            )
             server.server_name = "gpu-exporter"
             try:
                 server.prepare()
