@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/servers.py            # default size, about 2 minutes
+    .venv/bin/python bench/servers.py            # default size, about 2½ minutes
     .venv/bin/python bench/servers.py --quick    # a smoke run, under 20 s
 
 cheroot is the project's own dependency. waitress and gunicorn are not, and must not be
@@ -14,28 +14,39 @@ installed into the project's environment; put them in a separate directory inste
 and to ``PYTHONPATH`` for the server processes; a server that cannot be imported is skipped
 with a note.
 
-For each server this script starts the real app — 8 simulated GPUs, a sampler thread every
-second, the lease table, ``GpuCollector`` and ``ProcessCollector``, wired as
-``gpu-exporter serve --simulate 8`` wires them — in a subprocess listening on a free
-127.0.0.1 port: cheroot through ``gpu_exporter.server.Server``, the production wrapper;
-waitress with ``threads=16``; gunicorn as one worker, ``-k gthread --threads 16 -w 1``, with
-the app and its sampler built in the worker after the fork. It waits for ``/readyz``, then
-measures ``/healthz`` (the no-op baseline), ``/choose?n=1&lease=0`` (``lease=0``: the same
-selection under the same lock, without claiming the GPU for 60 s, which would leave nothing
-to choose after 8 requests) and ``/metrics``:
+Each server runs the real app — 8 simulated GPUs, a sampler thread every second, the lease
+table, ``GpuCollector`` and ``ProcessCollector``, wired as ``gpu-exporter serve --simulate 8``
+wires them — in a subprocess of its own on a free 127.0.0.1 port:
+
+* ``cheroot``: ``gpu_exporter.server.Server``, the production wrapper (16 threads);
+* ``waitress``: ``create_server(app, threads=16)``;
+* ``gunicorn``: one worker, ``-k gthread --threads 16 -w 1``; the app and its sampler are
+  built in the worker, after the fork;
+* ``cheroot-backlog`` (not in ``--quick``): cheroot as above but with a listen backlog of
+  1024 instead of cheroot's default of 5.
+
+Measured, against ``/healthz`` (the no-op baseline), ``/choose?n=1&lease=0`` and
+``/metrics`` (``lease=0``: the same selection under the same lock, without claiming the GPU
+for 60 s, which would leave nothing to choose after 8 requests):
 
 * sequential latency: one keep-alive connection, one request at a time;
 * throughput: 16 keep-alive connections, each sending its share of a fixed number of
   requests back to back, and the server's CPU time per request over that window.
+
+Every server is started first and they all stay up; the measurements then run in rounds
+(3 by default), each round visiting the servers in a rotated order, and the table shows the
+median over the rounds, so that drift in a shared machine's speed does not favour whichever
+server happened to run first. Rounds after the first are skipped if the time budget is spent.
 
 The load generator is Python (``http.client``). So that its own GIL does not cap the figures,
 the 16 client connections are spread over ``--client-procs`` processes (default 2, 8 threads
 each; 1 and 4 gave the same figures within noise on 2 cores). With 2 cores the client and the
 server share the machine, which is why server CPU time per request is reported too.
 
-Then two probes: ``/healthz`` latency while 15, then 20, never-satisfiable
-``/choose?wait=`` long-polls hold request threads (16 in every server), and how fast and how
-clearly each server fails when its port is already in use. Every phase is bounded by a
+Then three probes per server: ``/healthz`` latency while 15, then 20, never-satisfiable
+``/choose?wait=`` long-polls hold request threads (16 in every server); 32 new connections
+at once, one ``/choose`` each, as from job scripts that start together; and how fast and how
+clearly the server fails when its port is already in use. Every phase is bounded by a
 request count and a deadline; servers are stopped (SIGTERM, then SIGKILL of their process
 group) before the script exits.
 
@@ -46,6 +57,7 @@ Results: a markdown table on stdout and JSON in ``bench/results/servers.json``
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as concurrent_futures
 import contextlib
 import datetime
 import http.client
@@ -64,9 +76,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from multiprocessing.synchronize import Barrier
+from multiprocessing.synchronize import Barrier, Lock
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -79,10 +92,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 HOST = "127.0.0.1"
 SERVERS = ("cheroot", "waitress", "gunicorn")
-# cheroot as gpu_exporter.server.Server configures it, but with a listen backlog of
-# BACKLOG instead of cheroot's default of 5 (waitress defaults to 1024, gunicorn to 2048).
-VARIANTS = ("cheroot-backlog",)
-BACKLOG = 1024
+VARIANTS = ("cheroot-backlog",)  # in the default run only
+BACKLOG = 1024  # cheroot-backlog's listen backlog; cheroot's default is 5
 MODULE = {"cheroot-backlog": "cheroot"}  # what must be importable, where not the name
 # /choose claims what it picks for 60 s by default, so 8 GPUs would be gone after 8 requests
 # and every later one would be a 503; lease=0 runs the same selection under the same lock
@@ -94,39 +105,47 @@ GPUS = 8
 SAMPLE_INTERVAL_SECONDS = 1.0
 REQUEST_TIMEOUT_SECONDS = 10.0
 READY_TIMEOUT_SECONDS = 30.0
-BUSY_PORT_TIMEOUT_SECONDS = 15.0
-# Never satisfiable (one GPU more than there are), so each such request waits its full time.
 BURST = 32  # new connections at once, as from job scripts that start together
 LONG_POLL_WAITERS = (SERVER_THREADS - 1, SERVER_THREADS + 4)  # one thread left; none left
+# Never satisfiable (one GPU more than there are), so each such request waits its full time.
 LONG_POLL_PATH = f"/choose?n={GPUS + 1}&lease=0&wait={{seconds:g}}s"
 VERSIONED = ("cheroot", "waitress", "gunicorn", "flask", "werkzeug", "prometheus-client")
 
 
 @dataclass(frozen=True, slots=True)
 class Size:
-    sequential: int  # timed requests per endpoint, one connection
-    warmup: int  # untimed requests before the sequential run
-    concurrent: int  # requests per endpoint over all clients
-    phase_seconds: float  # deadline for each phase
+    rounds: int  # measurement rounds over all servers; the table shows their median
+    rounds_budget_seconds: float  # no further round starts once it would end after this
+    sequential: int  # timed requests per endpoint and round, one connection
+    warmup: int  # untimed requests before each sequential run
+    concurrent: int  # requests per endpoint and round over all clients
+    phase_seconds: float  # deadline for each sequential or concurrent phase
     long_poll_seconds: float  # how long the long-poll probe's requests wait
     burst_rounds: int  # rounds of BURST new connections at once
+    busy_port_seconds: float  # how long a server may take to give up on a port in use
 
 
 DEFAULT_SIZE = Size(
-    sequential=1000,
-    warmup=100,
-    concurrent=6000,
-    phase_seconds=8.0,
-    long_poll_seconds=2.0,
-    burst_rounds=5,
+    rounds=3,
+    rounds_budget_seconds=125.0,
+    sequential=600,
+    warmup=50,
+    concurrent=3200,
+    phase_seconds=5.0,
+    long_poll_seconds=1.5,
+    burst_rounds=3,
+    busy_port_seconds=15.0,
 )
 QUICK_SIZE = Size(
-    sequential=100,
+    rounds=1,
+    rounds_budget_seconds=10.0,
+    sequential=60,
     warmup=20,
-    concurrent=320,
-    phase_seconds=1.5,
-    long_poll_seconds=0.4,
+    concurrent=240,
+    phase_seconds=1.0,
+    long_poll_seconds=0.3,
     burst_rounds=1,
+    busy_port_seconds=2.0,
 )
 
 
@@ -160,6 +179,21 @@ def _build_app() -> tuple[Any, Any]:
     return app, sampler
 
 
+def _serve_until_sigterm(server: Any, sampler: Any) -> int:
+    """Start the sampler, serve, and stop on SIGTERM (cheroot's stop() must not block it)."""
+
+    def on_term(signum: int, frame: object) -> None:
+        threading.Thread(target=server.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    sampler.start()  # after binding, as `gpu-exporter serve` does
+    try:
+        server.serve()
+    finally:
+        sampler.stop()
+    return 0
+
+
 def _serve_cheroot(port: int) -> int:
     from gpu_exporter.server import ListenError, Server
 
@@ -170,17 +204,7 @@ def _serve_cheroot(port: int) -> int:
     except ListenError as exc:
         print(f"cheroot: {exc}", file=sys.stderr)
         return 1
-    sampler.start()
-
-    def on_term(signum: int, frame: object) -> None:
-        threading.Thread(target=server.stop, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        server.serve()
-    finally:
-        sampler.stop()
-    return 0
+    return _serve_until_sigterm(server, sampler)
 
 
 def _serve_cheroot_backlog(port: int) -> int:
@@ -194,17 +218,7 @@ def _serve_cheroot_backlog(port: int) -> int:
     except OSError as exc:
         print(f"cheroot: cannot listen on {HOST}:{port}: {exc}", file=sys.stderr)
         return 1
-    sampler.start()
-
-    def on_term(signum: int, frame: object) -> None:
-        threading.Thread(target=server.stop, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        server.serve()
-    finally:
-        sampler.stop()
-    return 0
+    return _serve_until_sigterm(server, sampler)
 
 
 def _serve_waitress(port: int) -> int:
@@ -352,26 +366,23 @@ class ServerProcess:
         while time.monotonic() - started < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.output()}")
-            try:
-                conn = http.client.HTTPConnection(HOST, self.port, timeout=1)
-                conn.request("GET", "/readyz")
-                ready = conn.getresponse().status == 200
-                conn.close()
-                if ready:
+            conn = http.client.HTTPConnection(HOST, self.port, timeout=1)
+            errors = (OSError, http.client.HTTPException)  # not listening yet
+            with contextlib.suppress(*errors), contextlib.closing(conn):
+                if _get(conn, "/readyz") == 200:
                     return time.monotonic() - started
-            except OSError:
-                pass
             time.sleep(0.05)
         raise RuntimeError(f"{self.name} not ready after {timeout:g} s:\n{self.output()}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 self.proc.wait(5)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers such as a gunicorn worker
-        self.proc.wait()
+            except subprocess.TimeoutExpired:
+                # The server's own session: it and anything it started, such as a worker.
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
         self._log.close()
 
 
@@ -394,16 +405,33 @@ def _get(conn: http.client.HTTPConnection, path: str) -> int:
     return resp.status
 
 
-def _timed_get(conn: http.client.HTTPConnection, path: str) -> float | None:
-    """Milliseconds for one request on a keep-alive connection; None when it did not give 200."""
+def _request(conn: http.client.HTTPConnection, path: str) -> tuple[float, int]:
+    """(milliseconds, HTTP status or -1 for a failed connection) for one request."""
     started = time.perf_counter()
     try:
-        ok = _get(conn, path) == 200
+        status = _get(conn, path)
     except (OSError, http.client.HTTPException):
         conn.close()  # http.client reconnects on the next request
-        ok = False
-    elapsed = (time.perf_counter() - started) * 1000
-    return elapsed if ok else None
+        status = -1
+    return (time.perf_counter() - started) * 1000, status
+
+
+def _timed_get(conn: http.client.HTTPConnection, path: str) -> float | None:
+    """Milliseconds for one request; None when it did not give 200."""
+    ms, status = _request(conn, path)
+    return ms if status == 200 else None
+
+
+def _record(ms: float, status: int, latencies: list[float], errors: Counter[int]) -> None:
+    """Successes are timed; anything else is counted by status (-1: no response)."""
+    if status == 200:
+        latencies.append(ms)
+    else:
+        errors[status] += 1
+
+
+def _errors(counts: Counter[int]) -> dict[str, int]:
+    return {str(status): n for status, n in sorted(counts.items())}
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -425,32 +453,30 @@ def _summary(latencies: list[float]) -> dict[str, float]:
 
 def sequential(port: int, path: str, size: Size) -> dict[str, Any]:
     conn = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_SECONDS)
-    body_bytes = 0
     try:
         for _ in range(size.warmup):
             _timed_get(conn, path)
         conn.request("GET", path)
         body_bytes = len(conn.getresponse().read())
         latencies: list[float] = []
-        errors = 0
+        errors: Counter[int] = Counter()
         deadline = time.monotonic() + size.phase_seconds
         for _ in range(size.sequential):
-            ms = _timed_get(conn, path)
-            if ms is None:
-                errors += 1
-            else:
-                latencies.append(ms)
+            _record(*_request(conn, path), latencies, errors)
             if time.monotonic() > deadline:
                 break
     finally:
         conn.close()
-    return {"requests": len(latencies), "errors": errors, "body_bytes": body_bytes} | _summary(
-        latencies
-    )
+    return {
+        "requests": len(latencies),
+        "errors": sum(errors.values()),
+        "error_statuses": _errors(errors),
+        "body_bytes": body_bytes,
+    } | _summary(latencies)
 
 
-# One client thread's result: latencies (ms), errors, monotonic start and end.
-ThreadResult = tuple[list[float], int, float, float]
+# One client thread's result: latencies (ms), errors by status, monotonic start and end.
+ThreadResult = tuple[list[float], Counter[int], float, float]
 
 
 def _client_process(
@@ -459,6 +485,7 @@ def _client_process(
     threads: int,
     per_thread: int,
     phase_seconds: float,
+    connect_lock: Lock,
     barrier: Barrier,
     results: Any,  # multiprocessing.Queue[list[ThreadResult]]
 ) -> None:
@@ -469,8 +496,10 @@ def _client_process(
     def client() -> None:
         conn = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_SECONDS)
         latencies: list[float] = []
-        errors = 0
-        _timed_get(conn, path)  # connect and warm up before the clock starts
+        errors: Counter[int] = Counter()
+        with contextlib.suppress(OSError), connect_lock:
+            conn.connect()  # one at a time: cheroot's listen backlog is only 5
+        _timed_get(conn, path)  # warm up before the clock starts
         try:
             barrier.wait(READY_TIMEOUT_SECONDS)
         except threading.BrokenBarrierError:
@@ -480,11 +509,7 @@ def _client_process(
         started = time.monotonic()
         deadline = started + phase_seconds
         for _ in range(per):
-            ms = _timed_get(conn, path)
-            if ms is None:
-                errors += 1
-            else:
-                latencies.append(ms)
+            _record(*_request(conn, path), latencies, errors)
             if time.monotonic() > deadline:
                 break
         ended = time.monotonic()
@@ -507,7 +532,16 @@ def concurrent(
     per_thread = max(1, size.concurrent // CLIENTS)
     barrier = ctx.Barrier(procs * threads + 1)
     queue = ctx.Queue()
-    args = (server.port, path, threads, per_thread, size.phase_seconds, barrier, queue)
+    args = (
+        server.port,
+        path,
+        threads,
+        per_thread,
+        size.phase_seconds,
+        ctx.Lock(),
+        barrier,
+        queue,
+    )
     clients = [ctx.Process(target=_client_process, args=args, daemon=True) for _ in range(procs)]
     for c in clients:
         c.start()
@@ -525,16 +559,15 @@ def concurrent(
                 c.kill()
     flat = [r for results in per_proc for r in results]
     latencies = [ms for r in flat for ms in r[0]]
-    errors = sum(r[1] for r in flat)
+    errors = sum((r[1] for r in flat), Counter[int]())
     seconds = max(r[3] for r in flat) - min(r[2] for r in flat)
     cpu_us = None
     if cpu_before is not None and cpu_after is not None and latencies:
         cpu_us = round((cpu_after - cpu_before) / len(latencies) * 1e6)
     return {
         "requests": len(latencies),
-        "errors": errors,
-        "clients": CLIENTS,
-        "client_processes": procs,
+        "errors": sum(errors.values()),
+        "error_statuses": _errors(errors),
         "seconds": round(seconds, 3),
         "requests_per_second": round(len(latencies) / seconds) if seconds > 0 else None,
         "server_cpu_us_per_request": cpu_us,
@@ -558,8 +591,8 @@ def long_poll(port: int, waiters: int, wait_seconds: float) -> dict[str, Any]:
         finally:
             conn.close()
 
-    # Connect one at a time first, so that a short listen backlog (cheroot's is 5) cannot
-    # delay some of the waiters and leave their threads free; then send all the requests.
+    # Connect one at a time first, so that a short listen backlog cannot delay some of the
+    # waiters and leave their threads free; then send all the requests.
     conns = []
     for _ in range(waiters):
         conn = http.client.HTTPConnection(
@@ -624,7 +657,7 @@ def burst(port: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def busy_port(name: str, deps: str) -> dict[str, Any]:
+def busy_port(name: str, deps: str, timeout: float) -> dict[str, Any]:
     """Start the server on a port that is already listening; how fast and how does it fail?"""
     with socket.socket() as blocker:
         blocker.bind((HOST, 0))
@@ -632,7 +665,7 @@ def busy_port(name: str, deps: str) -> dict[str, Any]:
         server = ServerProcess(name, blocker.getsockname()[1], deps)
         started = time.monotonic()
         try:
-            server.proc.wait(BUSY_PORT_TIMEOUT_SECONDS)
+            server.proc.wait(timeout)
             exited_after: float | None = round(time.monotonic() - started, 2)
         except subprocess.TimeoutExpired:
             exited_after = None
@@ -640,7 +673,8 @@ def busy_port(name: str, deps: str) -> dict[str, Any]:
         returncode = server.proc.returncode
         server.stop()
     return {
-        "exit_seconds": exited_after,  # None: still running after BUSY_PORT_TIMEOUT_SECONDS
+        "exit_seconds": exited_after,  # None: still running after timeout_seconds
+        "timeout_seconds": timeout,
         "returncode": returncode,
         "message": output[-1] if output else "",
         "output_lines": len(output),
@@ -673,40 +707,98 @@ def cpu_model() -> str:
 
 
 def _client_context() -> Context:
-    # fork starts client processes in milliseconds; this process holds no threads or NVML then.
+    # fork starts client processes in milliseconds; this process holds no threads then.
     if "fork" in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("fork")
     return multiprocessing.get_context("spawn")
 
 
-def bench_server(name: str, deps: str, size: Size, procs: int, ctx: Context) -> dict[str, Any]:
-    result: dict[str, Any] = {"server": name, "available": True}
-    started = time.monotonic()
+_T0 = time.monotonic()
 
-    def progress(step: str) -> None:
-        print(f"  {name}: {step} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
 
-    with running(name, deps) as server:
-        result["startup_seconds"] = round(server.wait_ready(READY_TIMEOUT_SECONDS), 2)
-        endpoints: dict[str, Any] = {}
-        for path in ENDPOINTS:
-            endpoints[path] = {
-                "sequential": sequential(server.port, path, size),
-                "concurrent": concurrent(server, path, size, procs, ctx),
+def _log(message: str) -> None:
+    print(f"[{time.monotonic() - _T0:5.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One phase over several rounds: counts summed, every other number the median."""
+    combined: dict[str, Any] = {"rounds": len(rounds)}
+    for key, first in rounds[0].items():
+        values = [r[key] for r in rounds]
+        if key in ("requests", "errors"):
+            combined[key] = sum(values)
+        elif key == "error_statuses":
+            total = sum((Counter({int(k): n for k, n in v.items()}) for v in values), Counter())
+            combined[key] = _errors(total)
+        elif isinstance(first, int | float) and None not in values:
+            median = statistics.median(values)
+            combined[key] = round(median) if isinstance(first, int) else round(median, 3)
+        else:
+            combined[key] = first
+    if "requests_per_second" in combined and None not in (
+        rps := [r["requests_per_second"] for r in rounds]
+    ):
+        combined["requests_per_second_range"] = [min(rps), max(rps)]
+    return combined
+
+
+def measure(
+    names: list[str], deps: str, size: Size, procs: int, ctx: Context, *, quick: bool
+) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {
+        name: {path: {"sequential": [], "concurrent": []} for path in ENDPOINTS} for name in names
+    }
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, ServerProcess] = {}
+        for name in names:  # one at a time, so that the start-up times are comparable
+            servers[name] = stack.enter_context(running(name, deps))
+            ready = servers[name].wait_ready(READY_TIMEOUT_SECONDS)
+            results[name] = {"server": name, "available": True, "startup_seconds": round(ready, 2)}
+            _log(f"{name}: ready")
+        started = time.monotonic()
+        for round_index in range(size.rounds):
+            elapsed = time.monotonic() - started
+            if (
+                round_index
+                and elapsed / round_index * (round_index + 1) > size.rounds_budget_seconds
+            ):
+                _log(f"round {round_index + 1}: skipped, the time budget is spent")
+                break
+            order = names[round_index % len(names) :] + names[: round_index % len(names)]
+            for path in ENDPOINTS:
+                for name in order:
+                    phases = runs[name][path]
+                    phases["sequential"].append(sequential(servers[name].port, path, size))
+                    phases["concurrent"].append(concurrent(servers[name], path, size, procs, ctx))
+            _log(f"round {round_index + 1}: done")
+        for name, server in servers.items():
+            result = results[name]
+            result["endpoints"] = {
+                path: {phase: combine(rounds) for phase, rounds in phases.items()}
+                for path, phases in runs[name].items()
             }
-            progress(path)
-        result["endpoints"] = endpoints
-        result["long_poll"] = [
-            long_poll(server.port, waiters, size.long_poll_seconds) for waiters in LONG_POLL_WAITERS
-        ]
-        progress("long-poll probe")
-        result["burst"] = burst(server.port, size.burst_rounds)
-        progress("connection-burst probe")
-        result["rss_mib_after"] = _rss_mib(server.proc.pid)
-        result["processes"] = len(_tree(server.proc.pid))
-    result["busy_port"] = busy_port(name, deps)
-    progress("busy-port probe")
-    return result
+            result["rounds"] = runs[name]
+            result["long_poll"] = [
+                long_poll(server.port, waiters, size.long_poll_seconds)
+                for waiters in LONG_POLL_WAITERS
+            ]
+            result["burst"] = burst(server.port, size.burst_rounds)
+            result["rss_mib_after"] = _rss_mib(server.proc.pid)
+            result["processes"] = len(_tree(server.proc.pid))
+            _log(f"{name}: probes done")
+    if quick:  # side by side: gunicorn's retries are seconds of sleep, the others' a fraction
+        with concurrent_futures.ThreadPoolExecutor(max_workers=len(names) or 1) as pool:
+            probes = {
+                name: pool.submit(busy_port, name, deps, size.busy_port_seconds) for name in names
+            }
+            for name, probe in probes.items():
+                results[name]["busy_port"] = probe.result()
+    else:  # one at a time, so that the exit times do not include each other's start-up
+        for name in names:
+            results[name]["busy_port"] = busy_port(name, deps, size.busy_port_seconds)
+    _log("busy-port probes done")
+    return results
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -717,46 +809,56 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _error_cell(*phases: dict[str, Any]) -> str:
+    """``0``, or ``178 (503)``: non-200 answers over the phases, with their statuses."""
+    total: Counter[str] = Counter()
+    for phase in phases:
+        total.update(phase["error_statuses"])
+    count = sum(total.values())
+    return f"{count} ({', '.join(sorted(total))})" if count else "0"
+
+
+def _exit_cell(busy: dict[str, Any]) -> str:
+    if busy["exit_seconds"] is None:
+        return f"still retrying after {busy['timeout_seconds']:g} s"
+    return f"{busy['exit_seconds']:.2f} ({busy['returncode']})"
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        "| server | endpoint | seq p50 ms | seq p99 ms | 16 clients req/s | "
-        "16 clients p50 ms | 16 clients p99 ms | server CPU µs/req | errors |",
+        "| server | endpoint | seq p50 ms | seq p99 ms | 16 clients req/s (range) "
+        "| 16 clients p50 ms | 16 clients p99 ms | server CPU µs/req | errors |",
         "|---|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     measured = [s for s in report["servers"] if s["available"]]
     for path in ENDPOINTS:
         for s in measured:
             seq, con = s["endpoints"][path]["sequential"], s["endpoints"][path]["concurrent"]
+            low, high = con.get("requests_per_second_range", (None, None))
             lines.append(
                 f"| {s['server']} | `{path}` | {_fmt(seq['p50_ms'])} | {_fmt(seq['p99_ms'])} "
-                f"| {_fmt(con['requests_per_second'])} | {_fmt(con['p50_ms'], 1)} "
-                f"| {_fmt(con['p99_ms'], 1)} | {_fmt(con['server_cpu_us_per_request'])} "
-                f"| {seq['errors'] + con['errors']} |"
+                f"| {_fmt(con['requests_per_second'])} ({_fmt(low)}–{_fmt(high)}) "
+                f"| {_fmt(con['p50_ms'], 1)} | {_fmt(con['p99_ms'], 1)} "
+                f"| {_fmt(con['server_cpu_us_per_request'])} "
+                f"| {_error_cell(seq, con)} |"
             )
     lines += [
         "",
         "| server | processes | RSS MiB | ready after s | port in use: exits after s (rc) "
-        "| /healthz ms with {} / {} long-polls waiting |".format(*LONG_POLL_WAITERS),
-        "|---|--:|--:|--:|---|---|",
-    ]
-    burst_lines = [
-        f"| server | {BURST} new connections at once: p50 ms | max ms | slower than 0.9 s |",
-        "|---|--:|--:|--:|",
+        "| /healthz ms, {} / {} long-polls waiting "
+        "| {} new connections: p50 / max ms, > 0.9 s |".format(*LONG_POLL_WAITERS, BURST),
+        "|---|--:|--:|--:|---|---|---|",
     ]
     for s in measured:
-        busy = s["busy_port"]
+        busy, b = s["busy_port"], s["burst"]
         lines.append(
             f"| {s['server']} | {s['processes']} | {_fmt(s['rss_mib_after'], 1)} "
             f"| {_fmt(s['startup_seconds'])} "
-            f"| {_fmt(busy['exit_seconds'])} ({_fmt(busy['returncode'])}) "
-            f"| {' / '.join(_fmt(p['healthz_ms'], 1) for p in s['long_poll'])} |"
+            f"| {_exit_cell(busy)} "
+            f"| {' / '.join(_fmt(p['healthz_ms'], 1) for p in s['long_poll'])} "
+            f"| {_fmt(b['p50_ms'], 1)} / {_fmt(b['max_ms'], 1)}, "
+            f"{b['over_900ms']} of {b['connections'] * b['rounds']} |"
         )
-        b = s["burst"]
-        burst_lines.append(
-            f"| {s['server']} | {_fmt(b['p50_ms'], 1)} | {_fmt(b['max_ms'], 1)} "
-            f"| {b['over_900ms']} of {b['connections'] * b['rounds']} |"
-        )
-    lines += ["", *burst_lines]
     for s in report["servers"]:
         if not s["available"]:
             lines.append(f"\n{s['server']}: skipped — {s['note']}")
@@ -794,8 +896,26 @@ def main(argv: list[str] | None = None) -> int:
 
     size = QUICK_SIZE if args.quick else DEFAULT_SIZE
     out: Path = args.out or RESULTS_DIR / ("servers-quick.json" if args.quick else "servers.json")
-    ctx = _client_context()
+    requested = args.servers.split(",") if args.servers else [*SERVERS, *VARIANTS]
+    if args.quick and not args.servers:
+        requested = list(SERVERS)
+    for name in requested:
+        if name not in SERVE:
+            parser.error(f"unknown server {name!r}; choose from {', '.join(SERVE)}")
+
     started = time.monotonic()
+    skipped: list[dict[str, Any]] = []
+    names: list[str] = []
+    for name in requested:
+        if available(MODULE.get(name, name)):
+            names.append(name)
+        else:
+            note = f"not importable; pip install --target {args.deps} {MODULE.get(name, name)}"
+            _log(f"{name}: skipped ({note})")
+            skipped.append({"server": name, "available": False, "note": note})
+    measured = measure(
+        names, args.deps, size, args.client_procs, _client_context(), quick=args.quick
+    )
     report: dict[str, Any] = {
         "meta": {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -810,30 +930,18 @@ def main(argv: list[str] | None = None) -> int:
             "server_threads": SERVER_THREADS,
             "client": f"http.client keep-alive, {CLIENTS} connections in {args.client_procs} "
             f"processes × {CLIENTS // args.client_procs} threads",
+            "wall_seconds": round(time.monotonic() - started, 1),
         },
-        "servers": [],
+        "servers": [measured[name] for name in names] + skipped,
     }
-    names = args.servers.split(",") if args.servers else SERVERS + ((), VARIANTS)[not args.quick]
-    for name in names:
-        if name not in SERVE:
-            parser.error(f"unknown server {name!r}; choose from {', '.join(SERVE)}")
-        if not available(MODULE.get(name, name)):
-            note = f"not importable; pip install --target {args.deps} {MODULE.get(name, name)}"
-            print(f"{name}: skipped ({note})", file=sys.stderr)
-            report["servers"].append({"server": name, "available": False, "note": note})
-            continue
-        print(f"{name}: measuring", file=sys.stderr, flush=True)
-        report["servers"].append(bench_server(name, args.deps, size, args.client_procs, ctx))
-    report["meta"]["wall_seconds"] = round(time.monotonic() - started, 1)
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, out)
     meta = report["meta"]
     print(
-        f"\n{meta['cpu_count']} CPUs ({meta['cpu']}), Python {meta['python']}, {meta['client']}; "
-        f"{meta['wall_seconds']} s\n"
+        f"{meta['cpu_count']} CPUs ({meta['cpu']}), Python {meta['python']}, {meta['client']}; "
+        f"median of {size.rounds} round(s); {meta['wall_seconds']} s\n"
     )
     print(markdown(report))
     print(f"\nJSON: {out}")
