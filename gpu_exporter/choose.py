@@ -216,7 +216,7 @@ def sort_key(gpu: GpuSample, sort: str = "free") -> SortKey:
     if sort == "free":
         return default
     primary = score(gpu, sort)
-    if primary is not None and sort in ("free_ratio",):
+    if primary is not None and sort == "free_ratio":
         primary = -primary  # more is better
     if sort == "pack":  # least free memory that still passed the filters
         return (_known(primary), _known(util), (False, -gpu.index))
