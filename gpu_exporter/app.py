@@ -21,7 +21,17 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
 from gpu_exporter import __version__
-from gpu_exporter.choose import SORTS, Choice, Filters, NotEnoughGpus, Rejected, Window, score
+from gpu_exporter.choose import (
+    MIG_MODES,
+    SORTS,
+    Choice,
+    Filters,
+    NotEnoughGpus,
+    Rejected,
+    Window,
+    score,
+)
+from gpu_exporter.counters import XidCounter
 from gpu_exporter.leases import Lease, LeaseError, LeaseTable
 from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
@@ -37,6 +47,7 @@ DEFAULT_LEASE_SECONDS = 60.0
 CHOOSE_PARAMS = (
     "n", "format", "lease", "owner", "wait", "idle_for", "sort",
     "min_free", "min_total", "max_util", "max_mem_util", "max_procs", "model", "include", "exclude",
+    "mig",
 )  # fmt: skip
 CHOOSE_FORMATS = ("uuid", "index", "env", "json")
 WAIT_POLL_SECONDS = 0.1  # waiters also wake at once on lease changes
@@ -167,6 +178,15 @@ def parse_choose_args(args: Any) -> ChooseRequest:
     model = args.get("model")
     if model is not None and not model.strip():
         _bad("model", "model must not be empty")
+    mig = args.get("mig", "deny")
+    if mig not in MIG_MODES:
+        _bad("mig", f"mig must be one of {', '.join(MIG_MODES)}, got {mig!r}")
+    if mig != "deny" and fmt == "index":
+        _bad(
+            "format",
+            "format=index cannot name MIG devices (CUDA takes their MIG-… UUID); "
+            "use format=uuid or env",
+        )
     lease = _parsed(args, "lease", parse_duration)
     filters = Filters(
         min_free_bytes=_parsed(args, "min_free", parse_bytes),
@@ -177,6 +197,7 @@ def parse_choose_args(args: Any) -> ChooseRequest:
         max_procs=None if raw_procs is None else int(raw_procs),
         model=model,
         include=_selectors(args, "include"),
+        mig=mig,
     )
     return ChooseRequest(
         n=int(raw_n),
@@ -210,6 +231,20 @@ def _rejected_json(r: Rejected) -> dict[str, Any]:
     return {"index": r.gpu.index, "uuid": r.gpu.uuid, "reasons": list(r.reasons)}
 
 
+def gpus_json(snapshot: Snapshot, xids: XidCounter | None = None) -> list[dict[str, Any]]:
+    """``/gpus``' list: every GPU with its MIG devices, processes and (if counted) Xids."""
+    counts: dict[str, dict[str, int]] = {}
+    for c in xids.counts() if xids is not None else ():
+        counts.setdefault(c.uuid, {})[str(c.xid)] = c.count
+    out = []
+    for gpu in snapshot.gpus:
+        data = gpu_json(gpu)
+        if xids is not None:
+            data["xid_errors"] = counts.get(gpu.uuid, {})
+        out.append(data)
+    return out
+
+
 def choice_text(choice: Choice, lease: Lease | None, fmt: str) -> str:
     """The text formats of a successful ``/choose``, newline-terminated."""
     uuids = ",".join(g.uuid for g in choice.chosen)
@@ -229,6 +264,7 @@ def create_app(
     max_age_seconds: float = 10.0,
     leases: LeaseTable | None = None,
     requests: RequestCounter | None = None,
+    xids: XidCounter | None = None,
 ) -> Flask:
     """Build the app. Everything it reads comes in through the arguments.
 
@@ -299,7 +335,8 @@ def create_app(
                 "cuda_driver_version": snapshot.cuda_driver_version,
                 "sampled_at": snapshot.taken_at_seconds if snapshot.sequence else None,
                 "snapshot_age_seconds": round(snapshot.age_seconds(now), 3),
-                "gpus": [gpu_json(g) for g in snapshot.gpus],
+                "process_labels": list(snapshot.process_labels),
+                "gpus": gpus_json(snapshot, xids),
             }
         )
 

@@ -11,9 +11,11 @@ from flask.testing import FlaskClient
 from prometheus_client import CollectorRegistry
 
 from gpu_exporter.app import create_app
+from gpu_exporter.counters import PcieRates, XidCounter
 from gpu_exporter.leases import LeaseTable
 from gpu_exporter.metrics import GpuCollector, RequestCounter
 from gpu_exporter.nvml import Nvml
+from gpu_exporter.procinfo import ProcInfoCache
 from gpu_exporter.sampler import Sampler, SnapshotCache, new_cache
 from gpu_exporter.simulate import SimGpu, SimulatedNvml
 
@@ -48,6 +50,8 @@ class Stack:
     registry: CollectorRegistry
     app: Flask
     leases: LeaseTable
+    xids: XidCounter
+    pcie: PcieRates | None = None
 
     @property
     def client(self) -> FlaskClient:
@@ -68,20 +72,41 @@ def build_stack(
     max_age: float = 10.0,
     clock: FakeClock | None = None,
     leases: LeaseTable | None = None,
+    procinfo: ProcInfoCache | None = None,
+    pcie: bool = False,
+    process_series_limit: int = 64,
 ) -> Stack:
     clock = clock or FakeClock()
     sim = sim_factory(clock)
     nvml = Nvml(sim, simulated=True)
     cache = new_cache(nvml, clock)
-    sampler = Sampler(nvml, cache, interval_seconds=1.0, clock=clock)
+    sampler = Sampler(nvml, cache, interval_seconds=1.0, clock=clock, procinfo=procinfo)
     table = leases or LeaseTable(clock)
     requests = RequestCounter()
+    xids = XidCounter()
+    rates = PcieRates() if pcie else None
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, version="test", leases=table, requests=requests))
-    app = create_app(
-        cache, registry, clock=clock, max_age_seconds=max_age, leases=table, requests=requests
+    registry.register(
+        GpuCollector(
+            cache,
+            version="test",
+            leases=table,
+            requests=requests,
+            xids=xids,
+            pcie=rates,
+            process_series_limit=process_series_limit,
+        )
     )
-    return Stack(clock, sim, nvml, cache, sampler, registry, app, table)
+    app = create_app(
+        cache,
+        registry,
+        clock=clock,
+        max_age_seconds=max_age,
+        leases=table,
+        requests=requests,
+        xids=xids,
+    )
+    return Stack(clock, sim, nvml, cache, sampler, registry, app, table, xids, rates)
 
 
 @pytest.fixture
