@@ -98,8 +98,8 @@ def parse_command(cmdline: bytes) -> str | None:
     argv0 = cmdline.split(b"\0", 1)[0].decode("utf-8", "replace").strip()
     if not argv0:
         return None
-    # Some programs rewrite argv[0] to "name: detail"; keep the program part.
-    return os.path.basename(argv0.split(" ", 1)[0]) or None
+    # Some programs set their title as "name: detail" in argv[0]; keep the program part.
+    return os.path.basename(argv0.split(": ", 1)[0].rstrip(":")) or None
 
 
 def user_name(uid: int) -> str:
