@@ -243,6 +243,7 @@ class Nvml:
         self._errors: Counter[tuple[str, str]] = Counter()
         self._errors_lock = threading.Lock()
         self._memory_v2 = True
+        self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, function: str, *args: Any, **kwargs: Any) -> Any:
@@ -282,6 +283,7 @@ class Nvml:
                 raise
             raise NvmlUnavailable(exc.function, exc.code, str(exc)) from exc
         self._memory_v2 = True
+        self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
 
     def shutdown(self) -> None:
         with contextlib.suppress(NvmlError):
@@ -371,12 +373,15 @@ class Nvml:
 
         Drivers before 535 only have the older name of the same call.
         """
-        try:
-            return int(self._call("nvmlDeviceGetCurrentClocksEventReasons", handle))
-        except Unsupported as exc:
-            if exc.code != _FUNCTION_NOT_FOUND:
-                raise
-        return int(self._call("nvmlDeviceGetCurrentClocksThrottleReasons", handle))
+        if self._clocks_event_reasons_fn == "nvmlDeviceGetCurrentClocksEventReasons":
+            try:
+                return int(self._call(self._clocks_event_reasons_fn, handle))
+            except Unsupported as exc:
+                if exc.code != _FUNCTION_NOT_FOUND:
+                    raise
+                # A missing symbol is missing for every GPU: use the old name from now on.
+                self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksThrottleReasons"
+        return int(self._call(self._clocks_event_reasons_fn, handle))
 
     def max_clock_hz(self, handle: Any, clock: str) -> float:
         return int(self._call("nvmlDeviceGetMaxClockInfo", handle, CLOCK_TYPES[clock])) * 1e6
