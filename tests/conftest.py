@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from flask import Flask
@@ -125,3 +126,20 @@ def stack() -> Stack:
 def sim_of(*gpus: SimGpu, **kwargs: object) -> Callable[[FakeClock], SimulatedNvml]:
     """A factory for build_stack from explicit simulated GPUs."""
     return lambda clock: SimulatedNvml(list(gpus), clock=clock.monotonic, **kwargs)  # type: ignore[arg-type]
+
+
+# A container id as Docker writes it (64 hex digits).
+CID = "3f4e8a1b2c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f7"
+
+
+def fake_proc(root: Path, pid: int, *, uid: int, cmdline: bytes, cgroup: str, start: int) -> None:
+    """A /proc/<pid> directory with the files gpu_exporter.procinfo reads."""
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    (d / "status").write_text(f"Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+    (d / "cmdline").write_bytes(cmdline)
+    (d / "comm").write_text("kworker\n")
+    (d / "cgroup").write_text(cgroup)
+    # Field 2 with spaces and parentheses, as a process can name itself.
+    fields = ["S"] + ["0"] * 18 + [str(start)] + ["0"] * 30
+    (d / "stat").write_text(f"{pid} (my (odd) name) " + " ".join(fields) + "\n")

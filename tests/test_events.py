@@ -82,7 +82,7 @@ def test_stop_is_prompt_and_frees_everything(running: tuple[Stack, XidListener])
 
 
 def test_counts_survive_nvml_going_away(running: tuple[Stack, XidListener]) -> None:
-    s, listener = running
+    s, _ = running
     s.sim.inject_xid(0, 79)
     eventually(lambda: s.xids.total() == 1)
     before = s.sim.calls.get("nvmlEventSetCreate", 0)

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from conftest import Stack, build_stack, sim_of
+from conftest import CID, Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.metrics import METRICS
 from gpu_exporter.model import CLOCKS_EVENT_REASONS
 from gpu_exporter.procinfo import ProcInfoCache
 from gpu_exporter.simulate import Health, Load, SimGpu
-from test_procinfo import CID, fake_proc
 
 A100 = "NVIDIA A100-SXM4-80GB"
 GTX = "NVIDIA GeForce GTX 1080"
@@ -69,7 +68,9 @@ def reasons(s: Stack, gpu: int) -> dict[str, float | None]:
 def test_a100_health_values() -> None:
     s = host()
     v = s.value
-    assert reasons(s, 0) == {r: 1.0 if r == "hw_thermal_slowdown" else 0.0 for r in CLOCKS_EVENT_REASONS}
+    assert reasons(s, 0) == {
+        r: 1.0 if r == "hw_thermal_slowdown" else 0.0 for r in CLOCKS_EVENT_REASONS
+    }
     assert v("gpu_clock_max_hz", 0, clock="sm") == 1410e6
     assert v("gpu_clock_max_hz", 0, clock="graphics") == 1410e6
     assert v("gpu_clock_max_hz", 0, clock="memory") == 1593e6
@@ -248,8 +249,9 @@ def test_full_output_has_every_metric(tmp_path: Path) -> None:
     assert missing == {"gpu_retired_pages_total", "gpu_retired_pages_pending"}
     labels = {"gpu": "0", "uuid": s.sim.gpus[0].uuid, "pid": "4000", "user": "root"}
     labels |= {"command": "python3", "container": CID, "slurm_job": "", "pod": ""}
-    assert s.registry.get_sample_value("gpu_process_memory_used_bytes", labels) == (
-        s.sim.state(0).processes[0][1]
+    assert (
+        s.registry.get_sample_value("gpu_process_memory_used_bytes", labels)
+        == (s.sim.state(0).processes[0][1])
     )
 
 

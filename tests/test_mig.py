@@ -171,7 +171,7 @@ def test_scenario_mig_validation() -> None:
         {"gpus": [{"model": A100, "mig": ["7g.80gb"]}]}, clock=clock.monotonic
     )
     assert sim.gpus[0].mig == ("7g.80gb",)
-    with pytest.raises(ValueError, match="no MIG profile '1g.5gb'"):
+    with pytest.raises(ValueError, match=r"no MIG profile '1g\.5gb'"):
         SimulatedNvml.from_scenario(
             {"gpus": [{"model": A100, "mig": ["1g.5gb"]}]}, clock=clock.monotonic
         )
@@ -179,7 +179,7 @@ def test_scenario_mig_validation() -> None:
         SimulatedNvml.from_scenario(
             {"gpus": [{"model": "NVIDIA L4", "mig": ["1g.10gb"]}]}, clock=clock.monotonic
         )
-    with pytest.raises(ValueError, match="use 8 of 7 slices"):
+    with pytest.raises(ValueError, match=r"use 8 of 7 slices"):
         SimulatedNvml.from_scenario(
             {"gpus": [{"model": A100, "mig": ["4g.40gb", "4g.40gb"]}]}, clock=clock.monotonic
         )

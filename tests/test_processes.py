@@ -9,10 +9,9 @@ from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 
-from conftest import Stack, build_stack, sim_of
+from conftest import CID, Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.procinfo import ProcInfoCache
 from gpu_exporter.simulate import Load, SimGpu
-from test_procinfo import CID, fake_proc
 
 A100 = "NVIDIA A100-SXM4-80GB"
 
@@ -44,9 +43,7 @@ def procs_host(**kwargs: object) -> Stack:
 
 def label_sets(s: Stack) -> list[dict[str, str]]:
     """The label sets of every process series, as exposed."""
-    return [
-        dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) for line in process_lines(s)
-    ]
+    return [dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) for line in process_lines(s)]
 
 
 def process_lines(s: Stack) -> list[str]:
@@ -143,7 +140,13 @@ def test_opt_in_labels_from_proc(tmp_path: Path) -> None:
         "command": "python",
         "container": CID,
     }
-    assert sets["4001"] == {**ids, "pid": "4001", "user": "root", "command": "a.out", "container": ""}
+    assert sets["4001"] == {
+        **ids,
+        "pid": "4001",
+        "user": "root",
+        "command": "a.out",
+        "container": "",
+    }
     assert sets["4002"] == {**ids, "pid": "4002", "user": "", "command": "", "container": ""}
     assert "secret" not in generate_latest(s.registry).decode()
     procs = s.client.get("/gpus").get_json()["gpus"][0]["processes"]
@@ -162,7 +165,12 @@ def test_opt_in_labels_from_proc(tmp_path: Path) -> None:
 def test_slurm_and_pod_labels(tmp_path: Path) -> None:
     pod = "8e2a6c1d-5b4f-4a3e-9d7c-1b2a3c4d5e6f"
     fake_proc(
-        tmp_path, 4000, uid=0, cmdline=b"x\x00", cgroup="4:memory:/slurm/uid_0/job_7/step_0\n", start=1
+        tmp_path,
+        4000,
+        uid=0,
+        cmdline=b"x\x00",
+        cgroup="4:memory:/slurm/uid_0/job_7/step_0\n",
+        start=1,
     )
     fake_proc(
         tmp_path,
@@ -177,9 +185,15 @@ def test_slurm_and_pod_labels(tmp_path: Path) -> None:
     base = {"gpu": "0", "uuid": uuid}
     used = s.sim.state(0).processes[0][1]
     r = s.registry
-    assert r.get_sample_value(
-        "gpu_process_memory_used_bytes", {**base, "pid": "4000", "slurm_job": "7", "pod": ""}
-    ) == used
-    assert r.get_sample_value(
-        "gpu_process_memory_used_bytes", {**base, "pid": "4001", "slurm_job": "", "pod": pod}
-    ) == used
+    assert (
+        r.get_sample_value(
+            "gpu_process_memory_used_bytes", {**base, "pid": "4000", "slurm_job": "7", "pod": ""}
+        )
+        == used
+    )
+    assert (
+        r.get_sample_value(
+            "gpu_process_memory_used_bytes", {**base, "pid": "4001", "slurm_job": "", "pod": pod}
+        )
+        == used
+    )

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CID, fake_proc
 from gpu_exporter.procinfo import (
     CgroupInfo,
     ProcInfo,
@@ -17,7 +18,6 @@ from gpu_exporter.procinfo import (
     start_time,
 )
 
-CID = "3f4e8a1b2c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f7"
 POD = "8e2a6c1d-5b4f-4a3e-9d7c-1b2a3c4d5e6f"
 
 
@@ -94,18 +94,6 @@ def test_parse_uid_and_command() -> None:
     assert parse_command(b"nginx: worker process\x00") == "nginx"
     assert parse_command(b"") is None
     assert parse_command(b"\x00") is None
-
-
-def fake_proc(root: Path, pid: int, *, uid: int, cmdline: bytes, cgroup: str, start: int) -> None:
-    d = root / str(pid)
-    d.mkdir(parents=True)
-    (d / "status").write_text(f"Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
-    (d / "cmdline").write_bytes(cmdline)
-    (d / "comm").write_text("kworker\n")
-    (d / "cgroup").write_text(cgroup)
-    # Field 2 with spaces and parentheses, as a process can name itself.
-    fields = ["S"] + ["0"] * 18 + [str(start)] + ["0"] * 30
-    (d / "stat").write_text(f"{pid} (my (odd) name) " + " ".join(fields) + "\n")
 
 
 def test_read_procinfo_from_a_fake_proc(tmp_path: Path) -> None:
