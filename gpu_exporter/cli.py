@@ -32,6 +32,7 @@ class ServeConfig:
     state_dir: str | None = None  # None: leases are not kept across restarts
     max_lease_seconds: float = 3600.0
     max_gpus_per_requester: int = 0  # 0: no limit
+    nvml_timeout_seconds: float = 5.0
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -108,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="use N simulated GPUs, or a scenario file, instead of the NVIDIA driver",
     )
     serve.add_argument(
+        "--nvml-timeout",
+        type=_positive_seconds,
+        default=_env("nvml-timeout", "5"),
+        metavar="SECONDS",
+        help="deadline for one GPU's NVML calls in a sample; a GPU whose call does not return "
+        "in time is reported down (gpu_down_reason timeout) until it does (default %(default)s)",
+    )
+    serve.add_argument(
         "--max-age",
         type=_positive_seconds,
         default=_env("max-age", None),
@@ -178,6 +187,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or _default_state_dir(),
         max_lease_seconds=float(args.max_lease),
         max_gpus_per_requester=int(args.max_gpus_per_requester),
+        nvml_timeout_seconds=float(args.nvml_timeout),
     )
 
 
@@ -253,7 +263,13 @@ def serve(config: ServeConfig) -> int:
         return 1
 
     # NVML is initialised on the sampler thread of this (serving) process — never before a fork.
-    sampler = Sampler(nvml, cache, interval_seconds=config.interval_seconds, clock=clock)
+    sampler = Sampler(
+        nvml,
+        cache,
+        interval_seconds=config.interval_seconds,
+        nvml_timeout_seconds=config.nvml_timeout_seconds,
+        clock=clock,
+    )
     sampler.start()
 
     stopping = threading.Event()

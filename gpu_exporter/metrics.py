@@ -67,6 +67,22 @@ GPU_UP = MetricSpec(
     GPU_LABELS,
     "nvmlDeviceGetHandleByIndex and every value call",
 )
+GPU_LAST_SEEN = MetricSpec(
+    "gpu_last_seen_timestamp_seconds",
+    "gauge",
+    "Unix time of the last sample in which the GPU answered; kept while it is down, so "
+    "time() - this is how long it has been gone." + SAMPLED,
+    GPU_LABELS,
+    "the exporter",
+)
+GPU_DOWN_REASON = MetricSpec(
+    "gpu_down_reason",
+    "gauge",
+    "1 while gpu_up is 0, with why: lost (fell off the bus, needs a reset), timeout (an NVML "
+    "call for it has not returned within --nvml-timeout) or error." + SAMPLED,
+    (*GPU_LABELS, "reason"),
+    "nvmlDeviceGetHandleByIndex and every value call",
+)
 GPU_VALUES: tuple[MetricSpec, ...] = (
     _gpu(
         "gpu_memory_total_bytes",
@@ -216,7 +232,15 @@ EXPORTER_METRICS = (
     CHOOSE_REQUESTS,
     LEASES_DROPPED,
 )
-METRICS: tuple[MetricSpec, ...] = (GPU_INFO, GPU_UP, *GPU_VALUES, GPU_LEASED, *EXPORTER_METRICS)
+METRICS: tuple[MetricSpec, ...] = (
+    GPU_INFO,
+    GPU_UP,
+    GPU_DOWN_REASON,
+    GPU_LAST_SEEN,
+    *GPU_VALUES,
+    GPU_LEASED,
+    *EXPORTER_METRICS,
+)
 
 
 class RequestCounter:
@@ -243,6 +267,7 @@ def _family(spec: MetricSpec) -> GaugeMetricFamily | CounterMetricFamily:
 def gpu_families(snapshot: Snapshot) -> Iterator[Metric]:
     """Per-GPU families. A value the GPU did not report this sample has no series at all."""
     info, up = _family(GPU_INFO), _family(GPU_UP)
+    down, seen = _family(GPU_DOWN_REASON), _family(GPU_LAST_SEEN)
     values = [_family(spec) for spec in GPU_VALUES]
     for gpu in snapshot.gpus:
         ids = [str(gpu.index), gpu.uuid]
@@ -257,10 +282,16 @@ def gpu_families(snapshot: Snapshot) -> Iterator[Metric]:
             1,
         )
         up.add_metric(ids, 1 if gpu.up else 0)
+        if not gpu.up and gpu.down_reason is not None:
+            down.add_metric([*ids, gpu.down_reason], 1)
+        if gpu.last_seen_seconds is not None:
+            seen.add_metric(ids, gpu.last_seen_seconds)
         for spec, family in zip(GPU_VALUES, values, strict=True):
             _add_values(spec, family, ids, gpu)
     yield info
     yield up
+    yield down
+    yield seen
     yield from values
 
 

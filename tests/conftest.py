@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from gpu_exporter.app import create_app
 from gpu_exporter.leases import LeaseTable
 from gpu_exporter.metrics import GpuCollector, RequestCounter
+from gpu_exporter.model import Snapshot
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.sampler import Sampler, SnapshotCache, new_cache
 from gpu_exporter.simulate import SimGpu, SimulatedNvml
@@ -53,8 +54,8 @@ class Stack:
     def client(self) -> FlaskClient:
         return self.app.test_client()
 
-    def sample(self) -> None:
-        self.sampler.sample_once()
+    def sample(self) -> Snapshot:
+        return self.sampler.sample_once()
 
     def value(self, name: str, gpu: int | None = None, **labels: str) -> float | None:
         if gpu is not None:
@@ -68,12 +69,15 @@ def build_stack(
     max_age: float = 10.0,
     clock: FakeClock | None = None,
     leases: LeaseTable | None = None,
+    nvml_timeout: float = 5.0,
 ) -> Stack:
     clock = clock or FakeClock()
     sim = sim_factory(clock)
     nvml = Nvml(sim, simulated=True)
     cache = new_cache(nvml, clock)
-    sampler = Sampler(nvml, cache, interval_seconds=1.0, clock=clock)
+    sampler = Sampler(
+        nvml, cache, interval_seconds=1.0, nvml_timeout_seconds=nvml_timeout, clock=clock
+    )
     table = leases or LeaseTable(clock)
     requests = RequestCounter()
     registry = CollectorRegistry()
