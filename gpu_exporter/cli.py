@@ -33,6 +33,8 @@ class ServeConfig:
     max_lease_seconds: float = 3600.0
     max_gpus_per_requester: int = 0  # 0: no limit
     nvml_timeout_seconds: float = 5.0
+    max_requests_in_flight: int = 32
+    max_waiters: int = 8
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -146,6 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
     )
     serve.add_argument(
+        "--max-requests-in-flight",
+        type=int,
+        default=_env("max-requests-in-flight", "32"),
+        metavar="N",
+        help="requests handled at once; more are answered 503 with Retry-After at once "
+        "(/healthz and /readyz are exempt and always get a thread) (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-waiters",
+        type=int,
+        default=_env("max-waiters", "8"),
+        metavar="N",
+        help="/choose?wait= requests that may wait for GPUs at once; more are answered 503 "
+        "too_many_waiters; 0 disables waiting (default %(default)s)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
@@ -177,6 +195,10 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
     if args.max_gpus_per_requester < 0:
         parser.error("--max-gpus-per-requester must be 0 (no limit) or more")
+    if not 1 <= args.max_requests_in_flight <= 1024:
+        parser.error("--max-requests-in-flight must be from 1 to 1024")
+    if not 0 <= args.max_waiters < args.max_requests_in_flight:
+        parser.error("--max-waiters must be from 0 to less than --max-requests-in-flight")
     return ServeConfig(
         host,
         port,
@@ -188,6 +210,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_lease_seconds=float(args.max_lease),
         max_gpus_per_requester=int(args.max_gpus_per_requester),
         nvml_timeout_seconds=float(args.nvml_timeout),
+        max_requests_in_flight=int(args.max_requests_in_flight),
+        max_waiters=int(args.max_waiters),
     )
 
 
@@ -212,6 +236,7 @@ def serve(config: ServeConfig) -> int:
 
     from gpu_exporter.app import create_app
     from gpu_exporter.leases import LeaseTable
+    from gpu_exporter.limits import PROBE_THREADS, Waiters
     from gpu_exporter.metrics import GpuCollector, RequestCounter
     from gpu_exporter.nvml import Nvml
     from gpu_exporter.sampler import Sampler, SystemClock, new_cache
@@ -242,10 +267,11 @@ def serve(config: ServeConfig) -> int:
         max_ttl_seconds=config.max_lease_seconds,
         max_gpus_per_requester=config.max_gpus_per_requester,
     )
-    requests = RequestCounter()
+    requests, rejections = RequestCounter(), RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, leases=leases, requests=requests))
+    registry.register(GpuCollector(cache, leases=leases, requests=requests, rejections=rejections))
     ProcessCollector(registry=registry)
+    stopping = threading.Event()
     app = create_app(
         cache,
         registry,
@@ -253,9 +279,16 @@ def serve(config: ServeConfig) -> int:
         max_age_seconds=config.max_age_seconds,
         leases=leases,
         requests=requests,
+        rejections=rejections,
+        max_in_flight=config.max_requests_in_flight,
+        waiters=Waiters(config.max_waiters),
+        stopping=stopping,
     )
 
-    server = Server(app, config.host, config.port)
+    # A few threads beyond the request limit, so that probes always find one free.
+    server = Server(
+        app, config.host, config.port, threads=config.max_requests_in_flight + PROBE_THREADS
+    )
     try:
         server.bind()  # before NVML: a busy port fails fast, without touching the driver
     except ListenError as exc:
@@ -271,8 +304,6 @@ def serve(config: ServeConfig) -> int:
         clock=clock,
     )
     sampler.start()
-
-    stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if not stopping.is_set():

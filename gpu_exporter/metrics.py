@@ -223,6 +223,14 @@ LEASES_DROPPED = MetricSpec(
     ("reason",),
     "the lease table",
 )
+REQUESTS_REJECTED = MetricSpec(
+    "gpu_exporter_requests_rejected_total",
+    "counter",
+    "Requests refused by the request limits: too_many_requests (--max-requests-in-flight), "
+    "too_many_waiters (--max-waiters), uri_too_long.",
+    ("reason",),
+    "the exporter",
+)
 EXPORTER_METRICS = (
     BUILD_INFO,
     NVML_UP,
@@ -231,6 +239,7 @@ EXPORTER_METRICS = (
     NVML_ERRORS,
     CHOOSE_REQUESTS,
     LEASES_DROPPED,
+    REQUESTS_REJECTED,
 )
 METRICS: tuple[MetricSpec, ...] = (
     GPU_INFO,
@@ -244,7 +253,7 @@ METRICS: tuple[MetricSpec, ...] = (
 
 
 class RequestCounter:
-    """Thread-safe counts of /choose results."""
+    """Thread-safe counts by one label value (/choose results, rejected requests)."""
 
     def __init__(self) -> None:
         self._counts: Counter[str] = Counter()
@@ -334,14 +343,18 @@ def lease_families(
     for gpu in snapshot.gpus:
         leased.add_metric([str(gpu.index), gpu.uuid], 1 if gpu.uuid in held else 0)
     yield leased
-    results = _family(CHOOSE_REQUESTS)
-    for result, count in sorted(requests.counts().items()):
-        results.add_metric([result], count)
-    yield results
+    yield _counts(CHOOSE_REQUESTS, requests)
     dropped = _family(LEASES_DROPPED)
     for reason, count in sorted(leases.dropped.items()):
         dropped.add_metric([reason], count)
     yield dropped
+
+
+def _counts(spec: MetricSpec, counter: RequestCounter) -> Metric:
+    family = _family(spec)
+    for label, count in sorted(counter.counts().items()):
+        family.add_metric([label], count)
+    return family
 
 
 class GpuCollector(Collector):
@@ -354,11 +367,13 @@ class GpuCollector(Collector):
         *,
         leases: LeaseTable | None = None,
         requests: RequestCounter | None = None,
+        rejections: RequestCounter | None = None,
     ) -> None:
         self._cache = cache
         self._version = version
         self._leases = leases
         self._requests = requests or RequestCounter()
+        self._rejections = rejections
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._cache.get()  # one snapshot for the whole scrape
@@ -366,6 +381,8 @@ class GpuCollector(Collector):
         if self._leases is not None:
             yield from lease_families(snapshot, self._leases, self._requests)
         yield from exporter_families(snapshot, self._version)
+        if self._rejections is not None:
+            yield _counts(REQUESTS_REJECTED, self._rejections)
 
 
 def markdown_table() -> str:

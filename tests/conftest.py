@@ -79,11 +79,19 @@ def build_stack(
         nvml, cache, interval_seconds=1.0, nvml_timeout_seconds=nvml_timeout, clock=clock
     )
     table = leases or LeaseTable(clock)
-    requests = RequestCounter()
+    requests, rejections = RequestCounter(), RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, version="test", leases=table, requests=requests))
+    registry.register(
+        GpuCollector(cache, version="test", leases=table, requests=requests, rejections=rejections)
+    )
     app = create_app(
-        cache, registry, clock=clock, max_age_seconds=max_age, leases=table, requests=requests
+        cache,
+        registry,
+        clock=clock,
+        max_age_seconds=max_age,
+        leases=table,
+        requests=requests,
+        rejections=rejections,
     )
     return Stack(clock, sim, nvml, cache, sampler, registry, app, table)
 
