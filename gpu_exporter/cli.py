@@ -37,6 +37,9 @@ class ServeConfig:
     proc_root: str = "/proc"
     pcie_throughput: bool = False
     xid_events: bool = True
+    nvml_timeout_seconds: float = 5.0
+    max_requests_in_flight: int = 32
+    max_waiters: int = 8
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -137,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="use N simulated GPUs, or a scenario file, instead of the NVIDIA driver",
     )
     serve.add_argument(
+        "--nvml-timeout",
+        type=_positive_seconds,
+        default=_env("nvml-timeout", "5"),
+        metavar="SECONDS",
+        help="deadline for one GPU's NVML calls in a sample; a GPU whose call does not return "
+        "in time is reported down (gpu_down_reason timeout) until it does (default %(default)s)",
+    )
+    serve.add_argument(
         "--max-age",
         type=_positive_seconds,
         default=_env("max-age", None),
@@ -204,6 +215,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not listen for Xid errors (gpu_xid_errors_total)",
     )
     serve.add_argument(
+        "--max-requests-in-flight",
+        type=int,
+        default=_env("max-requests-in-flight", "32"),
+        metavar="N",
+        help="requests handled at once; more are answered 503 with Retry-After at once "
+        "(/healthz and /readyz are exempt and always get a thread) (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-waiters",
+        type=int,
+        default=_env("max-waiters", "8"),
+        metavar="N",
+        help="/choose?wait= requests that may wait for GPUs at once; more are answered 503 "
+        "too_many_waiters; 0 disables waiting (default %(default)s)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
@@ -241,6 +268,10 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--process-labels: {exc}")
     if args.process_series_limit < 0:
         parser.error("--process-series-limit must be 0 or more")
+    if not 1 <= args.max_requests_in_flight <= 1024:
+        parser.error("--max-requests-in-flight must be from 1 to 1024")
+    if not 0 <= args.max_waiters < args.max_requests_in_flight:
+        parser.error("--max-waiters must be from 0 to less than --max-requests-in-flight")
     return ServeConfig(
         host,
         port,
@@ -256,6 +287,9 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         proc_root=args.proc_root,
         pcie_throughput=bool(args.pcie_throughput),
         xid_events=bool(args.xid_events),
+        nvml_timeout_seconds=float(args.nvml_timeout),
+        max_requests_in_flight=int(args.max_requests_in_flight),
+        max_waiters=int(args.max_waiters),
     )
 
 
@@ -283,6 +317,7 @@ def serve(config: ServeConfig) -> int:
     from gpu_exporter.counters import PcieRates, XidCounter
     from gpu_exporter.events import XidListener
     from gpu_exporter.leases import LeaseTable
+    from gpu_exporter.limits import PROBE_THREADS, Waiters
     from gpu_exporter.metrics import GpuCollector, RequestCounter
     from gpu_exporter.nvml import Nvml
     from gpu_exporter.pcie import PcieThroughputSampler
@@ -315,7 +350,7 @@ def serve(config: ServeConfig) -> int:
         max_ttl_seconds=config.max_lease_seconds,
         max_gpus_per_requester=config.max_gpus_per_requester,
     )
-    requests = RequestCounter()
+    requests, rejections = RequestCounter(), RequestCounter()
     xids = XidCounter() if config.xid_events else None
     pcie = PcieRates() if config.pcie_throughput else None
     registry = CollectorRegistry()
@@ -324,12 +359,14 @@ def serve(config: ServeConfig) -> int:
             cache,
             leases=leases,
             requests=requests,
+            rejections=rejections,
             xids=xids,
             pcie=pcie,
             process_series_limit=config.process_series_limit,
         )
     )
     ProcessCollector(registry=registry)
+    stopping = threading.Event()
     app = create_app(
         cache,
         registry,
@@ -337,10 +374,17 @@ def serve(config: ServeConfig) -> int:
         max_age_seconds=config.max_age_seconds,
         leases=leases,
         requests=requests,
+        rejections=rejections,
+        max_in_flight=config.max_requests_in_flight,
+        waiters=Waiters(config.max_waiters),
+        stopping=stopping,
         xids=xids,
     )
 
-    server = Server(app, config.host, config.port)
+    # A few threads beyond the request limit, so that probes always find one free.
+    server = Server(
+        app, config.host, config.port, threads=config.max_requests_in_flight + PROBE_THREADS
+    )
     try:
         server.bind()  # before NVML: a busy port fails fast, without touching the driver
     except ListenError as exc:
@@ -352,7 +396,12 @@ def serve(config: ServeConfig) -> int:
         ProcInfoCache(config.process_labels, config.proc_root) if config.process_labels else None
     )
     sampler = Sampler(
-        nvml, cache, interval_seconds=config.interval_seconds, clock=clock, procinfo=procinfo
+        nvml,
+        cache,
+        interval_seconds=config.interval_seconds,
+        nvml_timeout_seconds=config.nvml_timeout_seconds,
+        clock=clock,
+        procinfo=procinfo,
     )
     sampler.start()
     # Off the main sampling path: each on its own thread, holding its own NVML reference.
@@ -365,8 +414,6 @@ def serve(config: ServeConfig) -> int:
         )
     for thread in background:
         thread.start()
-
-    stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if not stopping.is_set():

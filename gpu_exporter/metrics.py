@@ -139,6 +139,24 @@ GPU_UP = MetricSpec(
     unit="0/1",
     mig=True,
 )
+GPU_LAST_SEEN = MetricSpec(
+    "gpu_last_seen_timestamp_seconds",
+    "gauge",
+    "Unix time of the last sample in which the GPU answered; kept while it is down, so "
+    "time() - this is how long it has been gone." + SAMPLED,
+    GPU_LABELS,
+    "the exporter",
+    unit="seconds",
+)
+GPU_DOWN_REASON = MetricSpec(
+    "gpu_down_reason",
+    "gauge",
+    "1 while gpu_up is 0, with why: lost (fell off the bus, needs a reset), timeout (an NVML "
+    "call for it has not returned within --nvml-timeout) or error." + SAMPLED,
+    (*GPU_LABELS, "reason"),
+    "nvmlDeviceGetHandleByIndex and every value call",
+    unit="1 (info)",
+)
 GPU_VALUES: tuple[MetricSpec, ...] = (
     _gpu(
         "gpu_memory_total_bytes",
@@ -542,6 +560,15 @@ LEASES_DROPPED = MetricSpec(
     "the lease table",
     unit="GPUs",
 )
+REQUESTS_REJECTED = MetricSpec(
+    "gpu_exporter_requests_rejected_total",
+    "counter",
+    "Requests refused by the request limits: too_many_requests (--max-requests-in-flight), "
+    "too_many_waiters (--max-waiters), uri_too_long.",
+    ("reason",),
+    "the exporter",
+    unit="requests",
+)
 EXPORTER_METRICS = (
     BUILD_INFO,
     NVML_UP,
@@ -551,10 +578,13 @@ EXPORTER_METRICS = (
     FIELD_SUPPORTED,
     CHOOSE_REQUESTS,
     LEASES_DROPPED,
+    REQUESTS_REJECTED,
 )
 METRICS: tuple[MetricSpec, ...] = (
     GPU_INFO,
     GPU_UP,
+    GPU_DOWN_REASON,
+    GPU_LAST_SEEN,
     *GPU_VALUES,
     GPU_MIG_INFO,
     PROCESS_MEMORY,
@@ -568,7 +598,7 @@ DEFAULT_PROCESS_SERIES_LIMIT = 64
 
 
 class RequestCounter:
-    """Thread-safe counts of /choose results."""
+    """Thread-safe counts by one label value (/choose results, rejected requests)."""
 
     def __init__(self) -> None:
         self._counts: Counter[str] = Counter()
@@ -598,6 +628,7 @@ def gpu_families(
     A value the GPU did not report this sample has no series at all.
     """
     info, up = _family(GPU_INFO), _family(GPU_UP)
+    down, seen = _family(GPU_DOWN_REASON), _family(GPU_LAST_SEEN)
     values = [_family(spec) for spec in GPU_VALUES]
     mig_info = _family(GPU_MIG_INFO)
     proc_labels = (*GPU_LABELS, "pid", *snapshot.process_labels)
@@ -615,6 +646,10 @@ def gpu_families(
             1,
         )
         up.add_metric(ids, 1 if gpu.up else 0)
+        if not gpu.up and gpu.down_reason is not None:
+            down.add_metric([*ids, gpu.down_reason], 1)
+        if gpu.last_seen_seconds is not None:
+            seen.add_metric(ids, gpu.last_seen_seconds)
         if gpu.is_mig_device:
             mig_info.add_metric(
                 [
@@ -634,6 +669,8 @@ def gpu_families(
             _add_processes(procs, ids, gpu, snapshot.process_labels, process_series_limit)
     yield info
     yield up
+    yield down
+    yield seen
     yield from values
     yield mig_info
     yield procs
@@ -725,14 +762,18 @@ def lease_families(
     for gpu in all_devices(snapshot.gpus):
         leased.add_metric([str(gpu.index), gpu.uuid], 1 if gpu.uuid in held else 0)
     yield leased
-    results = _family(CHOOSE_REQUESTS)
-    for result, count in sorted(requests.counts().items()):
-        results.add_metric([result], count)
-    yield results
+    yield _counts(CHOOSE_REQUESTS, requests)
     dropped = _family(LEASES_DROPPED)
     for reason, count in sorted(leases.dropped.items()):
         dropped.add_metric([reason], count)
     yield dropped
+
+
+def _counts(spec: MetricSpec, counter: RequestCounter) -> Metric:
+    family = _family(spec)
+    for label, count in sorted(counter.counts().items()):
+        family.add_metric([label], count)
+    return family
 
 
 class GpuCollector(Collector):
@@ -745,6 +786,7 @@ class GpuCollector(Collector):
         *,
         leases: LeaseTable | None = None,
         requests: RequestCounter | None = None,
+        rejections: RequestCounter | None = None,
         xids: XidCounter | None = None,
         pcie: PcieRates | None = None,
         process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
@@ -753,6 +795,7 @@ class GpuCollector(Collector):
         self._version = version
         self._leases = leases
         self._requests = requests or RequestCounter()
+        self._rejections = rejections
         self._xids = xids
         self._pcie = pcie
         self._process_series_limit = process_series_limit
@@ -767,6 +810,8 @@ class GpuCollector(Collector):
         if self._leases is not None:
             yield from lease_families(snapshot, self._leases, self._requests)
         yield from exporter_families(snapshot, self._version)
+        if self._rejections is not None:
+            yield _counts(REQUESTS_REJECTED, self._rejections)
         yield from field_families(snapshot)
 
 

@@ -41,9 +41,14 @@ Scenario files are TOML::
     [[faults]]
     function = "nvmlDeviceGetPowerUsage"   # "*" = every call for that GPU (or every call)
     gpu = 2                                # omit for library-wide faults (nvmlInit…)
-    error = "GPU_IS_LOST"                  # any NVML_ERROR_* name
+    error = "GPU_IS_LOST"                  # any NVML_ERROR_* name, or "HANG"
+    hang_seconds = 30                      # HANG only: the call blocks this long (real time)
     after_seconds = 60                     # optional, default 0
     for_seconds = 30                       # optional, default forever
+
+A ``HANG`` fault blocks the calling thread for ``hang_seconds`` of real time (like a driver
+call stuck in the kernel), then the call goes on normally; every matching call made while
+the fault is active hangs. :meth:`SimulatedNvml.release_hangs` ends them early.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+HANG = "HANG"  # a fault that blocks the call instead of failing it
 GIB = 1024**3
 MIB = 1024**2
 
@@ -222,10 +228,11 @@ class Load:
 @dataclass(frozen=True, slots=True)
 class Fault:
     function: str  # an NVML function name, or "*"
-    error: str  # NVML error name, e.g. "GPU_IS_LOST"
+    error: str  # NVML error name, e.g. "GPU_IS_LOST", or HANG
     gpu: int | None = None  # None: not tied to one GPU
     after_seconds: float = 0.0
     for_seconds: float = math.inf
+    hang_seconds: float = 0.0  # HANG only: how long each matching call blocks
 
     def active(self, t: float) -> bool:
         return self.after_seconds <= t < self.after_seconds + self.for_seconds
@@ -419,9 +426,12 @@ class SimulatedNvml:
         # Real NVML blocks ~20 ms in nvmlDeviceGetPcieThroughput; tests can ask for that.
         self.pcie_sample_seconds = pcie_sample_seconds
         self.event_sets: list[SimEventSet] = []
+        # Calls come from one worker thread per GPU and from background threads; counting
+        # must not lose increments.
         self._lock = threading.Lock()
         self._events = threading.Condition(self._lock)
         self._mig_handles: dict[tuple[int, int], SimMig] = {}
+        self._release = threading.Event()
 
     @property
     def initialised(self) -> bool:
@@ -476,7 +486,11 @@ class SimulatedNvml:
                 )
         faults = []
         for f in data.get("faults", []):
-            nvml.error_code(f["error"])  # reject unknown names now, not at sample time
+            if f["error"] == HANG:
+                if float(f.get("hang_seconds", 0)) <= 0:
+                    raise ValueError("a HANG fault needs hang_seconds > 0")
+            else:
+                nvml.error_code(f["error"])  # reject unknown names now, not at sample time
             faults.append(
                 Fault(
                     f.get("function", "*"),
@@ -484,6 +498,7 @@ class SimulatedNvml:
                     f.get("gpu"),
                     float(f.get("after_seconds", 0.0)),
                     float(f.get("for_seconds", math.inf)),
+                    float(f.get("hang_seconds", 0.0)),
                 )
             )
         xids = [
@@ -616,6 +631,10 @@ class SimulatedNvml:
         return int(gpu.energy_mj)
 
     # -- plumbing ------------------------------------------------------------------------------
+    def release_hangs(self) -> None:
+        """End every current and future HANG fault (tests call it before stopping)."""
+        self._release.set()
+
     def _check(self, function: str, gpu: SimGpu | SimMig | None = None) -> None:
         with self._lock:
             self.calls[function] = self.calls.get(function, 0) + 1
@@ -624,6 +643,9 @@ class SimulatedNvml:
         index = parent.index if parent is not None else None
         for fault in self.faults:
             if fault.active(t) and fault.matches(function, index):
+                if fault.error == HANG:
+                    self._release.wait(fault.hang_seconds)
+                    continue
                 raise nvml.make_error(nvml.error_code(fault.error))
         if function != "nvmlInit" and not self.initialised:
             raise nvml.make_error(nvml.error_code("UNINITIALIZED"))

@@ -15,6 +15,7 @@ from gpu_exporter.app import create_app
 from gpu_exporter.counters import PcieRates, XidCounter
 from gpu_exporter.leases import LeaseTable
 from gpu_exporter.metrics import GpuCollector, RequestCounter
+from gpu_exporter.model import Snapshot
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.procinfo import ProcInfoCache
 from gpu_exporter.sampler import Sampler, SnapshotCache, new_cache
@@ -58,8 +59,8 @@ class Stack:
     def client(self) -> FlaskClient:
         return self.app.test_client()
 
-    def sample(self) -> None:
-        self.sampler.sample_once()
+    def sample(self) -> Snapshot:
+        return self.sampler.sample_once()
 
     def value(self, name: str, gpu: int | None = None, **labels: str) -> float | None:
         if gpu is not None:
@@ -76,14 +77,22 @@ def build_stack(
     procinfo: ProcInfoCache | None = None,
     pcie: bool = False,
     process_series_limit: int = 64,
+    nvml_timeout: float = 5.0,
 ) -> Stack:
     clock = clock or FakeClock()
     sim = sim_factory(clock)
     nvml = Nvml(sim, simulated=True)
     cache = new_cache(nvml, clock)
-    sampler = Sampler(nvml, cache, interval_seconds=1.0, clock=clock, procinfo=procinfo)
+    sampler = Sampler(
+        nvml,
+        cache,
+        interval_seconds=1.0,
+        nvml_timeout_seconds=nvml_timeout,
+        clock=clock,
+        procinfo=procinfo,
+    )
     table = leases or LeaseTable(clock)
-    requests = RequestCounter()
+    requests, rejections = RequestCounter(), RequestCounter()
     xids = XidCounter()
     rates = PcieRates() if pcie else None
     registry = CollectorRegistry()
@@ -93,6 +102,7 @@ def build_stack(
             version="test",
             leases=table,
             requests=requests,
+            rejections=rejections,
             xids=xids,
             pcie=rates,
             process_series_limit=process_series_limit,
@@ -105,6 +115,7 @@ def build_stack(
         max_age_seconds=max_age,
         leases=table,
         requests=requests,
+        rejections=rejections,
         xids=xids,
     )
     return Stack(clock, sim, nvml, cache, sampler, registry, app, table, xids, rates)
