@@ -384,7 +384,9 @@ def create_app(
                     raise failure
                 if stopping.is_set():
                     raise ApiError(503, "shutting_down", "the exporter is shutting down")
-                if not waiting:
+                # Only a request that is really waiting for GPUs holds a --max-waiters slot; one
+                # that is merely queued behind requests being served is next in a moment.
+                if not waiting and failure is not None:
                     if not waiters.try_enter():
                         if rejections is not None:
                             rejections.inc("too_many_waiters")
