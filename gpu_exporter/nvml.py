@@ -335,15 +335,20 @@ class Nvml:
         return _text(self._call("nvmlDeviceGetPciInfo", handle).busId)
 
     # -- values, in base units -----------------------------------------------------------
-    def memory(self, handle: Any) -> MemoryInfo:
-        """Frame-buffer memory. ``used`` follows nvidia-smi ≥ 510: reserved memory excluded."""
+    def memory(self, handle: Any, *, whole_gpu: bool = True) -> MemoryInfo:
+        """Frame-buffer memory. ``used`` follows nvidia-smi ≥ 510: reserved memory excluded.
+
+        ``whole_gpu`` False (a MIG device): a v2 refusal falls back to v1 for this call only,
+        instead of concluding that the driver has no v2 at all.
+        """
         if self._memory_v2:
             try:
                 m = self._call("nvmlDeviceGetMemoryInfo", handle, version=MEMORY_V2)
                 return MemoryInfo(int(m.total), int(m.used), int(m.free), int(m.reserved))
             except Unsupported:
                 # Driver older than 510: only v1 exists, and its "used" includes reserved.
-                self._memory_v2 = False
+                if whole_gpu:
+                    self._memory_v2 = False
         m = self._call("nvmlDeviceGetMemoryInfo", handle)
         return MemoryInfo(int(m.total), int(m.used), int(m.free), None)
 

@@ -188,7 +188,7 @@ def _read_values(
 ) -> None:
     """Every field of one device into ``r.values``; ``whole_gpu`` False for a MIG device,
     which answers only memory, utilization (not at all, in practice) and processes."""
-    r.read("memory", _MEMORY_FIELDS, lambda h: _astuple_memory(nvml, h))
+    r.read("memory", _MEMORY_FIELDS, lambda h: _astuple_memory(nvml, h, whole_gpu))
     r.read("utilization", ("utilization_ratio", "memory_utilization_ratio"), nvml.utilization)
     if not whole_gpu:
         r.read("processes", ("processes",), lambda h: _processes(nvml, h, procinfo))
@@ -419,8 +419,10 @@ def read_gpu(
     return sample, identity
 
 
-def _astuple_memory(nvml: Nvml, handle: Any) -> tuple[int, int, int, int | None]:
-    m = nvml.memory(handle)
+def _astuple_memory(
+    nvml: Nvml, handle: Any, whole_gpu: bool = True
+) -> tuple[int, int, int, int | None]:
+    m = nvml.memory(handle, whole_gpu=whole_gpu)
     return m.total_bytes, m.used_bytes, m.free_bytes, m.reserved_bytes
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import FakeClock, Stack, build_stack, sim_of
-from gpu_exporter.simulate import Load, SimGpu, SimulatedNvml
+from gpu_exporter.nvml import error_code, make_error
+from gpu_exporter.simulate import Load, SimGpu, SimMig, SimulatedNvml
 
 A100 = "NVIDIA A100-SXM4-80GB"
 PROFILES = ("3g.40gb", "2g.20gb", "1g.10gb")
@@ -183,3 +184,32 @@ def test_scenario_mig_validation() -> None:
         SimulatedNvml.from_scenario(
             {"gpus": [{"model": A100, "mig": ["4g.40gb", "4g.40gb"]}]}, clock=clock.monotonic
         )
+
+
+def test_a_mig_device_without_memory_v2_does_not_downgrade_the_whole_cards() -> None:
+    s = build_stack(
+        sim_of(SimGpu(0, A100, Load("busy")), SimGpu(1, A100, Load("busy"), mig=("7g.80gb",)))
+    )
+    real = s.sim.nvmlDeviceGetMemoryInfo
+
+    def no_v2_on_mig(handle: object, version: int | None = None) -> object:
+        if isinstance(handle, SimMig) and version is not None:
+            raise make_error(error_code("NOT_SUPPORTED"))
+        return real(handle, version)  # type: ignore[arg-type]
+
+    s.sim.nvmlDeviceGetMemoryInfo = no_v2_on_mig  # type: ignore[method-assign,assignment]
+    s.sample()
+    s.sample()
+    gpus = s.cache.get().gpus
+    assert gpus[0].memory_reserved_bytes == s.sim.state(0).memory_reserved  # still v2
+    mig = gpus[1].mig_devices[0]
+    assert mig.memory_total_bytes == s.sim.mig_state(1, 0).memory_total  # v1 for the MIG device
+    assert mig.memory_reserved_bytes is None
+
+
+def test_status_page_lists_mig_devices() -> None:
+    s = mig_host()
+    page = s.client.get("/").text
+    for slot, profile in enumerate(PROFILES):
+        assert s.sim.mig_state(1, slot).uuid in page
+        assert f"MIG {profile}" in page
