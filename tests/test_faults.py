@@ -8,9 +8,11 @@ calls ``release_hangs()``.
 from __future__ import annotations
 
 import http.client
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -23,6 +25,7 @@ from gpu_exporter.nvml import Nvml
 from gpu_exporter.sampler import Sampler, SystemClock, new_cache
 from gpu_exporter.server import Server
 from gpu_exporter.simulate import HANG, Fault, Load, SimGpu, SimulatedNvml
+from harness import exporter, get
 
 A100 = "NVIDIA A100-SXM4-80GB"
 DEADLINE = 0.3  # --nvml-timeout for these tests, real seconds
@@ -281,3 +284,25 @@ def _sample(text: str, prefix: str) -> float | None:
         if line.startswith(prefix):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_stuck_call_exits_cleanly_and_promptly(tmp_path: Path) -> None:
+    scenario = tmp_path / "stuck.toml"
+    scenario.write_text(
+        "[[gpus]]\ncount = 2\n\n"
+        '[[faults]]\nfunction = "nvmlDeviceGetPowerUsage"\ngpu = 1\nerror = "HANG"\n'
+        "hang_seconds = 600\n"
+    )
+    with exporter(
+        "--simulate", str(scenario), "--interval", "0.2", "--nvml-timeout", "0.5"
+    ) as running:
+        deadline = time.monotonic() + 15
+        while 'gpu_down_reason{gpu="1"' not in get(running.base + "/metrics")[1]:
+            assert time.monotonic() < deadline, "GPU 1 never reported down"
+            time.sleep(0.1)
+        started = time.monotonic()
+        running.proc.send_signal(signal.SIGTERM)
+        running.proc.wait(timeout=20)
+        assert running.proc.returncode == 0
+        assert time.monotonic() - started < 12  # server (5 s) + sampler (5 s) bounds
