@@ -157,6 +157,35 @@ def test_a_hung_library_call_marks_nvml_down_and_recovers() -> None:
         s.sampler.stop(timeout_seconds=2)
 
 
+def test_everything_hanging_from_the_start_leaves_the_process_responsive() -> None:
+    s = build_stack(
+        sim_of(
+            SimGpu(0, A100, Load("idle")),
+            faults=[Fault("*", HANG, for_seconds=1, hang_seconds=60)],  # nvmlInit included
+        ),
+        nvml_timeout=DEADLINE,
+    )
+    try:
+        snap = s.sample()
+        assert not snap.nvml_up and snap.nvml_error == "nvmlInit has not returned for 0 s"
+        assert s.client.get("/healthz").status_code == 200
+        assert s.client.get("/readyz").status_code == 503
+        started = time.monotonic()
+        resp = s.client.get("/choose", headers={"Accept": "application/json"})
+        assert time.monotonic() - started < 0.1
+        assert resp.status_code == 503 and resp.json["error"]["code"] == "nvml_unavailable"
+        s.clock.advance(2)  # the hang window is over, but nvmlInit is still stuck
+        assert not s.sample().nvml_up
+        s.sim.release_hangs()
+        wait_until(lambda: not s.sampler._library.busy)
+        s.clock.advance(1)
+        snap = s.sample()
+        assert snap.nvml_up and snap.gpus[0].up
+    finally:
+        s.sim.release_hangs()
+        s.sampler.stop(timeout_seconds=2)
+
+
 def test_version_mismatch_at_start_recovers_within_one_backoff_step() -> None:
     s = build_stack(
         sim_of(
