@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from flask import Flask, Response, jsonify, render_template, request
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
@@ -36,7 +36,7 @@ from gpu_exporter.counters import XidCounter
 from gpu_exporter.errors import error_response
 from gpu_exporter.leases import Lease, LeaseError, LeaseTable
 from gpu_exporter.limits import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAITERS, RequestLimits, Waiters
-from gpu_exporter.metrics import RequestCounter
+from gpu_exporter.metrics import RequestCounter, metrics_wsgi_app
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.openapi import document as openapi_document
 from gpu_exporter.sampler import Clock, SnapshotCache, SystemClock
@@ -458,7 +458,7 @@ def create_app(
         lease = table.renew(lease_id, DEFAULT_LEASE_SECONDS if ttl is None else ttl)
         return jsonify(lease.to_json())
 
-    metrics_app = make_wsgi_app(registry)
+    metrics_app = metrics_wsgi_app(registry)
     app.wsgi_app = RequestLimits(  # type: ignore[method-assign]
         DispatcherMiddleware(app.wsgi_app, {"/metrics": metrics_app}),
         max_in_flight=max_in_flight,
