@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gpu_exporter import nvml as nvml_mod
 from gpu_exporter.model import (
@@ -44,6 +44,7 @@ from gpu_exporter.nvml import GpuLost, Nvml, NvmlError, NvmlUnavailable, Unsuppo
 from gpu_exporter.procinfo import ProcInfoCache
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 INIT_BACKOFF_INITIAL_SECONDS = 1.0
 INIT_BACKOFF_MAX_SECONDS = 300.0
@@ -154,7 +155,21 @@ class _FieldReader:
 
 
 def _reasons(mask: int) -> tuple[str, ...]:
-    return tuple(r for r in CLOCKS_EVENT_REASONS if mask & nvml_mod.CLOCKS_EVENT_REASONS[r])
+    return _interned(
+        tuple(r for r in CLOCKS_EVENT_REASONS if mask & nvml_mod.CLOCKS_EVENT_REASONS[r])
+    )
+
+
+_INTERNED: dict[Any, Any] = {}
+
+
+def _interned(value: _T) -> _T:
+    """One shared object for equal tuples that repeat in every sample (which fields a GPU
+    supports, active throttle reasons), so the 600-snapshot history does not hold copies."""
+    if len(_INTERNED) > 4096:  # only ever a handful of distinct values; never grow unbounded
+        _INTERNED.clear()
+    found: _T = _INTERNED.setdefault(value, value)
+    return found
 
 
 def _processes(
@@ -351,7 +366,7 @@ def _read_mig_devices(
                 gpu_instance_id=ident.gpu_instance_id,
                 compute_instance_id=ident.compute_instance_id,
                 mig_profile=ident.profile,
-                fields_supported=tuple(m.asked.items()),
+                fields_supported=_interned(tuple(m.asked.items())),
                 **_with_processes(m.values),
             )
         )
@@ -413,7 +428,7 @@ def read_gpu(
         pci_bus_id=identity.pci_bus_id,
         error=r.last_error,
         mig_devices=mig_devices,
-        fields_supported=tuple(r.asked.items()),
+        fields_supported=_interned(tuple(r.asked.items())),
         **_with_processes(r.values),
     )
     return sample, identity
