@@ -813,8 +813,22 @@ class GpuCollector(Collector):
         memo = self._memo
         if memo is not None and memo[0] is snapshot:
             return memo[1], memo[2]
-        gpus = list(gpu_families(snapshot, self._process_series_limit))
-        fields = list(field_families(snapshot))
+        # A family equal to the previous snapshot's (static values, field support, info) is
+        # the previous object: its formatted text is reused, and nothing new is kept.
+        previous = {f.name: f for f in (*memo[1], *memo[2])} if memo is not None else {}
+
+        def same(family: Metric) -> Metric:
+            old = previous.get(family.name)
+            unchanged = (
+                old is not None
+                and old.documentation == family.documentation
+                and old.type == family.type
+                and old.samples == family.samples
+            )
+            return old if unchanged and old is not None else family
+
+        gpus = [same(f) for f in gpu_families(snapshot, self._process_series_limit)]
+        fields = [same(f) for f in field_families(snapshot)]
         for family in (*gpus, *fields):
             setattr(family, _UNCHANGING, True)
         self._memo = (snapshot, gpus, fields)
@@ -864,7 +878,8 @@ class _FamilyTexts:
         self._texts: dict[int, tuple[Metric, bytes]] = {}
         self._lock = threading.Lock()
 
-    def encode(self, registry: Any) -> bytes:
+    def encode(self, registry: Any) -> list[bytes]:
+        """The exposition as chunks: cached ones are shared between scrapes, not copied."""
         with self._lock:
             old = self._texts
         parts, kept = [], {}
@@ -877,7 +892,7 @@ class _FamilyTexts:
             parts.append(text)
         with self._lock:
             self._texts = kept
-        return b"".join(parts)
+        return parts
 
 
 def metrics_wsgi_app(registry: CollectorRegistry) -> Callable[..., Any]:
@@ -898,13 +913,14 @@ def metrics_wsgi_app(registry: CollectorRegistry) -> Callable[..., Any]:
         ):
             result: list[bytes] = fallback(environ, start_response)
             return result
-        output = texts.encode(registry)
+        chunks = texts.encode(registry)
         headers = [("Content-Type", content_type)]
         if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING") or ""):
-            output = gzip.compress(output)
+            chunks = [gzip.compress(b"".join(chunks))]
             headers.append(("Content-Encoding", "gzip"))
+        headers.append(("Content-Length", str(sum(len(c) for c in chunks))))
         start_response("200 OK", headers)
-        return [output]
+        return chunks
 
     return app
 

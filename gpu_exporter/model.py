@@ -156,16 +156,17 @@ class GpuSample:
         return (self, *self.mig_devices)
 
     def to_json(self) -> dict[str, Any]:
-        """Every field, absent values as ``null``."""
+        """Every field, absent values as ``null`` (which fields are supported is in
+        /metrics, as gpu_exporter_field_supported, not repeated here)."""
         out: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
+            if name == "fields_supported":
+                continue
             value = getattr(self, name)
             if name == "mig_devices":
                 value = [d.to_json() for d in value]
             elif name == "processes" and value is not None:
                 value = [p.to_json() for p in value]
-            elif name == "fields_supported":
-                value = dict(value)
             elif isinstance(value, tuple):
                 value = list(value)
             out[name] = value
