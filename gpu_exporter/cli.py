@@ -32,6 +32,8 @@ class ServeConfig:
     state_dir: str | None = None  # None: leases are not kept across restarts
     max_lease_seconds: float = 3600.0
     max_gpus_per_requester: int = 0  # 0: no limit
+    web_config_file: str | None = None  # TLS, basic auth, headers (exporter-toolkit format)
+    auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -137,6 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
     )
     serve.add_argument(
+        "--web-config-file",
+        default=_env("web-config-file", None),
+        metavar="FILE",
+        help="TLS, basic auth and response headers, in the Prometheus exporter-toolkit "
+        "format (the --web.config.file of node_exporter); re-read when it changes",
+    )
+    serve.add_argument(
+        "--auth-scope",
+        choices=("all", "writes"),
+        default=_env("auth-scope", "all"),
+        help="which requests need basic auth when the web config has users: all (default; "
+        "/healthz stays open), or writes: only /choose that takes a lease, /leases and "
+        "anything but GET/HEAD, so /metrics, /gpus, /readyz and / stay open",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
@@ -147,6 +164,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_choose_parser(sub)
     add_run_parser(sub)
+    hash_password = sub.add_parser(
+        "hash-password",
+        help="print a bcrypt hash for basic_auth_users",
+        description="Read a password (asked twice on a terminal, else the first line of "
+        "standard input) and print its bcrypt hash for basic_auth_users in --web-config-file. "
+        "The password is never taken from the command line, where `ps` would show it.",
+    )
+    hash_password.add_argument(
+        "--cost",
+        type=int,
+        default=10,
+        metavar="N",
+        help="bcrypt cost, 4-31; each step doubles the time (default %(default)s, about "
+        "70 ms per check; successful checks are cached)",
+    )
     return parser
 
 
@@ -168,6 +200,15 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
     if args.max_gpus_per_requester < 0:
         parser.error("--max-gpus-per-requester must be 0 (no limit) or more")
+    if args.auth_scope not in ("all", "writes"):  # from the environment
+        parser.error("--auth-scope must be all or writes")
+    if args.web_config_file is not None:
+        from gpu_exporter.webconfig import WebConfigError, load
+
+        try:
+            load(args.web_config_file)  # refuse to start on a bad file, with one line
+        except WebConfigError as exc:
+            parser.error(f"--web-config-file {args.web_config_file}: {exc}")
     return ServeConfig(
         host,
         port,
@@ -178,6 +219,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or _default_state_dir(),
         max_lease_seconds=float(args.max_lease),
         max_gpus_per_requester=int(args.max_gpus_per_requester),
+        web_config_file=args.web_config_file,
+        auth_scope=args.auth_scope,
     )
 
 
@@ -202,10 +245,24 @@ def serve(config: ServeConfig) -> int:
 
     from gpu_exporter.app import create_app
     from gpu_exporter.leases import LeaseTable
-    from gpu_exporter.metrics import GpuCollector, RequestCounter
+    from gpu_exporter.metrics import GpuCollector, RequestCounter, WebConfigCollector
     from gpu_exporter.nvml import Nvml
     from gpu_exporter.sampler import Sampler, SystemClock, new_cache
     from gpu_exporter.server import ListenError, Server
+    from gpu_exporter.webconfig import (
+        WebConfigError,
+        WebConfigWatcher,
+        WebSecurity,
+        exposure_warnings,
+    )
+
+    watcher = None
+    if config.web_config_file is not None:
+        try:
+            watcher = WebConfigWatcher(config.web_config_file)
+        except WebConfigError as exc:
+            log.error("--web-config-file %s: %s", config.web_config_file, exc)
+            return 2
 
     clock = SystemClock()
     if config.simulate is not None:
@@ -245,7 +302,13 @@ def serve(config: ServeConfig) -> int:
         requests=requests,
     )
 
-    server = Server(app, config.host, config.port)
+    if watcher is not None:
+        registry.register(WebConfigCollector(watcher))
+        wsgi_app = WebSecurity(app, watcher, config.auth_scope)
+        tls = watcher.tls_context if watcher.active.context is not None else None
+        server = Server(wsgi_app, config.host, config.port, tls=tls)
+    else:
+        server = Server(app, config.host, config.port)
     try:
         server.bind()  # before NVML: a busy port fails fast, without touching the driver
     except ListenError as exc:
@@ -255,6 +318,12 @@ def serve(config: ServeConfig) -> int:
     # NVML is initialised on the sampler thread of this (serving) process — never before a fork.
     sampler = Sampler(nvml, cache, interval_seconds=config.interval_seconds, clock=clock)
     sampler.start()
+    if watcher is not None:
+        watcher.start()
+    for warning in exposure_warnings(
+        config.host, watcher.active.config if watcher else None, os.geteuid()
+    ):
+        log.warning("%s", warning)
 
     stopping = threading.Event()
 
@@ -266,11 +335,18 @@ def serve(config: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("listening on %s, sampling every %g s", server.address, config.interval_seconds)
+    log.info(
+        "listening on %s (%s), sampling every %g s",
+        server.address,
+        server.scheme,
+        config.interval_seconds,
+    )
     try:
         server.serve()
     finally:
         sampler.stop()
+        if watcher is not None:
+            watcher.stop()
     return 0
 
 
@@ -293,4 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpu_exporter.run import run_main
 
         return run_main(args)
+    if args.command == "hash-password":
+        from gpu_exporter.webconfig import hash_password_main
+
+        return hash_password_main(args)
     parser.error(f"unknown command {args.command!r}")
