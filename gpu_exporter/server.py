@@ -28,6 +28,9 @@ THREADS = 16  # request threads; scrapes and /choose take well under a milliseco
 LISTEN_BACKLOG = 1024
 # A TLS handshake must finish within this; it runs on a request thread, never the accept loop.
 HANDSHAKE_TIMEOUT_SECONDS = 5.0
+# Nothing here needs more: cheroot answers 413 beyond these instead of buffering them.
+MAX_HEADER_BYTES = 16 * 1024
+MAX_BODY_BYTES = 64 * 1024
 
 
 class ListenError(Exception):
@@ -155,6 +158,8 @@ class Server:
                 request_queue_size=LISTEN_BACKLOG,
             )
             server.server_name = "gpu-exporter"
+            server.max_request_header_size = MAX_HEADER_BYTES
+            server.max_request_body_size = MAX_BODY_BYTES
             if self._tls is not None:
                 server.ssl_adapter = TlsAdapter(self._tls)
                 server.ConnectionClass = TlsConnection

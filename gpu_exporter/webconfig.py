@@ -679,7 +679,10 @@ class WebConfigWatcher:
 
 # Read-only endpoints that --auth-scope=writes leaves open (GET and HEAD only).
 READ_PATHS = frozenset({"/", "/metrics", "/healthz", "/readyz", "/gpus", "/openapi.json"})
-ALWAYS_OPEN = frozenset({"/healthz"})  # liveness probes must never need credentials
+# The probes never need credentials: kubelet and load balancers rarely have them, the
+# answers say only "ok"/"ready" or why not, and the request limits exempt them, so they
+# must not cost a bcrypt either.
+ALWAYS_OPEN = frozenset({"/healthz", "/readyz"})
 
 
 def is_advice_only(query_string: str) -> bool:
@@ -713,25 +716,18 @@ def needs_auth(
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-class WebSecurity:
-    """WSGI middleware: basic auth for the configured scope, and the configured headers."""
+class BasicAuthMiddleware:
+    """Answers 401 unless the request is open in this scope or carries valid credentials."""
 
     def __init__(self, app: WsgiApp, watcher: WebConfigWatcher, scope: str = "all") -> None:
         if scope not in AUTH_SCOPES:
             raise ValueError(f"auth scope must be one of {', '.join(AUTH_SCOPES)}")
-        self._app = app
+        self.app = app
         self._watcher = watcher
         self._scope = scope
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         active = self._watcher.active  # one config for the whole request
-        extra = active.config.headers
-
-        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            present = {name.lower() for name, _ in headers}
-            headers = [*headers, *((n, v) for n, v in extra if n.lower() not in present)]
-            return start_response(status, headers, exc_info)
-
         if active.auth and needs_auth(
             self._scope,
             environ.get("REQUEST_METHOD", "GET"),
@@ -742,45 +738,57 @@ class WebSecurity:
             header = environ.get("HTTP_AUTHORIZATION")
             user = active.auth.check_header(header)
             if user is None:
+                from werkzeug.wrappers import Request
+
+                from gpu_exporter.errors import error_response
+
                 message = (
                     "wrong user name or password"
                     if header
                     else "authentication required (HTTP basic auth)"
                 )
-                return _unauthorized(environ, start, message)
+                resp = error_response(Request(environ), 401, "unauthorized", message)
+                resp.headers["WWW-Authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
+                return resp(environ, start_response)
             environ["REMOTE_USER"] = user
-        return self._app(environ, start)
+        return self.app(environ, start_response)
 
 
-def _wants_json(environ: dict[str, Any]) -> bool:
-    from werkzeug.wrappers import Request
+class SecurityHeaders:
+    """Adds ``http_server_config.headers`` to every response the app has not set them on."""
 
-    request = Request(environ)
-    if request.args.get("format") == "json" or request.path.startswith(("/gpus", "/leases")):
-        return True
-    best = request.accept_mimetypes.best_match(["text/plain", "application/json"])
-    return best == "application/json" and request.accept_mimetypes[best] > 0
+    def __init__(self, app: WsgiApp, watcher: WebConfigWatcher) -> None:
+        self.app = app
+        self._watcher = watcher
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        extra = self._watcher.active.config.headers
+        if not extra:
+            return self.app(environ, start_response)
+
+        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            present = {name.lower() for name, _ in headers}
+            headers = [*headers, *((n, v) for n, v in extra if n.lower() not in present)]
+            return start_response(status, headers, exc_info)
+
+        return self.app(environ, start)
 
 
-def _unauthorized(environ: dict[str, Any], start: Callable[..., Any], message: str) -> list[bytes]:
-    import json
+def secure(app: Any, watcher: WebConfigWatcher, scope: str = "all") -> WsgiApp:
+    """The Flask app with basic auth and the configured headers; returns what to serve.
 
-    if _wants_json(environ):
-        body = json.dumps({"error": {"code": "unauthorized", "message": message, "param": None}})
-        content_type = "application/json"
+    Credentials are checked inside the request limits (a flood of wrong passwords, one
+    bcrypt each, takes request slots, never the probes' threads); the headers go on every
+    response, the limits' own 503/414 included.
+    """
+    from gpu_exporter.limits import RequestLimits
+
+    limits = app.wsgi_app
+    if isinstance(limits, RequestLimits):
+        limits.app = BasicAuthMiddleware(limits.app, watcher, scope)
     else:
-        body, content_type = f"error: {message}\n", "text/plain; charset=utf-8"
-    data = body.encode() if environ.get("REQUEST_METHOD") != "HEAD" else b""
-    start(
-        "401 Unauthorized",
-        [
-            ("Content-Type", content_type),
-            ("Content-Length", str(len(body.encode()))),
-            ("WWW-Authenticate", f'Basic realm="{REALM}", charset="UTF-8"'),
-            ("Cache-Control", "no-store"),
-        ],
-    )
-    return [data]
+        app.wsgi_app = BasicAuthMiddleware(limits, watcher, scope)
+    return SecurityHeaders(app, watcher)
 
 
 # ------------------------------------------------------------------------ start-up checks

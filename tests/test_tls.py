@@ -23,7 +23,7 @@ from tls_certs import CA, Issued
 
 from conftest import Stack
 from gpu_exporter.server import Server, free_port
-from gpu_exporter.webconfig import WebConfigWatcher, WebSecurity
+from gpu_exporter.webconfig import WebConfigWatcher, secure
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def serve_in_thread(stack: Stack, config: Path) -> Iterator[tuple[str, WebConfigWatcher]]:
     watcher = WebConfigWatcher(config)
     tls = watcher.tls_context if watcher.active.context is not None else None
-    server = Server(WebSecurity(stack.app.wsgi_app, watcher), "127.0.0.1", 0, tls=tls)
+    server = Server(secure(stack.app, watcher), "127.0.0.1", 0, tls=tls)
     server.bind()
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()

@@ -22,12 +22,12 @@ from gpu_exporter.webconfig import (
     BasicAuth,
     WebConfigError,
     WebConfigWatcher,
-    WebSecurity,
     exposure_warnings,
     is_advice_only,
     load,
     needs_auth,
     parse,
+    secure,
 )
 
 COST = 4  # the fastest bcrypt: these tests are about behaviour, not hashing time
@@ -265,7 +265,7 @@ def test_unknown_and_known_users_take_similar_time() -> None:
     [
         ("GET", "/metrics", "", True, False),
         ("GET", "/healthz", "", False, False),
-        ("GET", "/readyz", "", True, False),
+        ("GET", "/readyz", "", False, False),
         ("GET", "/gpus", "", True, False),
         ("GET", "/", "", True, False),
         ("HEAD", "/metrics", "", True, False),
@@ -290,7 +290,7 @@ def test_which_requests_need_credentials(
 
 
 def test_excluded_paths_and_advice_only() -> None:
-    assert not needs_auth("all", "GET", "/readyz", "", ("/readyz",))
+    assert not needs_auth("all", "GET", "/gpus", "", ("/gpus",))
     assert is_advice_only("lease=0") and is_advice_only("n=2&lease=0m")
     assert not is_advice_only("n=2") and not is_advice_only("lease=1s")
     assert not is_advice_only("lease=0&lease=1m")
@@ -313,7 +313,7 @@ def secured(stack: Stack, tmp_path: Path) -> Callable[..., tuple[Client, WebConf
             "http_server_config:\n  headers:\n    X-Content-Type-Options: nosniff\n" + extra,
         )
         watcher = WebConfigWatcher(config)
-        return Client(WebSecurity(stack.app.wsgi_app, watcher, scope)), watcher
+        return Client(secure(stack.app, watcher, scope)), watcher
 
     return make
 
@@ -345,7 +345,8 @@ def test_good_credentials_pass_and_headers_are_added(secured: Callable[..., Any]
     assert resp.status_code == 200 and "gpu_up{" in resp.text
     assert resp.headers["X-Content-Type-Options"] == "nosniff"
     assert client.get("/choose?n=1", headers=basic("alice", "secret")).status_code == 200
-    assert client.get("/healthz").status_code == 200  # liveness never needs credentials
+    assert client.get("/healthz").status_code == 200  # the probes never need credentials
+    assert client.get("/readyz").status_code == 200
     assert client.get("/nope", headers=basic("alice", "secret")).status_code == 404
 
 
@@ -367,8 +368,8 @@ def test_write_scope_protects_leases_only(secured: Callable[..., Any]) -> None:
 
 
 def test_excluded_paths_are_open(secured: Callable[..., Any]) -> None:
-    client, _ = secured(extra="auth_excluded_paths: [/readyz]\n")
-    assert client.get("/readyz").status_code == 200
+    client, _ = secured(extra="auth_excluded_paths: [/gpus]\n")
+    assert client.get("/gpus").status_code == 200
     assert client.get("/metrics").status_code == 401
 
 
@@ -447,7 +448,7 @@ def test_the_readme_example_is_a_valid_config() -> None:
 def test_unknown_and_known_users_take_similar_time_over_http(stack: Stack, tmp_path: Path) -> None:
     hashed = bcrypt.hashpw(b"secret", bcrypt.gensalt(rounds=8)).decode()
     config = write_config(tmp_path / "web.yml", f"basic_auth_users: {{alice: '{hashed}'}}\n")
-    client = Client(WebSecurity(stack.app.wsgi_app, WebConfigWatcher(config)))
+    client = Client(secure(stack.app, WebConfigWatcher(config)))
     known: list[float] = []
     unknown: list[float] = []
     for _ in range(10):
