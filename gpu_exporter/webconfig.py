@@ -14,7 +14,7 @@ The file is the YAML that Prometheus' own exporters read with ``--web.config.fil
         Strict-Transport-Security: max-age=31536000
     basic_auth_users:
       prometheus: $2b$10$…           # bcrypt; `gpu-exporter hash-password` makes one
-    auth_excluded_paths: [/readyz]
+    auth_excluded_paths: [/gpus]    # /healthz and /readyz are always open
 
 What Python's :mod:`ssl` cannot do is refused or warned about, never silently dropped:
 

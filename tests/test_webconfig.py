@@ -458,3 +458,12 @@ def test_unknown_and_known_users_take_similar_time_over_http(stack: Stack, tmp_p
             times.append(time.perf_counter() - started)
     ratio = statistics.median(unknown) / statistics.median(known)
     assert 0.5 < ratio < 2.0, (statistics.median(known), statistics.median(unknown))
+
+
+def test_credentials_are_checked_inside_the_request_limits(secured: Callable[..., Any]) -> None:
+    client, _ = secured()
+    # The limits answer first (no bcrypt spent on what they refuse), and the configured
+    # headers are on their answers too.
+    resp = client.get("/metrics?" + "x" * 5000)
+    assert resp.status_code == 414
+    assert resp.headers["X-Content-Type-Options"] == "nosniff"
