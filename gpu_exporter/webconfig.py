@@ -699,17 +699,25 @@ def is_advice_only(query_string: str) -> bool:
 
 
 def needs_auth(
-    scope: str, method: str, path: str, query_string: str, excluded: Iterable[str] = ()
+    scope: str,
+    method: str,
+    path: str,
+    query_string: str,
+    excluded: Iterable[str] = (),
+    *,
+    has_body: bool = False,
 ) -> bool:
     """Whether this request must carry valid credentials (when users are configured)."""
     if path in ALWAYS_OPEN or path in excluded:
         return False
     if scope == "all":
         return True
-    if method not in ("GET", "HEAD"):
-        return True  # POST /choose, DELETE /leases/…, renewals: always writes
-    if path == "/choose":
+    if path == "/choose" and (method in ("GET", "HEAD") or (method == "POST" and not has_body)):
+        # Advice only (lease=0) is a read. A POST with a body might carry its own lease, so
+        # only a bodiless POST (what the Python client sends) is judged by its query string.
         return not is_advice_only(query_string)
+    if method not in ("GET", "HEAD"):
+        return True  # POST /choose with a body, DELETE /leases/…, renewals: writes
     return path not in READ_PATHS  # /leases and anything unknown: protected
 
 
@@ -734,6 +742,8 @@ class BasicAuthMiddleware:
             environ.get("PATH_INFO", "") or "/",
             environ.get("QUERY_STRING", ""),
             active.config.auth_excluded_paths,
+            has_body=environ.get("CONTENT_LENGTH", "") not in ("", "0")
+            or "HTTP_TRANSFER_ENCODING" in environ,
         ):
             header = environ.get("HTTP_AUTHORIZATION")
             user = active.auth.check_header(header)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -274,7 +275,8 @@ def test_unknown_and_known_users_take_similar_time() -> None:
         ("GET", "/choose", "n=1&lease=0", True, False),
         ("GET", "/choose", "lease=0s&format=json", True, False),
         ("GET", "/choose", "lease=zero", True, True),
-        ("POST", "/choose", "lease=0", True, True),
+        ("POST", "/choose", "lease=0", True, False),  # bodiless, as the Python client sends
+        ("POST", "/choose", "n=1", True, True),
         ("GET", "/leases", "", True, True),
         ("DELETE", "/leases/abc", "", True, True),
         ("POST", "/leases/abc/renew", "ttl=1m", True, True),
@@ -287,6 +289,11 @@ def test_which_requests_need_credentials(
 ) -> None:
     assert needs_auth("all", method, path, query) is all_
     assert needs_auth("writes", method, path, query) is writes
+
+
+def test_a_post_with_a_body_is_a_write() -> None:
+    assert needs_auth("writes", "POST", "/choose", "lease=0", has_body=True)
+    assert not needs_auth("writes", "POST", "/choose", "lease=0", has_body=False)
 
 
 def test_excluded_paths_and_advice_only() -> None:
@@ -357,7 +364,8 @@ def test_write_scope_protects_leases_only(secured: Callable[..., Any]) -> None:
     assert client.get("/readyz").status_code == 200
     assert client.get("/choose?n=1&lease=0").status_code == 200  # advice only
     assert client.get("/choose?n=1").status_code == 401  # takes a 60 s lease
-    assert client.post("/choose?n=1&lease=0").status_code == 401
+    assert client.post("/choose?n=1&lease=0").status_code == 200  # bodiless: advice only
+    assert client.post("/choose?n=1&lease=0", data={"owner": "x"}).status_code == 401
     assert client.get("/leases").status_code == 401
     assert client.delete("/leases/abc").status_code == 401
     resp = client.get("/choose?n=1", headers=basic("alice", "secret"))
@@ -467,3 +475,31 @@ def test_credentials_are_checked_inside_the_request_limits(secured: Callable[...
     resp = client.get("/metrics?" + "x" * 5000)
     assert resp.status_code == 414
     assert resp.headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_the_python_client_sends_credentials_from_the_environment(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpu_exporter import client
+    from gpu_exporter.server import Server
+
+    config = write_config(tmp_path / "web.yml", f"basic_auth_users: {{alice: '{ALICE_HASH}'}}\n")
+    server = Server(secure(stack.app, WebConfigWatcher(config), "writes"), "127.0.0.1", 0)
+    server.bind()
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        monkeypatch.delenv("GPU_EXPORTER_USER", raising=False)
+        with pytest.raises(client.ServerError) as info:
+            client.choose(1, base)
+        assert info.value.status == 401 and info.value.code == "unauthorized"
+        assert client.choose(1, base, lease=0).uuids  # advice only: open in this scope
+        monkeypatch.setenv("GPU_EXPORTER_USER", "alice")
+        monkeypatch.setenv("GPU_EXPORTER_PASSWORD", "secret")
+        choice = client.choose(1, base)
+        assert choice.lease_id
+        client.release(choice, base)
+    finally:
+        server.stop()
+        thread.join(timeout=10)
