@@ -347,7 +347,7 @@ def create_app(
                     raise failure
                 if stopping.is_set():
                     raise ApiError(503, "shutting_down", "the exporter is shutting down")
-                if not waiting:
+                if failure is not None and not waiting:  # waiting for GPUs, not our turn
                     if not waiters.try_enter():
                         if rejections is not None:
                             rejections.inc("too_many_waiters")

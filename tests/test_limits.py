@@ -171,3 +171,17 @@ def test_oversized_headers_and_bodies_are_413_one_line(running: Running) -> None
     assert resp.status == 413
     assert b"\n" not in resp.read()
     conn.close()
+
+
+def test_requests_queued_for_their_turn_are_not_waiters() -> None:
+    """Concurrent wait=0 claims queue for the lease lock; that must not use waiter slots."""
+    r = Running(max_in_flight=32, max_waiters=0)
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(24) as pool:
+            results = list(pool.map(lambda _: r.get("/choose?lease=0"), range(200)))
+        assert [s for s, _, _ in results if s != 200] == []
+        assert r.rejections.counts() == {}
+    finally:
+        r.server.stop()
