@@ -738,50 +738,15 @@ def choose_locally(n: int, filters: Mapping[str, FilterValue], *, url: str = "")
 
 
 def _local_filters(given: Mapping[str, FilterValue]) -> tuple[LocalFilters, str]:
-    """``/choose``'s filter parameters as :class:`gpu_exporter.choose.Filters`, and the sort."""
-    from gpu_exporter.choose import SORTS, Filters
-    from gpu_exporter.units import parse_bytes, parse_ratio
+    """``/choose``'s filter parameters, parsed as the server parses them, and the sort."""
+    from gpu_exporter.params import ApiError, parse_choose_args
 
-    def size(name: str) -> int | None:
-        value = given.get(name)
-        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-            return value
-        try:
-            return parse_bytes(_filter_value(name, value))
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-
-    def ratio(name: str) -> float | None:
-        value = given.get(name)
-        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-            return value
-        try:
-            return parse_ratio(_filter_value(name, value))
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-
-    def selectors(name: str) -> tuple[str, ...]:
-        text = _filter_value(name, given.get(name, ""))
-        return tuple(s.strip() for s in text.split(",") if s.strip())
-
-    procs = given.get("max_procs")
-    if procs is not None and not str(procs).isdigit():
-        raise ValueError(f"max_procs must be a whole number, got {procs!r}")
-    model = given.get("model")
-    sort = _filter_value("sort", given.get("sort", "free"))
-    if sort not in SORTS:
-        raise ValueError(f"sort must be one of {', '.join(SORTS)}, got {sort!r}")
-    filters = Filters(
-        min_free_bytes=size("min_free"),
-        max_util_ratio=ratio("max_util"),
-        exclude=selectors("exclude"),
-        min_total_bytes=size("min_total"),
-        max_mem_util_ratio=ratio("max_mem_util"),
-        max_procs=None if procs is None else int(str(procs)),
-        model=None if model is None else _filter_value("model", model),
-        include=selectors("include"),
-    )
-    return filters, sort
+    args = {name: _filter_value(name, value) for name, value in given.items()}
+    try:
+        req = parse_choose_args(args, allowed=(*_LOCAL_FILTERS, "n"))
+    except ApiError as exc:
+        raise ValueError(exc.message) from None
+    return req.filters, req.sort
 
 
 def choose_or_fallback(

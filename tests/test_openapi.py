@@ -14,8 +14,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from conftest import FakeClock, Stack, build_stack
-from gpu_exporter.app import CHOOSE_FORMATS, CHOOSE_PARAMS
 from gpu_exporter.openapi import document
+from gpu_exporter.params import CHOOSE_FORMATS, CHOOSE_PARAMS
 from gpu_exporter.simulate import SimulatedNvml
 
 
