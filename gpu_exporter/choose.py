@@ -46,11 +46,17 @@ class Filters:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """``idle_for``: every GPU must have met the filters in each of these past samples."""
+    """``idle_for``: every GPU must have met the filters in each of these past samples.
+
+    With ``worst_case``, ``past`` holds one entry per window whose GPUs carry the worst figure
+    of the whole window (least free memory, highest utilization …), as Prometheus' range
+    functions give them, rather than one sample.
+    """
 
     seconds: float
     covered_seconds: float  # how far back the history actually reaches
     past: tuple[tuple[float, tuple[GpuSample, ...]], ...]  # (age in seconds, GPUs), oldest first
+    worst_case: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,11 +183,12 @@ def window_reasons(gpu: GpuSample, filters: Filters, window: Window) -> tuple[st
         )
     for age, gpus in reversed(window.past):  # the most recent violation is the telling one
         past = next((g for g in gpus if g.uuid == gpu.uuid), None)
+        when = f"within the last {age:.0f} s" if window.worst_case else f"{age:.0f} s ago"
         if past is None:
-            return (f"not present {age:.0f} s ago",)
+            return (f"no figures {when}" if window.worst_case else f"not present {when}",)
         reasons = rejection_reasons(past, filters)
         if reasons:
-            return (f"{age:.0f} s ago: {reasons[0]}",)
+            return (f"{when}: {reasons[0]}",)
     return ()
 
 
