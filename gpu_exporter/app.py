@@ -21,6 +21,7 @@ from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
 from gpu_exporter import __version__
 from gpu_exporter.choose import Choice, NotEnoughGpus, Rejected, Window, score
+from gpu_exporter.cluster import ClusterService
 from gpu_exporter.leases import Lease, LeaseError, LeaseTable
 from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
@@ -31,6 +32,7 @@ from gpu_exporter.params import (
     ChooseRequest,
     check_params,
     parse_choose_args,
+    parse_cluster_args,
 )
 from gpu_exporter.params import bad as _bad
 from gpu_exporter.params import parsed as _parsed
@@ -117,10 +119,12 @@ def create_app(
     max_age_seconds: float = 10.0,
     leases: LeaseTable | None = None,
     requests: RequestCounter | None = None,
+    cluster: ClusterService | None = None,
 ) -> Flask:
     """Build the app. Everything it reads comes in through the arguments.
 
     Pass the same ``leases`` and ``requests`` to the metrics collector to export them.
+    ``cluster`` (from ``--prometheus-url``) serves ``/cluster/choose``.
     """
     app = Flask(__name__)
     app.json.sort_keys = False  # type: ignore[attr-defined]
@@ -268,6 +272,29 @@ def create_app(
         if lease is not None:
             resp.headers["X-GPU-Lease"] = lease.id
             resp.headers["X-GPU-Lease-Expires"] = f"{lease.expires_at:.3f}"
+        resp.headers["Cache-Control"] = "no-store"
+        return resp
+
+    @app.get("/cluster/choose")
+    def cluster_choose_route() -> Response:
+        req = parse_cluster_args(request.args)
+        if cluster is None:
+            raise ApiError(
+                404,
+                "not_configured",
+                "this exporter has no fleet view: start it with --prometheus-url",
+            )
+        result = cluster.choose(request.args.to_dict())
+        fmt = req.choose.format
+        if fmt == "json":
+            resp = jsonify(result.to_json())
+        else:
+            resp = Response(result.text(fmt), mimetype="text/plain")
+        if len(result.placements) == 1:
+            placed = result.placements[0]
+            resp.headers["X-GPU-Host"] = placed.host or ""
+            if placed.lease_id is not None:
+                resp.headers["X-GPU-Lease"] = placed.lease_id
         resp.headers["Cache-Control"] = "no-store"
         return resp
 

@@ -32,6 +32,7 @@ class ServeConfig:
     state_dir: str | None = None  # None: leases are not kept across restarts
     max_lease_seconds: float = 3600.0
     max_gpus_per_requester: int = 0  # 0: no limit
+    prometheus_url: str | None = None  # serves /cluster/choose from this Prometheus
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -137,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
     )
     serve.add_argument(
+        "--prometheus-url",
+        default=_env("prometheus-url", None),
+        metavar="URL",
+        help="a Prometheus that scrapes the fleet's exporters: serves GET /cluster/choose, "
+        "which picks GPUs across hosts and leases them on the chosen host (default: off)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
@@ -178,6 +186,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or _default_state_dir(),
         max_lease_seconds=float(args.max_lease),
         max_gpus_per_requester=int(args.max_gpus_per_requester),
+        prometheus_url=args.prometheus_url or None,
     )
 
 
@@ -236,6 +245,11 @@ def serve(config: ServeConfig) -> int:
     registry = CollectorRegistry()
     registry.register(GpuCollector(cache, leases=leases, requests=requests))
     ProcessCollector(registry=registry)
+    cluster = None
+    if config.prometheus_url:
+        from gpu_exporter.cluster import ClusterService
+
+        cluster = ClusterService(config.prometheus_url)
     app = create_app(
         cache,
         registry,
@@ -243,6 +257,7 @@ def serve(config: ServeConfig) -> int:
         max_age_seconds=config.max_age_seconds,
         leases=leases,
         requests=requests,
+        cluster=cluster,
     )
 
     server = Server(app, config.host, config.port)
