@@ -162,16 +162,22 @@ def base_url(text: str, default_port: int | None = None) -> str:
 
 
 def needed_metrics(filters: Filters, sort: str) -> tuple[str, ...]:
-    """The series a choice with these filters and this order needs — and no others."""
+    """The series a choice with these filters and this order needs — and no others.
+
+    The answer for 10,000 GPUs is megabytes of JSON (bench/cluster.py), so every series
+    left out counts: ``gpu_info`` (name, PCI bus id) only for ``model`` or a bus-id selector.
+    """
     names = [
         "gpu_up",
         "gpu_leased",
-        "gpu_info",
         "gpu_memory_free_bytes",
         "gpu_utilization_ratio",
         "gpu_exporter_nvml_up",
         "gpu_exporter_last_sample_timestamp_seconds",
     ]
+    by_bus_id = any(":" in sel for sel in (*filters.include, *filters.exclude))
+    if filters.model is not None or by_bus_id:  # the name and PCI bus id are on gpu_info
+        names.append("gpu_info")
     if filters.min_total_bytes is not None or sort == "free_ratio":
         names.append("gpu_memory_total_bytes")
     if filters.max_mem_util_ratio is not None:

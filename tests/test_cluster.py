@@ -265,6 +265,9 @@ def test_queries_ask_only_for_what_the_choice_needs() -> None:
     assert set(plain) == {"values", "scraped", "down"}
     assert "gpu_compute_processes" not in plain["values"]
     assert "gpu_power_draw_watts" not in plain["values"]
+    assert "gpu_info" not in plain["values"]  # the biggest series, only when needed
+    assert "gpu_info" in fleet_queries(Filters(model="A100"), "free", None)["values"]
+    assert "gpu_info" in fleet_queries(Filters(exclude=("3b:00.0",)), "free", None)["values"]
     full = fleet_queries(Filters(max_procs=0, max_util_ratio=0.1), "power", 300)
     assert "gpu_compute_processes" in full["values"] and "gpu_power_limit_watts" in full["values"]
     assert "max_over_time(gpu_utilization_ratio[300s])" in full["window"]
