@@ -115,7 +115,11 @@ def _errors(*statuses: int, **override: str) -> dict[str, Any]:
         400: "Invalid or unknown parameter.",
         404: "No such lease.",
         429: "Over a lease limit.",
-        503: "Not enough GPUs qualify, NVML is unavailable, or the sample is stale.",
+        414: "The query string is longer than 4096 bytes (uri_too_long).",
+        503: "Not enough GPUs qualify (not_enough_gpus), NVML is unavailable "
+        "(nvml_unavailable), the sample is stale (snapshot_stale), the server is at its "
+        "request or waiter limit (too_many_requests with Retry-After, too_many_waiters), or "
+        "it is shutting down (shutting_down).",
     }
     described.update({int(k.removeprefix("s")): v for k, v in override.items()})
     return {
@@ -154,7 +158,7 @@ def document() -> dict[str, Any]:
     choose_op = {
         "summary": "Choose the freest GPUs and claim them with a lease",
         "parameters": choose_params,
-        "responses": {"200": choose_ok, **_errors(400, 429, 503)},
+        "responses": {"200": choose_ok, **_errors(400, 414, 429, 503)},
     }
     cluster_op = {
         "summary": "Choose GPUs across the hosts Prometheus scrapes; the host's exporter leases "
