@@ -40,7 +40,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Final
 
 from gpu_exporter import client
@@ -445,7 +445,8 @@ def rank_fleet(
         if host.problem is not None:
             passed.append((host, host.problem))
             continue
-        leased = {u: "leased (as of the last scrape)" for u in host.leased}
+        held = "leased (at the last scrape)" if fleet.source == "prometheus" else "leased"
+        leased = {u: held for u in host.leased}
         ranking = rank(host.gpus, filters, sort=sort, window=host.window, leased=leased)
         needed = 1 if spread else n
         if len(ranking.qualified) < needed:
@@ -792,13 +793,12 @@ def choose_fleet(
         sleep(min(remaining, WAIT_POLL_SECONDS))
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class ClusterService:
     """What ``GET /cluster/choose`` runs on an exporter started with ``--prometheus-url``."""
 
     prometheus: str
     timeout: float = client.DEFAULT_TIMEOUT_SECONDS
-    options: dict[str, Any] = field(default_factory=dict)  # extra choose_fleet() arguments
 
     def choose(self, args: Mapping[str, str]) -> ClusterChoice:
-        return choose_fleet(args, prometheus=self.prometheus, timeout=self.timeout, **self.options)
+        return choose_fleet(args, prometheus=self.prometheus, timeout=self.timeout)

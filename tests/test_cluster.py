@@ -224,7 +224,7 @@ def test_leased_and_down_gpus_do_not_qualify() -> None:
     (candidate,) = rank_fleet(fleet_of(results), 1, Filters()).candidates
     assert [g.index for g in candidate.qualified] == [2]
     (passed,) = rank_fleet(fleet_of(results), 2, Filters()).passed_over
-    assert "leased (as of the last scrape)" in passed[1] and "down: gpu_up 0" in passed[1]
+    assert "leased (at the last scrape)" in passed[1] and "down: gpu_up 0" in passed[1]
 
 
 def test_idle_for_uses_the_worst_figure_of_the_window() -> None:
@@ -468,3 +468,57 @@ def test_cluster_choice_text_formats() -> None:
     with pytest.raises(ValueError, match="one host"):
         spread.text("env")
     assert a.env()["GPU_HOST"] == "n1" and a.env()["GPU_EXPORTER_URL"] == "http://n1:9400"
+
+
+def test_wait_reads_the_fleet_again_until_gpus_qualify() -> None:
+    busy = host_results({"a:9400": gpu("a:9400", 0, util=0.9)})
+    idle = host_results({"a:9400": gpu("a:9400", 0)})
+    answers: dict[str, Any] = {"prometheus": busy}
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+        answers["prometheus"] = idle  # the job on GPU 0 has ended meanwhile
+
+    result = choose_fleet(
+        {"n": "1", "max_util": "0.1", "wait": "1m"},
+        prometheus="prom:9090",
+        fetch=fake_fetch(answers),
+        claimer=fixed_claimer,
+        wall_clock=lambda: NOW,
+        monotonic=lambda: now[0],
+        sleep=sleep,
+    )
+    assert result.placements[0].url == "http://a:9400" and slept == [5.0]
+    answers["prometheus"] = busy
+    with pytest.raises(ApiError, match=r"utilization 0\.90 > max_util 0\.10"):
+        choose_fleet(
+            {"n": "1", "max_util": "0.1", "wait": "12s"},
+            prometheus="prom:9090",
+            fetch=fake_fetch({"prometheus": busy}),
+            claimer=fixed_claimer,
+            wall_clock=lambda: NOW,
+            monotonic=lambda: now[0],
+            sleep=lambda s: now.__setitem__(0, now[0] + s),
+        )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["choose", "--spread"], "need --prometheus or --hosts"),
+        (["choose", "--max-age", "2m"], "need --prometheus or --hosts"),
+        (["choose", "--prometheus", "p:9090", "--url", "h:9400"], "not both"),
+        (["choose", "--hosts", "a", "--spread", "--format", "env"], "not with --spread"),
+        (["run", "--hosts", "a", "--url", "h:9400", "--", "true"], "not both"),
+    ],
+)
+def test_the_command_line_refuses_contradictory_fleet_options(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpu_exporter.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
