@@ -14,6 +14,12 @@ command ends, forwards SIGINT and SIGTERM to it, and exits with its exit status 
 it was killed by signal N). If ``run`` itself is killed (SIGKILL), renewals stop and the
 lease expires by itself after its TTL.
 
+With ``--prometheus URL`` (and/or ``--hosts a,b,c``) both choose across hosts instead
+(:mod:`gpu_exporter.cluster`, docs/cluster.md): all N GPUs on one host, leased by that host's
+exporter. ``choose`` then prints ``HOST GPU-a,GPU-b`` (``--format env`` adds ``GPU_HOST`` and
+``GPU_EXPORTER_URL``); ``run`` sets those two as well and holds the lease from here, while
+COMMAND is expected to go to ``$GPU_HOST`` (ssh, srun -w) to use the GPUs.
+
 Exit status of both, before any command runs: 3 when not enough GPUs qualify, 2 for bad
 arguments (ours or the server's 400), 1 for anything else (no server, 429, NVML down …).
 """
