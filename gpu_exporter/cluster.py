@@ -313,21 +313,21 @@ def parse_fleet(
                 age_seconds=age,
             )
         )
-    seen = {h.url for h in hosts}
+    # Targets whose last scrape failed: passed over even if series of theirs are still
+    # around (Prometheus stale-marks them, but remote or federated data is not).
     jobs = {s.get("metric", {}).get("job") for s in results.get("values", ())}
+    down = "target down: Prometheus' last scrape failed (up 0)"
+    by_url = {h.url: i for i, h in enumerate(hosts)}
     for sample in results.get("down", ()):
         labels = sample.get("metric", {})
+        if labels.get("job") not in jobs:
+            continue  # not a gpu-exporter target
         url = exporter_url(labels)
-        if url in seen or labels.get("job") not in jobs:
-            continue  # not a gpu-exporter target (or it still has fresher figures)
-        seen.add(url)
-        hosts.append(
-            Host(
-                url=url,
-                instance=labels.get("instance", url),
-                problem="target down: Prometheus' last scrape failed (up 0)",
-            )
-        )
+        if url in by_url:
+            hosts[by_url[url]] = replace(hosts[by_url[url]], problem=down, window=None)
+            continue
+        by_url[url] = len(hosts)
+        hosts.append(Host(url=url, instance=labels.get("instance", url), problem=down))
     return Fleet(tuple(hosts), "prometheus", evaluated_at, window_checked=bool(idle_for_seconds))
 
 

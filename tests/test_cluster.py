@@ -183,8 +183,23 @@ def test_down_targets_and_nvml_down_hosts_are_passed_over_with_the_reason() -> N
         {"metric": {"__name__": "up", "instance": "gone:9400", "job": "gpu"}, "value": [NOW, "0"]},
         {"metric": {"__name__": "up", "instance": "db:9100", "job": "node"}, "value": [NOW, "0"]},
     ]
+    # Still has figures (remote data has no staleness markers), but its last scrape failed.
+    results["values"] += exporter_series("failing:9400") + gpu("failing:9400", 0)
+    results["scraped"].append(scraped("failing:9400"))
+    results["down"].append(
+        {
+            "metric": {"__name__": "up", "instance": "failing:9400", "job": "gpu"},
+            "value": [NOW, "0"],
+        }
+    )
     hosts = by_url(fleet_of(results))
-    assert set(hosts) == {"http://ok:9400", "http://nonvml:9400", "http://gone:9400"}
+    assert set(hosts) == {
+        "http://ok:9400",
+        "http://nonvml:9400",
+        "http://gone:9400",
+        "http://failing:9400",
+    }
+    assert "target down" in (hosts["http://failing:9400"].problem or "")
     assert "target down" in (hosts["http://gone:9400"].problem or "")
     assert "NVML is down" in (hosts["http://nonvml:9400"].problem or "")
 
