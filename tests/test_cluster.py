@@ -537,3 +537,22 @@ def test_the_command_line_refuses_contradictory_fleet_options(
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_json_answer_keeps_to_the_openapi_schema() -> None:
+    import jsonschema
+
+    from gpu_exporter.openapi import document
+
+    results = host_results({"a:9400": gpu("a:9400", 0), "b:9400": gpu("b:9400", 0, util=0.5)})
+    result = choose_fleet(
+        {"n": "1", "max_util": "10%"},
+        prometheus="prom:9090",
+        fetch=fake_fetch({"prometheus": results}),
+        claimer=fixed_claimer,
+        wall_clock=lambda: NOW,
+    )
+    schema = document()["components"]["schemas"]["Placements"]
+    jsonschema.validate(result.to_json(), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**result.to_json(), "placements": [{"host": "a"}]}, schema)
