@@ -29,6 +29,11 @@ from gpu_exporter.limits import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAITERS, Requ
 from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.openapi import document as openapi_document
+
+# /choose's parameter tuples live in params.py; re-exported here for callers that import them
+# from the app.
+from gpu_exporter.params import CHOOSE_FORMATS as CHOOSE_FORMATS
+from gpu_exporter.params import CHOOSE_PARAMS as CHOOSE_PARAMS
 from gpu_exporter.params import (
     DEFAULT_LEASE_SECONDS,
     ApiError,
