@@ -36,6 +36,7 @@ class ServeConfig:
     max_requests_in_flight: int = 32
     max_waiters: int = 8
     prometheus_url: str | None = None  # serves /cluster/choose from this Prometheus
+    prometheus_selector: str = ""  # label matchers narrowing /cluster/choose's fleet
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -172,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         "which picks GPUs across hosts and leases them on the chosen host (default: off)",
     )
     serve.add_argument(
+        "--prometheus-selector",
+        default=_env("prometheus-selector", ""),
+        metavar="MATCHERS",
+        help="/cluster/choose considers only the targets these label matchers select, "
+        "e.g. 'job=\"gpu-shared\"' (default: every gpu-exporter Prometheus scrapes)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
@@ -183,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_choose_parser(sub)
     add_run_parser(sub)
     return parser
+
+
+def _selector(text: str, parser: argparse.ArgumentParser) -> str:
+    from gpu_exporter.cluster import check_selector
+
+    try:
+        return check_selector(text)
+    except ValueError as exc:
+        parser.error(f"--prometheus-selector: {exc}")
 
 
 def _default_state_dir() -> str:
@@ -221,6 +238,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_requests_in_flight=int(args.max_requests_in_flight),
         max_waiters=int(args.max_waiters),
         prometheus_url=args.prometheus_url or None,
+        prometheus_selector=_selector(args.prometheus_selector, parser),
     )
 
 
@@ -285,7 +303,7 @@ def serve(config: ServeConfig) -> int:
     if config.prometheus_url:
         from gpu_exporter.cluster import ClusterService
 
-        cluster = ClusterService(config.prometheus_url)
+        cluster = ClusterService(config.prometheus_url, config.prometheus_selector)
     app = create_app(
         cache,
         registry,

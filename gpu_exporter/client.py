@@ -494,6 +494,7 @@ def choose(
     prometheus: str | None = None,
     hosts: Iterable[str] | str | None = None,
     max_age: Duration | None = None,
+    selector: str | None = None,
     **filters: FilterValue,
 ) -> Choice:
     """Choose ``n`` GPUs and lease them for ``lease`` (``0``: advice only, nothing reserved).
@@ -530,6 +531,7 @@ def choose(
             wait=wait,
             owner=owner,
             max_age=max_age,
+            selector=selector,
             timeout=timeout,
             filters=filters,
             stacklevel=3,
@@ -570,6 +572,7 @@ def choose_cluster(
     wait: Duration | None = None,
     owner: str | None = None,
     max_age: Duration | None = None,
+    selector: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     **filters: FilterValue,
 ) -> ClusterChoice:
@@ -579,7 +582,8 @@ def choose_cluster(
     are named (``"node1,node2:9401"`` or a list), those exporters are asked directly, with a
     :class:`GpuExporterWarning`. All ``n`` GPUs come from one host unless ``spread``; each
     host's own exporter grants the lease. ``max_age`` (default 60 s): figures older than this
-    are never used. Filters as for :func:`choose`.
+    are never used. ``selector`` (label matchers, ``'job="gpu-shared"'``) narrows the fleet
+    Prometheus shows to those targets. Filters as for :func:`choose`.
 
     Raises :class:`NoGpusAvailable` (the message has every host's reason) and
     :class:`ServerError` (400 bad argument, 503 ``prometheus_unavailable``).
@@ -593,6 +597,7 @@ def choose_cluster(
         wait=wait,
         owner=owner,
         max_age=max_age,
+        selector=selector,
         timeout=timeout,
         filters=filters,
         stacklevel=3,
@@ -609,6 +614,7 @@ def _choose_cluster(
     wait: Duration | None,
     owner: str | None,
     max_age: Duration | None,
+    selector: str | None,
     timeout: float,
     filters: Mapping[str, FilterValue],
     stacklevel: int,
@@ -626,7 +632,11 @@ def _choose_cluster(
     host_list = [h.strip() for h in hosts or () if h.strip()]
     try:
         result = cluster.choose_fleet(
-            params, prometheus=prometheus, hosts=host_list, timeout=timeout
+            params,
+            prometheus=prometheus,
+            hosts=host_list,
+            selector=selector or "",
+            timeout=timeout,
         )
     except ApiError as exc:
         raise _from_api_error(exc, prometheus or ",".join(host_list)) from None

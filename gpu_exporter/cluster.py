@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shlex
 import time
 import urllib.error
@@ -189,29 +190,56 @@ def needed_metrics(filters: Filters, sort: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def fleet_queries(filters: Filters, sort: str, idle_for_seconds: float | None) -> dict[str, str]:
-    """The instant queries that read the fleet, by name.
+_MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
+_SELECTOR = re.compile(rf"^(?:{_MATCHER}(?:,{_MATCHER})*)?$")
+
+
+def check_selector(selector: str) -> str:
+    """Label matchers that narrow the fleet, e.g. ``job="gpu-shared"``; raises ValueError.
+
+    Only matchers, never other PromQL, so a selector cannot turn into another query.
+
+    >>> check_selector('job="gpu-shared", rack=~"r1|r2"')
+    'job="gpu-shared", rack=~"r1|r2"'
+    >>> check_selector('job="x"} or vector(1')
+    Traceback (most recent call last):
+    ValueError: expected label matchers such as job="gpu-shared", got 'job="x"} or vector(1'
+    """
+    if not _SELECTOR.match(selector):
+        raise ValueError(f'expected label matchers such as job="gpu-shared", got {selector!r}')
+    return selector.strip()
+
+
+def fleet_queries(
+    filters: Filters, sort: str, idle_for_seconds: float | None, selector: str = ""
+) -> dict[str, str]:
+    """The instant queries that read the fleet, by name; ``selector`` narrows every one.
 
     >>> sorted(fleet_queries(Filters(), "free", None))
     ['down', 'scraped', 'values']
+    >>> fleet_queries(Filters(), "free", None, 'job="shared"')["down"]
+    'up{job="shared"} == 0'
     """
+    sel = check_selector(selector)
+    braces = f"{{{sel}}}" if sel else ""
+    names = "|".join(needed_metrics(filters, sort))
     queries = {
-        "values": '{__name__=~"' + "|".join(needed_metrics(filters, sort)) + '"}',
-        "scraped": "timestamp(gpu_exporter_last_sample_timestamp_seconds)",
-        "down": "up == 0",
+        "values": f'{{__name__=~"{names}"{", " + sel if sel else ""}}}',
+        "scraped": f"timestamp(gpu_exporter_last_sample_timestamp_seconds{braces})",
+        "down": f"up{braces} == 0",
     }
     if idle_for_seconds:
-        queries["window"] = window_query(filters, idle_for_seconds)
+        queries["window"] = window_query(filters, idle_for_seconds, sel)
     return queries
 
 
-def window_query(filters: Filters, seconds: float) -> str:
+def window_query(filters: Filters, seconds: float, selector: str = "") -> str:
     """One query for every worst-of-window figure idle_for needs, told apart by ``fleet_field``.
 
     ``gpu_up`` (min: down at any point) and the oldest exporter sample in the window (how far
     back the history reaches) are always asked for.
     """
-    rng = f"[{max(1, math.ceil(seconds))}s]"
+    rng = (f"{{{selector}}}" if selector else "") + f"[{max(1, math.ceil(seconds))}s]"
     parts = [
         ("up", f"min_over_time(gpu_up{rng})"),
         ("oldest", f"min_over_time(gpu_exporter_last_sample_timestamp_seconds{rng})"),
@@ -529,9 +557,10 @@ def read_prometheus(
     fetch: Fetch = http_get_json,
     timeout: float,
     now: float,
+    selector: str = "",
 ) -> Fleet:
     c = req.choose
-    queries = fleet_queries(c.filters, c.sort, c.idle_for_seconds)
+    queries = fleet_queries(c.filters, c.sort, c.idle_for_seconds, selector)
     results = query_prometheus(prometheus, queries, now, fetch=fetch, timeout=timeout)
     fleet = parse_fleet(
         results,
@@ -541,8 +570,9 @@ def read_prometheus(
     )
     if not fleet.hosts:
         raise SourceUnavailable(
-            f"Prometheus at {base_url(prometheus)} has no gpu-exporter series (is it scraping "
-            "the exporters?)"
+            f"Prometheus at {base_url(prometheus)} has no gpu-exporter series"
+            + (f" matching {selector}" if selector else "")
+            + " (is it scraping the exporters?)"
         )
     return fleet
 
@@ -737,6 +767,7 @@ def choose_fleet(
     *,
     prometheus: str | None = None,
     hosts: Sequence[str] = (),
+    selector: str = "",
     timeout: float = client.DEFAULT_TIMEOUT_SECONDS,
     fetch: Fetch = http_get_json,
     claimer: Callable[[Mapping[str, str], ClusterRequest, Fleet, float], Claim] = http_claimer,
@@ -746,14 +777,19 @@ def choose_fleet(
 ) -> ClusterChoice:
     """Choose and claim GPUs across the fleet; ``args`` are ``/cluster/choose``'s parameters.
 
-    Reads the fleet from ``prometheus``; if it cannot be asked (or knows no exporter) and
-    ``hosts`` are named, from those hosts directly. Raises :class:`ApiError`: 400 for bad
+    Reads the fleet from ``prometheus`` (only the targets ``selector`` matches, e.g.
+    ``job="gpu-shared"``); if it cannot be asked (or knows no exporter) and ``hosts`` are
+    named, from those hosts directly. Raises :class:`ApiError`: 400 for bad
     parameters, 503 ``not_enough_gpus`` (with every host's reason) or
     ``prometheus_unavailable``.
     """
     req = parse_cluster_args(args)
     if not prometheus and not hosts:
         raise ApiError(400, "invalid_parameter", "name a Prometheus or hosts to choose among")
+    try:
+        check_selector(selector)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_parameter", str(exc), "selector") from None
     deadline = monotonic() + req.choose.wait_seconds
     while True:
         now = wall_clock()
@@ -761,7 +797,9 @@ def choose_fleet(
         fleet: Fleet | None = None
         if prometheus:
             try:
-                fleet = read_prometheus(prometheus, req, fetch=fetch, timeout=timeout, now=now)
+                fleet = read_prometheus(
+                    prometheus, req, fetch=fetch, timeout=timeout, now=now, selector=selector
+                )
             except SourceUnavailable as exc:
                 if not hosts:
                     raise ApiError(503, "prometheus_unavailable", str(exc)) from None
@@ -798,7 +836,10 @@ class ClusterService:
     """What ``GET /cluster/choose`` runs on an exporter started with ``--prometheus-url``."""
 
     prometheus: str
+    selector: str = ""  # label matchers narrowing the fleet (--prometheus-selector)
     timeout: float = client.DEFAULT_TIMEOUT_SECONDS
 
     def choose(self, args: Mapping[str, str]) -> ClusterChoice:
-        return choose_fleet(args, prometheus=self.prometheus, timeout=self.timeout)
+        return choose_fleet(
+            args, prometheus=self.prometheus, selector=self.selector, timeout=self.timeout
+        )

@@ -131,6 +131,13 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         "when Prometheus cannot be asked",
     )
     fleet.add_argument(
+        "--selector",
+        default=None,
+        metavar="MATCHERS",
+        help="with --prometheus: only the targets these label matchers select, "
+        "e.g. 'job=\"gpu-shared\"'",
+    )
+    fleet.add_argument(
         "--max-age",
         type=_duration_text,
         default=None,
@@ -213,9 +220,9 @@ def _fail(exc: GpuExporterError, prefix: str = "") -> int:
 def _fleet(args: argparse.Namespace) -> bool:
     """Across hosts? Then --url makes no sense."""
     if not (args.prometheus or args.hosts):
-        if args.max_age is not None or getattr(args, "spread", False):
+        if args.max_age is not None or args.selector or getattr(args, "spread", False):
             raise client.ServerError(
-                400, "--max-age and --spread need --prometheus or --hosts", param="max_age"
+                400, "--max-age, --selector and --spread need --prometheus or --hosts"
             )
         return False
     if args.url is not None:
@@ -235,6 +242,7 @@ def _choose_fleet(args: argparse.Namespace, *, spread: bool) -> ClusterChoice:
             wait=args.wait,
             owner=args.owner,
             max_age=args.max_age,
+            selector=args.selector,
             **_filters(args),
         )
     for warning in caught:

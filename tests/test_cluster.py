@@ -288,6 +288,12 @@ def test_queries_ask_only_for_what_the_choice_needs() -> None:
     assert "max_over_time(gpu_utilization_ratio[300s])" in full["window"]
     assert "max_over_time(gpu_compute_processes[300s])" in full["window"]
     assert "min_over_time(gpu_memory_free_bytes" not in full["window"]
+    narrowed = fleet_queries(Filters(max_util_ratio=0.1), "free", 300, 'job="shared"')
+    assert narrowed["values"].endswith('", job="shared"}')
+    assert narrowed["scraped"].endswith('gpu_exporter_last_sample_timestamp_seconds{job="shared"})')
+    assert 'max_over_time(gpu_utilization_ratio{job="shared"}[300s])' in narrowed["window"]
+    with pytest.raises(ValueError, match="label matchers"):
+        fleet_queries(Filters(), "free", None, 'job="x"} or vector(1) or up{a="b"')
 
 
 # -- claiming ----------------------------------------------------------------------------------
@@ -525,6 +531,8 @@ def test_wait_reads_the_fleet_again_until_gpus_qualify() -> None:
     [
         (["choose", "--spread"], "need --prometheus or --hosts"),
         (["choose", "--max-age", "2m"], "need --prometheus or --hosts"),
+        (["choose", "--selector", 'job="x"'], "need --prometheus or --hosts"),
+        (["choose", "--prometheus", "p:9090", "--selector", "job=x"], "label matchers"),
         (["choose", "--prometheus", "p:9090", "--url", "h:9400"], "not both"),
         (["choose", "--hosts", "a", "--spread", "--format", "env"], "not with --spread"),
         (["run", "--hosts", "a", "--url", "h:9400", "--", "true"], "not both"),
@@ -556,3 +564,14 @@ def test_the_json_answer_keeps_to_the_openapi_schema() -> None:
     jsonschema.validate(result.to_json(), schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**result.to_json(), "placements": [{"host": "a"}]}, schema)
+
+
+def test_serve_refuses_a_selector_that_is_not_label_matchers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gpu_exporter.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--prometheus-url", "p:9090", "--prometheus-selector", "up or vector(1)"])
+    assert info.value.code == 2
+    assert "--prometheus-selector: expected label matchers" in capsys.readouterr().err

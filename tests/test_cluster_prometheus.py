@@ -120,6 +120,12 @@ def test_the_host_with_the_requested_free_gpus_is_chosen(fleet: Fleet) -> None:
         assert ex.base in str(info.value)
     assert "s of history for idle_for 600 s" in str(info.value)
 
+    # A selector narrows the fleet to the targets it matches.
+    narrowed = client.choose(1, prometheus=fleet.prom.base, selector='job="gpu"', lease=0)
+    assert narrowed.url in (fleet.a.base, fleet.b.base, fleet.c.base)
+    with pytest.raises(client.ServerError, match='no gpu-exporter series matching job="other"'):
+        client.choose(1, prometheus=fleet.prom.base, selector='job="other"', lease=0)
+
 
 def test_the_cluster_endpoint_of_an_exporter_with_a_prometheus_url(fleet: Fleet) -> None:
     fleet.wait_until_no_leases()
