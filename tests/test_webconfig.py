@@ -282,6 +282,7 @@ def test_unknown_and_known_users_take_similar_time() -> None:
         ("POST", "/leases/abc/renew", "ttl=1m", True, True),
         ("GET", "/leases/../choose", "", True, True),
         ("GET", "/no-such-page", "", True, True),
+        ("GET", "/cluster/choose", "n=1", True, True),
     ],
 )
 def test_which_requests_need_credentials(
