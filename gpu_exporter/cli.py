@@ -37,6 +37,8 @@ class ServeConfig:
     max_waiters: int = 8
     prometheus_url: str | None = None  # serves /cluster/choose from this Prometheus
     prometheus_selector: str = ""  # label matchers narrowing /cluster/choose's fleet
+    web_config_file: str | None = None  # TLS, basic auth, headers (exporter-toolkit format)
+    auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -180,6 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. 'job=\"gpu-shared\"' (default: every gpu-exporter Prometheus scrapes)",
     )
     serve.add_argument(
+        "--web-config-file",
+        default=_env("web-config-file", None),
+        metavar="FILE",
+        help="TLS, basic auth and response headers, in the Prometheus exporter-toolkit "
+        "format (the --web.config.file of node_exporter); re-read when it changes",
+    )
+    serve.add_argument(
+        "--auth-scope",
+        choices=("all", "writes"),
+        default=_env("auth-scope", "all"),
+        help="which requests need basic auth when the web config has users: all (default; "
+        "/healthz and /readyz stay open), or writes: only /choose that takes a lease, /leases and "
+        "anything but GET/HEAD, so /metrics, /gpus, /readyz and / stay open",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
@@ -190,6 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_choose_parser(sub)
     add_run_parser(sub)
+    hash_password = sub.add_parser(
+        "hash-password",
+        help="print a bcrypt hash for basic_auth_users",
+        description="Read a password (asked twice on a terminal, else the first line of "
+        "standard input) and print its bcrypt hash for basic_auth_users in --web-config-file. "
+        "The password is never taken from the command line, where `ps` would show it.",
+    )
+    hash_password.add_argument(
+        "--cost",
+        type=int,
+        default=10,
+        metavar="N",
+        help="bcrypt cost, 4-31; each step doubles the time (default %(default)s, about "
+        "70 ms per check; successful checks are cached)",
+    )
     return parser
 
 
@@ -224,6 +256,15 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--max-requests-in-flight must be from 1 to 1024")
     if not 0 <= args.max_waiters < args.max_requests_in_flight:
         parser.error("--max-waiters must be from 0 to less than --max-requests-in-flight")
+    if args.auth_scope not in ("all", "writes"):  # from the environment
+        parser.error("--auth-scope must be all or writes")
+    if args.web_config_file is not None:
+        from gpu_exporter.webconfig import WebConfigError, load
+
+        try:
+            load(args.web_config_file)  # refuse to start on a bad file, with one line
+        except WebConfigError as exc:
+            parser.error(f"--web-config-file {args.web_config_file}: {exc}")
     return ServeConfig(
         host,
         port,
@@ -239,6 +280,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_waiters=int(args.max_waiters),
         prometheus_url=args.prometheus_url or None,
         prometheus_selector=_selector(args.prometheus_selector, parser),
+        web_config_file=args.web_config_file,
+        auth_scope=args.auth_scope,
     )
 
 
@@ -264,10 +307,19 @@ def serve(config: ServeConfig) -> int:
     from gpu_exporter.app import create_app
     from gpu_exporter.leases import LeaseTable
     from gpu_exporter.limits import PROBE_THREADS, Waiters
-    from gpu_exporter.metrics import GpuCollector, RequestCounter
+    from gpu_exporter.metrics import GpuCollector, RequestCounter, WebConfigCollector
     from gpu_exporter.nvml import Nvml
     from gpu_exporter.sampler import Sampler, SystemClock, new_cache
     from gpu_exporter.server import ListenError, Server
+    from gpu_exporter.webconfig import WebConfigError, WebConfigWatcher, exposure_warnings, secure
+
+    watcher = None
+    if config.web_config_file is not None:
+        try:
+            watcher = WebConfigWatcher(config.web_config_file)
+        except WebConfigError as exc:
+            log.error("--web-config-file %s: %s", config.web_config_file, exc)
+            return 2
 
     clock = SystemClock()
     if config.simulate is not None:
@@ -319,9 +371,19 @@ def serve(config: ServeConfig) -> int:
     )
 
     # A few threads beyond the request limit, so that probes always find one free.
-    server = Server(
-        app, config.host, config.port, threads=config.max_requests_in_flight + PROBE_THREADS
-    )
+    threads = config.max_requests_in_flight + PROBE_THREADS
+    if watcher is not None:
+        registry.register(WebConfigCollector(watcher))
+        tls = watcher.tls_context if watcher.active.context is not None else None
+        server = Server(
+            secure(app, watcher, config.auth_scope),
+            config.host,
+            config.port,
+            threads=threads,
+            tls=tls,
+        )
+    else:
+        server = Server(app, config.host, config.port, threads=threads)
     try:
         server.bind()  # before NVML: a busy port fails fast, without touching the driver
     except ListenError as exc:
@@ -337,6 +399,12 @@ def serve(config: ServeConfig) -> int:
         clock=clock,
     )
     sampler.start()
+    if watcher is not None:
+        watcher.start()
+    for warning in exposure_warnings(
+        config.host, watcher.active.config if watcher else None, os.geteuid()
+    ):
+        log.warning("%s", warning)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if not stopping.is_set():
@@ -346,11 +414,18 @@ def serve(config: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("listening on %s, sampling every %g s", server.address, config.interval_seconds)
+    log.info(
+        "listening on %s (%s), sampling every %g s",
+        server.address,
+        server.scheme,
+        config.interval_seconds,
+    )
     try:
         server.serve()
     finally:
         sampler.stop()
+        if watcher is not None:
+            watcher.stop()
     return 0
 
 
@@ -373,4 +448,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpu_exporter.run import run_main
 
         return run_main(args)
+    if args.command == "hash-password":
+        from gpu_exporter.webconfig import hash_password_main
+
+        return hash_password_main(args)
     parser.error(f"unknown command {args.command!r}")

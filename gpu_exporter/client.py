@@ -20,7 +20,10 @@ it is released or expires; :func:`use_gpus` renews it in the background while th
 ``lease=0`` asks for advice only: nothing is reserved.
 
 The server is found from the ``url`` argument, else ``$GPU_EXPORTER_URL``, else
-``http://localhost:9400``. Every failure is a :class:`GpuExporterError`:
+``http://localhost:9400``. A server with basic auth (``--web-config-file``) gets
+``$GPU_EXPORTER_USER`` and ``$GPU_EXPORTER_PASSWORD``; an ``https://`` server's certificate
+is checked against the system CAs, or the file in ``$SSL_CERT_FILE``. Every failure is a
+:class:`GpuExporterError`:
 
 * :class:`ServerUnreachable` — nothing answered (or not in time);
 * :class:`ServerError` — the server said no; ``status``, ``code``, ``message``, ``param``;
@@ -59,6 +62,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_URL: Final = "http://localhost:9400"
 URL_ENV: Final = "GPU_EXPORTER_URL"
+USER_ENV: Final = "GPU_EXPORTER_USER"
+PASSWORD_ENV: Final = "GPU_EXPORTER_PASSWORD"
 DEFAULT_LEASE: Final = "60s"
 DEFAULT_TIMEOUT_SECONDS: Final = 10.0
 LEASE_HEADER: Final = "X-GPU-Lease"
@@ -398,7 +403,11 @@ def _request(
         url,
         data=b"" if method in ("POST", "PUT") else None,
         method=method,
-        headers={"Accept": "application/json", "User-Agent": "gpu-exporter-client"},
+        headers={
+            "Accept": "application/json",
+            "User-Agent": "gpu-exporter-client",
+            **_credentials(),
+        },
     )
     handlers: list[urllib.request.BaseHandler] = []
     if _is_loopback(urllib.parse.urlsplit(base).hostname):
@@ -419,6 +428,17 @@ def _request(
         raise ServerUnreachable(base, _reason(exc.reason, timeout)) from None
     except (OSError, http.client.HTTPException) as exc:
         raise ServerUnreachable(base, _reason(exc, timeout)) from None
+
+
+def _credentials() -> dict[str, str]:
+    """An ``Authorization`` header from ``$GPU_EXPORTER_USER``/``$GPU_EXPORTER_PASSWORD``."""
+    import base64
+
+    user = os.environ.get(USER_ENV)
+    if not user:
+        return {}
+    token = f"{user}:{os.environ.get(PASSWORD_ENV, '')}".encode()
+    return {"Authorization": "Basic " + base64.b64encode(token).decode("ascii")}
 
 
 def _reason(exc: object, timeout: float) -> str:

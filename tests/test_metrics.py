@@ -11,8 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.metrics import METRICS, SAMPLED, markdown_table
+from gpu_exporter.metrics import METRICS, SAMPLED, WebConfigCollector, markdown_table
 from gpu_exporter.simulate import Fault, Load, SimGpu
+from gpu_exporter.webconfig import WebConfigWatcher
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -139,8 +140,15 @@ def test_names_follow_prometheus_conventions() -> None:
             assert spec.labels[:2] == ("gpu", "uuid"), spec.name
 
 
-def test_every_emitted_family_is_in_the_spec_and_vice_versa() -> None:
-    text = generate_latest(mixed().registry).decode()
+def with_web_config(s: Stack, tmp_path: Path) -> Stack:
+    """Also the --web-config-file families, which exist only when a file is given."""
+    (tmp_path / "web.yml").write_text("")
+    s.registry.register(WebConfigCollector(WebConfigWatcher(tmp_path / "web.yml")))
+    return s
+
+
+def test_every_emitted_family_is_in_the_spec_and_vice_versa(tmp_path: Path) -> None:
+    text = generate_latest(with_web_config(mixed(), tmp_path).registry).decode()
     emitted = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
     assert emitted == {m.name for m in METRICS}
 
@@ -154,13 +162,13 @@ def test_readme_metric_table_is_generated_from_the_spec() -> None:
     )
 
 
-def test_promtool_check_metrics_accepts_the_exposition() -> None:
+def test_promtool_check_metrics_accepts_the_exposition(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip(
             "promtool not installed (Debian package 'prometheus'; scripts/test installs it as root)"
         )
-    text = generate_latest(mixed().registry)
+    text = generate_latest(with_web_config(mixed(), tmp_path).registry)
     result = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
     )
