@@ -40,6 +40,10 @@ class ServeConfig:
     nvml_timeout_seconds: float = 5.0
     max_requests_in_flight: int = 32
     max_waiters: int = 8
+    prometheus_url: str | None = None  # serves /cluster/choose from this Prometheus
+    prometheus_selector: str = ""  # label matchers narrowing /cluster/choose's fleet
+    web_config_file: str | None = None  # TLS, basic auth, headers (exporter-toolkit format)
+    auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -231,6 +235,35 @@ def build_parser() -> argparse.ArgumentParser:
         "too_many_waiters; 0 disables waiting (default %(default)s)",
     )
     serve.add_argument(
+        "--prometheus-url",
+        default=_env("prometheus-url", None),
+        metavar="URL",
+        help="a Prometheus that scrapes the fleet's exporters: serves GET /cluster/choose, "
+        "which picks GPUs across hosts and leases them on the chosen host (default: off)",
+    )
+    serve.add_argument(
+        "--prometheus-selector",
+        default=_env("prometheus-selector", ""),
+        metavar="MATCHERS",
+        help="/cluster/choose considers only the targets these label matchers select, "
+        "e.g. 'job=\"gpu-shared\"' (default: every gpu-exporter Prometheus scrapes)",
+    )
+    serve.add_argument(
+        "--web-config-file",
+        default=_env("web-config-file", None),
+        metavar="FILE",
+        help="TLS, basic auth and response headers, in the Prometheus exporter-toolkit "
+        "format (the --web.config.file of node_exporter); re-read when it changes",
+    )
+    serve.add_argument(
+        "--auth-scope",
+        choices=("all", "writes"),
+        default=_env("auth-scope", "all"),
+        help="which requests need basic auth when the web config has users: all (default; "
+        "/healthz and /readyz stay open), or writes: only /choose that takes a lease, /leases and "
+        "anything but GET/HEAD, so /metrics, /gpus, /readyz and / stay open",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
@@ -241,7 +274,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_choose_parser(sub)
     add_run_parser(sub)
+    hash_password = sub.add_parser(
+        "hash-password",
+        help="print a bcrypt hash for basic_auth_users",
+        description="Read a password (asked twice on a terminal, else the first line of "
+        "standard input) and print its bcrypt hash for basic_auth_users in --web-config-file. "
+        "The password is never taken from the command line, where `ps` would show it.",
+    )
+    hash_password.add_argument(
+        "--cost",
+        type=int,
+        default=10,
+        metavar="N",
+        help="bcrypt cost, 4-31; each step doubles the time (default %(default)s, about "
+        "70 ms per check; successful checks are cached)",
+    )
     return parser
+
+
+def _selector(text: str, parser: argparse.ArgumentParser) -> str:
+    from gpu_exporter.cluster import check_selector
+
+    try:
+        return check_selector(text)
+    except ValueError as exc:
+        parser.error(f"--prometheus-selector: {exc}")
 
 
 def _default_state_dir() -> str:
@@ -272,6 +329,15 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--max-requests-in-flight must be from 1 to 1024")
     if not 0 <= args.max_waiters < args.max_requests_in_flight:
         parser.error("--max-waiters must be from 0 to less than --max-requests-in-flight")
+    if args.auth_scope not in ("all", "writes"):  # from the environment
+        parser.error("--auth-scope must be all or writes")
+    if args.web_config_file is not None:
+        from gpu_exporter.webconfig import WebConfigError, load
+
+        try:
+            load(args.web_config_file)  # refuse to start on a bad file, with one line
+        except WebConfigError as exc:
+            parser.error(f"--web-config-file {args.web_config_file}: {exc}")
     return ServeConfig(
         host,
         port,
@@ -290,6 +356,10 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         nvml_timeout_seconds=float(args.nvml_timeout),
         max_requests_in_flight=int(args.max_requests_in_flight),
         max_waiters=int(args.max_waiters),
+        prometheus_url=args.prometheus_url or None,
+        prometheus_selector=_selector(args.prometheus_selector, parser),
+        web_config_file=args.web_config_file,
+        auth_scope=args.auth_scope,
     )
 
 
@@ -318,12 +388,21 @@ def serve(config: ServeConfig) -> int:
     from gpu_exporter.events import XidListener
     from gpu_exporter.leases import LeaseTable
     from gpu_exporter.limits import PROBE_THREADS, Waiters
-    from gpu_exporter.metrics import GpuCollector, RequestCounter
+    from gpu_exporter.metrics import GpuCollector, RequestCounter, WebConfigCollector
     from gpu_exporter.nvml import Nvml
     from gpu_exporter.pcie import PcieThroughputSampler
     from gpu_exporter.procinfo import ProcInfoCache
     from gpu_exporter.sampler import Sampler, SystemClock, new_cache
     from gpu_exporter.server import ListenError, Server
+    from gpu_exporter.webconfig import WebConfigError, WebConfigWatcher, exposure_warnings, secure
+
+    watcher = None
+    if config.web_config_file is not None:
+        try:
+            watcher = WebConfigWatcher(config.web_config_file)
+        except WebConfigError as exc:
+            log.error("--web-config-file %s: %s", config.web_config_file, exc)
+            return 2
 
     clock = SystemClock()
     if config.simulate is not None:
@@ -367,6 +446,11 @@ def serve(config: ServeConfig) -> int:
     )
     ProcessCollector(registry=registry)
     stopping = threading.Event()
+    cluster = None
+    if config.prometheus_url:
+        from gpu_exporter.cluster import ClusterService
+
+        cluster = ClusterService(config.prometheus_url, config.prometheus_selector)
     app = create_app(
         cache,
         registry,
@@ -379,12 +463,23 @@ def serve(config: ServeConfig) -> int:
         waiters=Waiters(config.max_waiters),
         stopping=stopping,
         xids=xids,
+        cluster=cluster,
     )
 
     # A few threads beyond the request limit, so that probes always find one free.
-    server = Server(
-        app, config.host, config.port, threads=config.max_requests_in_flight + PROBE_THREADS
-    )
+    threads = config.max_requests_in_flight + PROBE_THREADS
+    if watcher is not None:
+        registry.register(WebConfigCollector(watcher))
+        tls = watcher.tls_context if watcher.active.context is not None else None
+        server = Server(
+            secure(app, watcher, config.auth_scope),
+            config.host,
+            config.port,
+            threads=threads,
+            tls=tls,
+        )
+    else:
+        server = Server(app, config.host, config.port, threads=threads)
     try:
         server.bind()  # before NVML: a busy port fails fast, without touching the driver
     except ListenError as exc:
@@ -414,6 +509,12 @@ def serve(config: ServeConfig) -> int:
         )
     for thread in background:
         thread.start()
+    if watcher is not None:
+        watcher.start()
+    for warning in exposure_warnings(
+        config.host, watcher.active.config if watcher else None, os.geteuid()
+    ):
+        log.warning("%s", warning)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if not stopping.is_set():
@@ -423,13 +524,20 @@ def serve(config: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("listening on %s, sampling every %g s", server.address, config.interval_seconds)
+    log.info(
+        "listening on %s (%s), sampling every %g s",
+        server.address,
+        server.scheme,
+        config.interval_seconds,
+    )
     try:
         server.serve()
     finally:
         for thread in background:
             thread.stop()
         sampler.stop()
+        if watcher is not None:
+            watcher.stop()
     return 0
 
 
@@ -452,4 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpu_exporter.run import run_main
 
         return run_main(args)
+    if args.command == "hash-password":
+        from gpu_exporter.webconfig import hash_password_main
+
+        return hash_password_main(args)
     parser.error(f"unknown command {args.command!r}")

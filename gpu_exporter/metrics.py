@@ -42,6 +42,7 @@ from gpu_exporter.sampler import SnapshotCache
 
 if TYPE_CHECKING:
     from gpu_exporter.leases import LeaseTable
+    from gpu_exporter.webconfig import WebConfigWatcher
 
 GPU_LABELS = ("gpu", "uuid")
 SAMPLED = (
@@ -573,6 +574,26 @@ REQUESTS_REJECTED = MetricSpec(
     "the exporter",
     unit="requests",
 )
+WEB_CONFIG_RELOADS = MetricSpec(
+    "gpu_exporter_web_config_reloads_total",
+    "counter",
+    "Re-reads of a changed --web-config-file by result: success, or error (the previous "
+    "configuration stays in force). Absent without --web-config-file.",
+    ("result",),
+    "the exporter",
+    unit="reloads",
+    default="with --web-config-file",
+)
+WEB_CONFIG_OK = MetricSpec(
+    "gpu_exporter_web_config_last_reload_successful",
+    "gauge",
+    "1 if the last re-read of --web-config-file worked (or there was none yet), 0 if the file "
+    "is broken and an older configuration is in force. Absent without --web-config-file.",
+    (),
+    "the exporter",
+    unit="0/1",
+    default="with --web-config-file",
+)
 EXPORTER_METRICS = (
     BUILD_INFO,
     NVML_UP,
@@ -583,6 +604,8 @@ EXPORTER_METRICS = (
     CHOOSE_REQUESTS,
     LEASES_DROPPED,
     REQUESTS_REJECTED,
+    WEB_CONFIG_RELOADS,
+    WEB_CONFIG_OK,
 )
 METRICS: tuple[MetricSpec, ...] = (
     GPU_INFO,
@@ -923,6 +946,23 @@ def metrics_wsgi_app(registry: CollectorRegistry) -> Callable[..., Any]:
         return chunks
 
     return app
+
+
+class WebConfigCollector(Collector):
+    """Reloads of --web-config-file; registered only when one is given."""
+
+    def __init__(self, watcher: WebConfigWatcher) -> None:
+        self._watcher = watcher
+
+    def collect(self) -> Iterator[Metric]:
+        reloads = _family(WEB_CONFIG_RELOADS)
+        counts = dict(self._watcher.reloads)
+        for result in ("success", "error"):
+            reloads.add_metric([result], counts.get(result, 0))
+        yield reloads
+        ok = _family(WEB_CONFIG_OK)
+        ok.add_metric([], 1 if self._watcher.last_reload_ok else 0)
+        yield ok
 
 
 def markdown_table() -> str:

@@ -12,9 +12,13 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import ssl
+from collections.abc import Callable
 from typing import Any
 
-from cheroot import wsgi
+from cheroot import errors, wsgi
+from cheroot.server import HTTPConnection
+from cheroot.ssl.builtin import BuiltinSSLAdapter
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +26,8 @@ THREADS = 16  # request threads; scrapes and /choose take well under a milliseco
 # Connections the kernel queues before accept(): cheroot's default of 5 made a burst of 32
 # job scripts wait up to ~2 s (bench/servers.py, docs/server-choice.md).
 LISTEN_BACKLOG = 1024
+# A TLS handshake must finish within this; it runs on a request thread, never the accept loop.
+HANDSHAKE_TIMEOUT_SECONDS = 5.0
 # Nothing here needs more: cheroot answers 413 beyond these instead of buffering them.
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
@@ -31,12 +37,99 @@ class ListenError(Exception):
     """The address could not be bound; the message says what to do about it."""
 
 
+class _TlsSocket(ssl.SSLSocket):
+    """A client that hangs up mid-response is a reset connection, as on plain TCP.
+
+    cheroot quietly drops ECONNRESET but logs a traceback for ``SSLEOFError`` (a scrape
+    that timed out while the exporter was still writing, say).
+    """
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        try:
+            return super().send(data, flags)
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:
+            raise ConnectionResetError(
+                errno.ECONNRESET, "the client closed the connection"
+            ) from exc
+
+    def recv_into(self, buffer: Any, nbytes: int | None = None, flags: int = 0) -> int:
+        try:
+            return super().recv_into(buffer, nbytes, flags)
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:
+            raise ConnectionResetError(
+                errno.ECONNRESET, "the client closed the connection"
+            ) from exc
+
+
+class TlsAdapter(BuiltinSSLAdapter):
+    """cheroot's stdlib-``ssl`` adapter, with two changes.
+
+    * The context comes from a callable, asked on every connection, so a reloaded
+      certificate or client CA applies to the next connection without a restart.
+    * The handshake is deferred to the request thread (:class:`TlsConnection`). cheroot's
+      own adapter handshakes in the accept loop, where one client that connects and sends
+      nothing stalls every other connection for the whole socket timeout.
+    """
+
+    def __init__(self, context: Callable[[], ssl.SSLContext]) -> None:
+        # Not BuiltinSSLAdapter.__init__: it wants certificate files and handshakes with itself.
+        self.certificate = self.private_key = self.certificate_chain = self.ciphers = None
+        self.private_key_password = None
+        self._get_context = context
+        self._context = None
+        self._server_env: dict[str, str] = {}
+
+    @property
+    def context(self) -> ssl.SSLContext:
+        return self._get_context()
+
+    @context.setter
+    def context(self, context: ssl.SSLContext | None) -> None:  # cheroot's base class sets it
+        pass
+
+    def wrap(self, sock: socket.socket) -> tuple[ssl.SSLSocket, dict[str, str]]:
+        context = self.context
+        context.sslsocket_class = _TlsSocket
+        try:
+            wrapped = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except OSError as exc:  # the client is already gone
+            raise errors.FatalSSLAlert(*exc.args) from exc
+        return wrapped, {"wsgi.url_scheme": "https", "HTTPS": "on"}
+
+
+class TlsConnection(HTTPConnection):
+    """Finishes the TLS handshake on the request thread before reading the first request."""
+
+    _handshaken = False
+
+    def communicate(self) -> bool:
+        if not self._handshaken and isinstance(self.socket, ssl.SSLSocket):
+            try:
+                self.socket.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
+                self.socket.do_handshake()
+                self.socket.settimeout(self.server.timeout)
+            except (OSError, ValueError) as exc:  # ssl.SSLError, timeouts, resets
+                log.debug("TLS handshake with %s failed: %s", self.remote_addr, exc)
+                return False  # cheroot closes the connection
+            self._handshaken = True
+        return bool(super().communicate())  # type: ignore[no-untyped-call]
+
+
 class Server:
-    def __init__(self, app: Any, host: str, port: int, *, threads: int = THREADS) -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        *,
+        threads: int = THREADS,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self._app = app
         self._threads = threads
+        self._tls = tls
         self._server: wsgi.Server | None = None
 
     @property
@@ -46,6 +139,10 @@ class Server:
             return f":{self.port} (every interface)"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._tls is not None else "http"
 
     def bind(self) -> None:
         """Bind and listen now; raises :class:`ListenError` with a helpful message."""
@@ -63,6 +160,9 @@ class Server:
             server.server_name = "gpu-exporter"
             server.max_request_header_size = MAX_HEADER_BYTES
             server.max_request_body_size = MAX_BODY_BYTES
+            if self._tls is not None:
+                server.ssl_adapter = TlsAdapter(self._tls)
+                server.ConnectionClass = TlsConnection
             try:
                 server.prepare()
             except OSError as exc:

@@ -12,8 +12,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.metrics import METRICS, SAMPLED, markdown_table
+from gpu_exporter.metrics import METRICS, SAMPLED, WebConfigCollector, markdown_table
 from gpu_exporter.simulate import Fault, Load, SimGpu
+from gpu_exporter.webconfig import WebConfigWatcher
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -146,11 +147,19 @@ def test_names_follow_prometheus_conventions() -> None:
             assert spec.labels[:2] == ("gpu", "uuid"), spec.name
 
 
-def test_every_emitted_family_is_in_the_spec_and_vice_versa() -> None:
-    text = generate_latest(mixed().registry).decode()
+def with_web_config(s: Stack, tmp_path: Path) -> Stack:
+    """Also the --web-config-file families, which exist only when a file is given."""
+    (tmp_path / "web.yml").write_text("")
+    s.registry.register(WebConfigCollector(WebConfigWatcher(tmp_path / "web.yml")))
+    return s
+
+
+def test_every_emitted_family_is_in_the_spec_and_vice_versa(tmp_path: Path) -> None:
+    text = generate_latest(with_web_config(mixed(), tmp_path).registry).decode()
     emitted = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
-    # Opt-in families are absent unless turned on (see test_health.py for the full set).
-    assert emitted == {m.name for m in METRICS if m.on_by_default}
+    # Opt-in families are absent unless turned on (see test_health.py for the full set); the
+    # web config ones are turned on above.
+    assert emitted == {m.name for m in METRICS if m.on_by_default or "web_config" in m.name}
 
 
 def test_readme_metric_table_is_generated_from_the_spec() -> None:
@@ -162,13 +171,13 @@ def test_readme_metric_table_is_generated_from_the_spec() -> None:
     )
 
 
-def test_promtool_check_metrics_accepts_the_exposition() -> None:
+def test_promtool_check_metrics_accepts_the_exposition(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip(
             "promtool not installed (Debian package 'prometheus'; scripts/test installs it as root)"
         )
-    text = generate_latest(mixed().registry)
+    text = generate_latest(with_web_config(mixed(), tmp_path).registry)
     result = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
     )
@@ -201,9 +210,13 @@ def test_served_metrics_equal_generate_latest_byte_for_byte() -> None:
 
 def test_one_snapshot_builds_its_families_once() -> None:
     s = mixed()
-    first = list(s.registry.collect())
-    again = list(s.registry.collect())
-    up = next(i for i, f in enumerate(first) if f.name == "gpu_up")
-    assert again[up] is first[up]  # the same snapshot: the same family objects
+
+    def family(name: str) -> object:
+        return next(f for f in s.registry.collect() if f.name == name)
+
+    up, energy = family("gpu_up"), family("gpu_energy_joules")
+    assert family("gpu_up") is up  # the same snapshot: the same family objects
+    s.clock.advance(1)
     s.sample()
-    assert next(f for f in s.registry.collect() if f.name == "gpu_up") is not first[up]
+    assert family("gpu_energy_joules") is not energy  # changed: built anew
+    assert family("gpu_up") is up  # equal to the last sample's: kept, with its text
