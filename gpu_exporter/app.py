@@ -22,6 +22,7 @@ from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
 from gpu_exporter import __version__
 from gpu_exporter.choose import SORTS, Choice, Filters, NotEnoughGpus, Rejected, Window, score
+from gpu_exporter.exposition import Exposition
 from gpu_exporter.leases import Lease, LeaseError, LeaseTable
 from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
@@ -229,10 +230,13 @@ def create_app(
     max_age_seconds: float = 10.0,
     leases: LeaseTable | None = None,
     requests: RequestCounter | None = None,
+    exposition: Exposition | None = None,
 ) -> Flask:
     """Build the app. Everything it reads comes in through the arguments.
 
     Pass the same ``leases`` and ``requests`` to the metrics collector to export them.
+    With ``exposition``, ``/metrics`` serves its per-snapshot cached rendering (which must
+    cover the same collectors as ``registry``); without, ``registry`` is rendered per scrape.
     """
     app = Flask(__name__)
     app.json.sort_keys = False  # type: ignore[attr-defined]
@@ -403,6 +407,6 @@ def create_app(
         lease = table.renew(lease_id, DEFAULT_LEASE_SECONDS if ttl is None else ttl)
         return jsonify(lease.to_json())
 
-    metrics_app = make_wsgi_app(registry)
+    metrics_app = make_wsgi_app(registry) if exposition is None else exposition.wsgi_app(registry)
     app.wsgi_app = DispatcherMiddleware(app.wsgi_app, {"/metrics": metrics_app})  # type: ignore[method-assign]
     return app

@@ -201,6 +201,7 @@ def serve(config: ServeConfig) -> int:
     from prometheus_client import CollectorRegistry, ProcessCollector
 
     from gpu_exporter.app import create_app
+    from gpu_exporter.exposition import Exposition
     from gpu_exporter.leases import LeaseTable
     from gpu_exporter.metrics import GpuCollector, RequestCounter
     from gpu_exporter.nvml import Nvml
@@ -234,8 +235,9 @@ def serve(config: ServeConfig) -> int:
     )
     requests = RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, leases=leases, requests=requests))
-    ProcessCollector(registry=registry)
+    gpu_collector = GpuCollector(cache, leases=leases, requests=requests)
+    registry.register(gpu_collector)
+    process_collector = ProcessCollector(registry=registry)
     app = create_app(
         cache,
         registry,
@@ -243,6 +245,7 @@ def serve(config: ServeConfig) -> int:
         max_age_seconds=config.max_age_seconds,
         leases=leases,
         requests=requests,
+        exposition=Exposition(cache, gpu_collector, (process_collector,)),
     )
 
     server = Server(app, config.host, config.port)

@@ -11,6 +11,7 @@ from flask.testing import FlaskClient
 from prometheus_client import CollectorRegistry
 
 from gpu_exporter.app import create_app
+from gpu_exporter.exposition import Exposition
 from gpu_exporter.leases import LeaseTable
 from gpu_exporter.metrics import GpuCollector, RequestCounter
 from gpu_exporter.nvml import Nvml
@@ -48,6 +49,7 @@ class Stack:
     registry: CollectorRegistry
     app: Flask
     leases: LeaseTable
+    exposition: Exposition
 
     @property
     def client(self) -> FlaskClient:
@@ -77,11 +79,19 @@ def build_stack(
     table = leases or LeaseTable(clock)
     requests = RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, version="test", leases=table, requests=requests))
+    collector = GpuCollector(cache, version="test", leases=table, requests=requests)
+    registry.register(collector)
+    exposition = Exposition(cache, collector)
     app = create_app(
-        cache, registry, clock=clock, max_age_seconds=max_age, leases=table, requests=requests
+        cache,
+        registry,
+        clock=clock,
+        max_age_seconds=max_age,
+        leases=table,
+        requests=requests,
+        exposition=exposition,
     )
-    return Stack(clock, sim, nvml, cache, sampler, registry, app, table)
+    return Stack(clock, sim, nvml, cache, sampler, registry, app, table, exposition)
 
 
 @pytest.fixture
