@@ -92,6 +92,7 @@ class Size:
     devices: tuple[int, ...]
     processes: tuple[int, ...]
     rss_requests: int
+    sparse: int  # scrapes spaced more than one sample apart, as from one Prometheus
 
 
 FULL = Size(
@@ -104,6 +105,7 @@ FULL = Size(
     devices=(1, 8, 16, 64),
     processes=(0, 100, 1000),
     rss_requests=100_000,
+    sparse=30,
 )
 QUICK = Size(
     sequential=100,
@@ -115,6 +117,7 @@ QUICK = Size(
     devices=(1, 64),
     processes=(1000,),
     rss_requests=1500,
+    sparse=3,
 )
 
 
@@ -299,6 +302,34 @@ def sequential(
     return {"requests": len(latencies), "errors": errors, "body_bytes": body_bytes} | (
         servers._summary(latencies)
     )
+
+
+def sparse(exporters: dict[str, Exporter], n: int) -> dict[str, dict[str, Any]]:
+    """Latency of scrapes spaced 1.2 samples apart: each one sees a new sample."""
+    conns = {
+        k: http.client.HTTPConnection(HOST, e.port, timeout=servers.REQUEST_TIMEOUT_SECONDS)
+        for k, e in exporters.items()
+    }
+    latencies: dict[str, list[float]] = {k: [] for k in exporters}
+    try:
+        for _ in range(n):
+            for kind, conn in conns.items():
+                started = time.perf_counter()
+                conn.request("GET", "/metrics", headers=PROMETHEUS_HEADERS)
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status == 200:
+                    latencies[kind].append((time.perf_counter() - started) * 1000)
+                if resp.getheader("Connection", "").lower() == "close":
+                    conn.close()
+            time.sleep(INTERVAL_SECONDS * 1.2)
+    finally:
+        for conn in conns.values():
+            conn.close()
+    return {
+        k: {"requests": len(v), "max_ms": round(max(v), 3) if v else None} | servers._summary(v)
+        for k, v in latencies.items()
+    }
 
 
 def concurrent(
@@ -662,6 +693,9 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
         report["sampling"] = group_sampling(exporters, size)  # first: nobody has scraped yet
         report["sampling"]["gpu-exporter"]["expected_calls_per_sample"] = _expected_calls()
         report["latency"] = group_latency(exporters, size)
+        _log(f"1. /metrics latency, {size.sparse} scrapes each a new sample apart")
+        for kind, result in sparse(exporters, size.sparse).items():
+            report["latency"][kind]["sparse"] = result
         report["choose"] = group_choose(exporters["gpu-exporter"], size)
     report["scaling"] = group_scaling(lib, work, size)
     with running("gpu-exporter", lib, lab(), work) as ex:

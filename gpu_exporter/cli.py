@@ -238,6 +238,7 @@ def serve(config: ServeConfig) -> int:
     gpu_collector = GpuCollector(cache, leases=leases, requests=requests)
     registry.register(gpu_collector)
     process_collector = ProcessCollector(registry=registry)
+    exposition = Exposition(cache, gpu_collector, (process_collector,))
     app = create_app(
         cache,
         registry,
@@ -245,7 +246,7 @@ def serve(config: ServeConfig) -> int:
         max_age_seconds=config.max_age_seconds,
         leases=leases,
         requests=requests,
-        exposition=Exposition(cache, gpu_collector, (process_collector,)),
+        exposition=exposition,
     )
 
     server = Server(app, config.host, config.port)
@@ -258,6 +259,7 @@ def serve(config: ServeConfig) -> int:
     # NVML is initialised on the sampler thread of this (serving) process — never before a fork.
     sampler = Sampler(nvml, cache, interval_seconds=config.interval_seconds, clock=clock)
     sampler.start()
+    exposition.start()
 
     stopping = threading.Event()
 
@@ -273,6 +275,7 @@ def serve(config: ServeConfig) -> int:
     try:
         server.serve()
     finally:
+        exposition.stop()
         sampler.stop()
     return 0
 

@@ -7,6 +7,11 @@ bytes are served to every scrape of that sample. What can change between two sam
 lease table (``gpu_leased``), the request counters, the ``process_*`` figures of the exporter
 itself — is small and rendered on every scrape, after the cached part.
 
+Rendering happens on the first scrape after a sample, or — while anyone has scraped in the
+last :data:`PRERENDER_WINDOW_SECONDS` — on a background thread as soon as the sample is
+published (:meth:`Exposition.start`), so that a Prometheus scraping less often than the
+sampler samples still gets cached bytes; an exporter nobody scrapes renders nothing.
+
 The body is byte for byte what ``prometheus_client.make_wsgi_app`` over the same collectors
 would serve (a test compares them), because each family is rendered on its own and the
 parts are simply concatenated (OpenMetrics: with one ``# EOF`` at the end). For gzip, the
@@ -17,6 +22,7 @@ the live tail.
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ from gpu_exporter.model import Snapshot
 from gpu_exporter.sampler import SnapshotCache
 
 OPENMETRICS_EOF = b"# EOF\n"
+PRERENDER_WINDOW_SECONDS = 300.0  # render new samples ahead while scraped this recently
 GZIP_LEVEL = 6
 GZIP_WBITS = 31  # a gzip header and trailer, as Content-Encoding: gzip needs
 
@@ -83,8 +90,16 @@ class Exposition:
         live: Sequence[Collector] = (),
         *,
         gzip_level: int = GZIP_LEVEL,
+        monotonic: Callable[[], float] = time.monotonic,
+        prerender_window_seconds: float = PRERENDER_WINDOW_SECONDS,
     ) -> None:
         self._cache = cache
+        self._monotonic = monotonic
+        self._window = prerender_window_seconds
+        # content type → (encoder, OpenMetrics?, when last scraped): what to render ahead
+        self._recent: dict[str, tuple[Encoder, bool, float]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._gpu = gpu
         self._live = tuple(live)
         self._gzip_level = gzip_level
@@ -98,6 +113,7 @@ class Exposition:
         """The body and headers for a scrape with these ``Accept``/``Accept-Encoding``."""
         encoder, content_type = choose_encoder(accept or "")
         openmetrics = content_type.startswith("application/openmetrics-text")
+        self._recent[content_type] = (encoder, openmetrics, self._monotonic())
         snapshot = self._cache.get()
         part = self._part(snapshot, encoder, content_type, openmetrics)
         live = chain(
@@ -135,6 +151,34 @@ class Exposition:
                     self._parts = {}  # keep only the newest sample's parts
                 self._parts[content_type] = fresh
             return fresh
+
+    def prerender(self, snapshot: Snapshot) -> int:
+        """Render ``snapshot`` for every content type scraped within the window; how many."""
+        now = self._monotonic()
+        recent = [
+            (ct, e, om) for ct, (e, om, t) in list(self._recent.items()) if now - t <= self._window
+        ]
+        for content_type, encoder, openmetrics in recent:
+            self._part(snapshot, encoder, content_type, openmetrics)
+        return len(recent)
+
+    def start(self) -> None:
+        """Render each new sample ahead, on a thread of its own, while someone scrapes."""
+        self._thread = threading.Thread(target=self._run, name="exposition", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_seconds)
+
+    def _run(self) -> None:
+        sequence = self._cache.get().sequence
+        while not self._stop.is_set():
+            snapshot = self._cache.wait_for_newer(sequence, timeout_seconds=0.5)
+            if snapshot.sequence != sequence:
+                sequence = snapshot.sequence
+                self.prerender(snapshot)
 
     def wsgi_app(
         self, registry: CollectorRegistry

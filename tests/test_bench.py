@@ -36,8 +36,8 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
 
     # 1. /metrics latency
     latency = report["latency"]["gpu-exporter"]
-    for phase in ("sequential", "sequential_gzip", "concurrent_16"):
-        assert latency[phase]["requests"] > 0 and latency[phase]["errors"] == 0, phase
+    for phase in ("sequential", "sequential_gzip", "concurrent_16", "sparse"):
+        assert latency[phase]["requests"] > 0 and latency[phase].get("errors", 0) == 0, phase
         assert 0 < latency[phase]["p50_ms"] <= latency[phase]["p99_ms"]
     assert latency["sequential_gzip"]["body_bytes"] < latency["sequential"]["body_bytes"] / 3
     # 2. sampling: exactly the supported fields of every device, and nothing else

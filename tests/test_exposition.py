@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -53,7 +54,9 @@ class Setup:
         )
         self.registry.register(gpu)
         self.registry.register(self.ticker)
-        self.exposition = Exposition(self.stack.cache, gpu, (self.ticker,))
+        self.exposition = Exposition(
+            self.stack.cache, gpu, (self.ticker,), monotonic=self.stack.clock.monotonic
+        )
 
     def sample(self, seconds: float = 10) -> None:
         self.stack.clock.advance(seconds)
@@ -119,6 +122,40 @@ def test_rendered_once_per_snapshot_while_live_series_stay_current(setup: Setup)
     assert body == generate_latest(setup.registry)
     exp.render(OPENMETRICS)
     assert exp.renders == 3  # each content type once per sample
+
+
+def test_new_samples_are_rendered_ahead_only_while_someone_scrapes(setup: Setup) -> None:
+    exp = setup.exposition
+    assert exp.prerender(setup.stack.cache.get()) == 0  # nobody has scraped: nothing to do
+    assert exp.renders == 0
+    exp.render(None, "gzip")
+    exp.render(OPENMETRICS)
+    assert exp.renders == 2
+    setup.sample()
+    assert exp.prerender(setup.stack.cache.get()) == 2  # both content types scraped lately
+    assert exp.renders == 4
+    body, _ = exp.render()
+    assert exp.renders == 4 and body == generate_latest(setup.registry)  # served from cache
+    setup.sample(301)  # nobody scraped for longer than the window
+    assert exp.prerender(setup.stack.cache.get()) == 0
+    assert exp.renders == 4
+
+
+def test_the_prerender_thread_follows_published_samples(setup: Setup) -> None:
+    exp = setup.exposition
+    exp.start()
+    try:
+        exp.render()
+        assert exp.renders == 1
+        setup.sample(1)
+        deadline = time.monotonic() + 10
+        while exp.renders < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert exp.renders == 2
+        exp.render()
+        assert exp.renders == 2
+    finally:
+        exp.stop()
 
 
 def test_the_app_serves_the_cached_rendering(stack: Stack) -> None:
