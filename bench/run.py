@@ -560,6 +560,18 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         None,
     )
+    if "sparse" in ours_l:
+        row(
+            "1",
+            f"`/metrics` p50 / max ms, gzip, {ours_l['sparse']['requests']} scrapes each "
+            "1.2 samples apart (as one Prometheus sees it)",
+            f"{_f(ours_l['sparse']['p50_ms'])} / {_f(ours_l['sparse']['max_ms'])}",
+            f"{_f(peer_l['sparse']['p50_ms'])} / {_f(peer_l['sparse']['max_ms'])}"
+            if peer_l
+            else None,
+            "",
+            None,
+        )
     row(
         "1",
         "`/metrics`, 16 concurrent scrapers: req/s; p50 / p99 ms",
