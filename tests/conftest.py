@@ -14,6 +14,7 @@ from gpu_exporter.app import create_app
 from gpu_exporter.exposition import Exposition
 from gpu_exporter.leases import LeaseTable
 from gpu_exporter.metrics import GpuCollector, RequestCounter
+from gpu_exporter.model import Snapshot
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.sampler import Sampler, SnapshotCache, new_cache
 from gpu_exporter.simulate import SimGpu, SimulatedNvml
@@ -55,8 +56,8 @@ class Stack:
     def client(self) -> FlaskClient:
         return self.app.test_client()
 
-    def sample(self) -> None:
-        self.sampler.sample_once()
+    def sample(self) -> Snapshot:
+        return self.sampler.sample_once()
 
     def value(self, name: str, gpu: int | None = None, **labels: str) -> float | None:
         if gpu is not None:
@@ -70,16 +71,21 @@ def build_stack(
     max_age: float = 10.0,
     clock: FakeClock | None = None,
     leases: LeaseTable | None = None,
+    nvml_timeout: float = 5.0,
 ) -> Stack:
     clock = clock or FakeClock()
     sim = sim_factory(clock)
     nvml = Nvml(sim, simulated=True)
     cache = new_cache(nvml, clock)
-    sampler = Sampler(nvml, cache, interval_seconds=1.0, clock=clock)
+    sampler = Sampler(
+        nvml, cache, interval_seconds=1.0, nvml_timeout_seconds=nvml_timeout, clock=clock
+    )
     table = leases or LeaseTable(clock)
-    requests = RequestCounter()
+    requests, rejections = RequestCounter(), RequestCounter()
     registry = CollectorRegistry()
-    collector = GpuCollector(cache, version="test", leases=table, requests=requests)
+    collector = GpuCollector(
+        cache, version="test", leases=table, requests=requests, rejections=rejections
+    )
     registry.register(collector)
     exposition = Exposition(cache, collector)
     app = create_app(
@@ -89,6 +95,7 @@ def build_stack(
         max_age_seconds=max_age,
         leases=table,
         requests=requests,
+        rejections=rejections,
         exposition=exposition,
     )
     return Stack(clock, sim, nvml, cache, sampler, registry, app, table, exposition)

@@ -2,67 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from gpu_exporter.cli import parse_listen_address
 from gpu_exporter.server import free_port
+from harness import get, start, stop, wait_ready
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "gpu_exporter", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # A fresh state directory per process: leases must not leak between tests.
-        env={**os.environ, "GPU_EXPORTER_STATE_DIR": tempfile.mkdtemp(), **(env or {})},
-        cwd=ROOT,
-    )
-
-
-def stop(proc: subprocess.Popen[str]) -> str:
-    """Terminate (if still running), drain and close the pipes; returns stderr."""
-    if proc.poll() is None:
-        proc.terminate()
-    _, err = proc.communicate(timeout=10)
-    return err
-
-
-def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def wait_ready(base: str, proc: subprocess.Popen[str], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            if get(base + "/readyz", timeout=1)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("server did not become ready")
 
 
 @pytest.fixture

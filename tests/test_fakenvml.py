@@ -111,17 +111,19 @@ def start_exporter(fake_lib: Path, tmp_path: Path) -> Iterator[Callable[..., Exp
     """Start `gpu-exporter serve` (no --simulate) with the fake library on its load path."""
     started: list[Exporter] = []
 
-    def start(gpus: list[FakeGpu], *, ready: bool = True, **kwargs: object) -> Exporter:
+    def start(
+        gpus: list[FakeGpu], *, ready: bool = True, args: tuple[str, ...] = (), **kwargs: object
+    ) -> Exporter:
         config = tmp_path / f"fakenvml-{len(started)}.conf"
         fakenvml.write_config(config, gpus, **kwargs)
         port = free_port()
         log = tmp_path / f"exporter-{len(started)}.log"
         env = fakenvml.environment(fake_lib, config)
         env["GPU_EXPORTER_STATE_DIR"] = tempfile.mkdtemp(dir=tmp_path)
-        args = ["serve", "--interval", "0.1", "--listen-address", f"127.0.0.1:{port}"]
+        command = ["serve", "--interval", "0.1", "--listen-address", f"127.0.0.1:{port}", *args]
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gpu_exporter", *args],
+                [sys.executable, "-m", "gpu_exporter", *command],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -352,6 +354,19 @@ def test_a_hung_driver_call_never_slows_a_scrape(start_exporter: Callable[..., E
     ex.wait_for(
         lambda: (ex.value("gpu_exporter_sample_duration_seconds") or 0) >= hang_seconds * 0.9
     )
+
+
+def test_a_call_past_the_deadline_marks_that_gpu_down_until_it_returns(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    ex = start_exporter([FakeGpu(), FakeGpu()], args=("--nvml-timeout", "1"))
+    ex.write([FakeGpu(hangs={"nvmlDeviceGetPowerUsage": 4}), FakeGpu()])
+    reason = {"gpu": "0", "uuid": _uuid(0), "reason": "timeout"}
+    ex.wait_for(lambda: ex.value("gpu_down_reason", **reason) == 1)
+    assert ex.value("gpu_up", gpu="0", uuid=_uuid(0)) == 0
+    assert ex.value("gpu_up", gpu="1", uuid=_uuid(1)) == 1  # the other GPU keeps reporting
+    ex.write([FakeGpu(), FakeGpu()])
+    ex.wait_for(lambda: ex.value("gpu_up", gpu="0", uuid=_uuid(0)) == 1)
 
 
 def test_driver_not_loaded_at_start_then_recovers(start_exporter: Callable[..., Exporter]) -> None:

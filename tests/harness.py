@@ -1,0 +1,220 @@
+"""Real processes for tests: `gpu-exporter serve` subprocesses and a real Prometheus.
+
+Everything binds to 127.0.0.1 on a free port and is stopped by the context managers, even
+when a test fails. Prometheus is the Debian package (``/usr/bin/prometheus``, installed by
+``scripts/test.sh`` when running as root); :func:`require_prometheus` skips with the reason
+where it is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_exporter.server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``python -m gpu_exporter ARGS`` with a fresh state directory (leases never leak)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpu_exporter", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "GPU_EXPORTER_STATE_DIR": tempfile.mkdtemp(), **(env or {})},
+        cwd=ROOT,
+    )
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    """Terminate (if still running), drain and close the pipes; returns stderr."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        _, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+    return err
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """Status and body of a GET; HTTP errors are returned, not raised."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_ready(base: str, proc: subprocess.Popen[str], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            if get(base + "/readyz", timeout=1)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("server did not become ready")
+
+
+@dataclass
+class Exporter:
+    """A running ``gpu-exporter serve`` subprocess."""
+
+    base: str  # http://127.0.0.1:PORT
+    address: str  # 127.0.0.1:PORT, what a Prometheus target or `instance` label holds
+    proc: subprocess.Popen[str]
+
+
+@contextlib.contextmanager
+def exporter(*serve_args: str, env: dict[str, str] | None = None) -> Iterator[Exporter]:
+    """``gpu-exporter serve SERVE_ARGS`` on a free loopback port, ready when yielded."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = start("serve", "--listen-address", address, *serve_args, env=env)
+    try:
+        wait_ready(f"http://{address}", proc)
+        yield Exporter(f"http://{address}", address, proc)
+    finally:
+        stop(proc)
+
+
+# -- Prometheus ------------------------------------------------------------------------------
+
+
+def require_prometheus() -> str:
+    """Path of the Prometheus server binary, or skip the test saying why."""
+    path = shutil.which("prometheus")
+    if path is None:
+        pytest.skip(
+            "prometheus not installed (Debian package 'prometheus'; scripts/test.sh installs "
+            "it when run as root)"
+        )
+    return path
+
+
+@dataclass
+class Prometheus:
+    base: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen[str]
+
+    def api(self, path: str, **params: str) -> Any:
+        """GET /api/v1/PATH?params; returns ``data`` or raises with Prometheus' error."""
+        url = f"{self.base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        status, body = get(url, timeout=10)
+        doc = json.loads(body)
+        if status != 200 or doc.get("status") != "success":
+            raise AssertionError(f"{url}: {status} {body}")
+        return doc["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """Instant query; the result vector (or matrix) as Prometheus returns it."""
+        result: list[dict[str, Any]] = self.api("query", query=expr)["result"]
+        return result
+
+    def wait_for(self, expr: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Poll an instant query until it returns at least one series."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(expr)
+            if result:
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no data for {expr!r} after {timeout:.0f} s")
+            time.sleep(0.25)
+
+    def wait_for_targets_up(self, count: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            up = self.query("up == 1")
+            if len(up) >= count:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(up)} of {count} targets up after {timeout:.0f} s")
+            time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def prometheus(
+    targets: Sequence[str],
+    *,
+    scrape_interval: str = "1s",
+    rule_files: Sequence[Path] = (),
+    evaluation_interval: str = "1s",
+    extra_scrape_config: str = "",
+) -> Iterator[Prometheus]:
+    """A real Prometheus on loopback scraping ``targets`` (``host:port``), stopped after.
+
+    ``extra_scrape_config`` is YAML appended to the one scrape job (indented by the caller
+    to sit under ``- job_name:``), e.g. relabelling rules.
+    """
+    binary = require_prometheus()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="prometheus-") as tmp:
+        config = Path(tmp, "prometheus.yml")
+        lines = [
+            "global:",
+            f"  scrape_interval: {scrape_interval}",
+            f"  evaluation_interval: {evaluation_interval}",
+        ]
+        if rule_files:
+            lines.append("rule_files:")
+            lines += [f"  - {Path(f).resolve()}" for f in rule_files]
+        lines += [
+            "scrape_configs:",
+            "  - job_name: gpu",
+            "    static_configs:",
+            f"      - targets: {json.dumps(list(targets))}",
+        ]
+        config.write_text("\n".join(lines) + "\n" + extra_scrape_config)
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp}/data",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--web.enable-lifecycle",
+                "--log.level=warn",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                if proc.poll() is not None:
+                    raise AssertionError(f"prometheus exited: {stop(proc)}")
+                try:
+                    if get(base + "/-/ready", timeout=1)[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError("prometheus did not become ready in 30 s")
+                time.sleep(0.1)
+            yield Prometheus(base, proc)
+        finally:
+            stop(proc)
