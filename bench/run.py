@@ -512,10 +512,11 @@ def _pp(result: dict[str, Any] | None) -> str | None:
 
 
 def _load(result: dict[str, Any] | None) -> str | None:
-    """``"req/s; p50 / p99"`` of a concurrent result."""
+    """``"req/s; p50 / p99; server CPU µs per request"`` of a concurrent result."""
     if result is None:
         return None
-    return f"{result['requests_per_second']}; {_pp(result)}"
+    cpu = result.get("server_cpu_us_per_request")
+    return f"{result['requests_per_second']}; {_pp(result)}; {_f(cpu)}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -581,7 +582,7 @@ def markdown(report: dict[str, Any]) -> str:
         )
     row(
         "1",
-        "`/metrics`, 16 concurrent scrapers: req/s; p50 / p99 ms",
+        "`/metrics`, 16 concurrent scrapers: req/s; p50 / p99 ms; CPU µs/request",
         _load(ours_l["concurrent_16"]),
         _load(peer_l and peer_l["concurrent_16"]),
         "",
@@ -628,7 +629,7 @@ def markdown(report: dict[str, Any]) -> str:
     rate = ch["requests_per_second"] or 0
     row(
         "3",
-        "`/choose`, 32 clients: req/s; p50 / p99 ms",
+        "`/choose`, 32 clients: req/s; p50 / p99 ms; CPU µs/request",
         _load(ch),
         None,
         "≥ 2,000 req/s",
@@ -636,7 +637,7 @@ def markdown(report: dict[str, Any]) -> str:
     )
     row(
         "3",
-        "`/healthz` (no-op baseline), 32 clients: req/s; p50 / p99 ms",
+        "`/healthz` (no-op baseline), 32 clients: req/s; p50 / p99 ms; CPU µs/request",
         _load(hz),
         None,
         "",
