@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -335,38 +335,40 @@ def sparse(exporters: dict[str, Exporter], n: int) -> dict[str, dict[str, Any]]:
 def concurrent(
     exporter: Exporter, path: str, requests: int, clients: int, size: Size
 ) -> dict[str, Any]:
-    load = servers.Size(
-        **{
-            **asdict(servers.QUICK_SIZE),
-            "concurrent": requests,
-            "phase_seconds": size.phase_seconds,
-        }
-    )
+    """bench/servers.py's load generator (it needs only ``.port`` and ``.proc``)."""
+    load = replace(servers.QUICK_SIZE, concurrent=requests, phase_seconds=size.phase_seconds)
     procs = 2 if clients % 2 == 0 else 1
-    return servers.concurrent(exporter, path, load, procs, servers._client_context(), clients)  # type: ignore[arg-type]
+    context = servers._client_context()
+    return servers.concurrent(exporter, path, load, procs, context, clients)  # type: ignore[arg-type]
 
 
-def sample_cost(exporter: Exporter, seconds: float) -> dict[str, Any]:
-    """NVML calls per sample and CPU per second over an idle window (nobody scrapes)."""
-    calls_before, cpu_before, t0 = exporter.calls(), exporter.cpu_seconds(), time.monotonic()
+def sample_cost(exporters: dict[str, Exporter], seconds: float) -> dict[str, dict[str, Any]]:
+    """NVML calls per sample and CPU over a window in which nobody scrapes, per exporter."""
+    calls_before = {k: e.calls() for k, e in exporters.items()}
+    cpu_before = {k: e.cpu_seconds() for k, e in exporters.items()}
+    started = time.monotonic()
     time.sleep(seconds)
-    calls_after, cpu_after, t1 = exporter.calls(), exporter.cpu_seconds(), time.monotonic()
-    delta = {f: calls_after.get(f, 0) - calls_before.get(f, 0) for f in calls_after}
-    delta = {f: n for f, n in sorted(delta.items()) if n}
-    elapsed = t1 - t0
-    # this exporter calls nvmlDeviceGetCount_v2 exactly once per sample; the peer does not
-    samples = delta.get("nvmlDeviceGetCount_v2", 0) if exporter.kind == "gpu-exporter" else 0
-    if not samples:
-        samples = max(1, round(elapsed / INTERVAL_SECONDS))
-    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    return {
-        "window_seconds": round(elapsed, 2),
-        "samples": samples,
-        "nvml_calls_per_sample": round(sum(delta.values()) / samples, 1),
-        "nvml_calls_by_function": {f: round(n / samples, 2) for f, n in delta.items()},
-        "cpu_seconds": None if cpu is None else round(cpu, 3),
-        "cpu_percent_of_one_core": None if cpu is None else round(100 * cpu / elapsed, 2),
-    }
+    elapsed = time.monotonic() - started
+    out: dict[str, dict[str, Any]] = {}
+    for kind, ex in exporters.items():
+        after, before = ex.calls(), calls_before[kind]
+        delta = {f: after.get(f, 0) - before.get(f, 0) for f in after}
+        delta = {f: n for f, n in sorted(delta.items()) if n}
+        # gpu-exporter calls nvmlDeviceGetCount_v2 exactly once per sample; the peer does not
+        samples = delta.get("nvmlDeviceGetCount_v2", 0) if kind == "gpu-exporter" else 0
+        samples = samples or max(1, round(elapsed / INTERVAL_SECONDS))
+        cpu_after, cpu_start = ex.cpu_seconds(), cpu_before[kind]
+        cpu = None if cpu_after is None or cpu_start is None else cpu_after - cpu_start
+        out[kind] = {
+            "window_seconds": round(elapsed, 2),
+            "samples": samples,
+            "nvml_calls_per_sample": round(sum(delta.values()) / samples, 1),
+            "nvml_calls_by_function": {f: round(n / samples, 2) for f, n in delta.items()},
+            "cpu_seconds": None if cpu is None else round(cpu, 3),
+            "cpu_percent_of_one_core": None if cpu is None else round(100 * cpu / elapsed, 2),
+            "cpu_ms_per_sample": None if cpu is None else round(1000 * cpu / samples, 2),
+        }
+    return out
 
 
 def sample_duration(exporter: Exporter) -> float | None:
@@ -400,35 +402,12 @@ def group_latency(exporters: dict[str, Exporter], size: Size) -> dict[str, Any]:
 
 def group_sampling(exporters: dict[str, Exporter], size: Size) -> dict[str, Any]:
     _log(f"2. sampling cost: {', '.join(exporters)} together, {size.idle_seconds:g} s idle")
-    calls_before = {k: e.calls() for k, e in exporters.items()}
-    cpu_before = {k: e.cpu_seconds() for k, e in exporters.items()}
-    t0 = time.monotonic()
-    time.sleep(size.idle_seconds)
-    elapsed = time.monotonic() - t0
-    out: dict[str, Any] = {}
-    for kind, ex in exporters.items():
-        after, before = ex.calls(), calls_before[kind]
-        delta = {f: after.get(f, 0) - before.get(f, 0) for f in after}
-        delta = {f: n for f, n in sorted(delta.items()) if n}
-        samples = delta.get("nvmlDeviceGetCount_v2", 0) if kind == "gpu-exporter" else 0
-        samples = samples or max(1, round(elapsed / INTERVAL_SECONDS))
-        cpu_after, cpu_start = ex.cpu_seconds(), cpu_before[kind]
-        cpu = None if cpu_after is None or cpu_start is None else cpu_after - cpu_start
-        out[kind] = {
-            "window_seconds": round(elapsed, 2),
-            "samples": samples,
-            "nvml_calls_per_sample": round(sum(delta.values()) / samples, 1),
-            "nvml_calls_by_function": {f: round(n / samples, 2) for f, n in delta.items()},
-            "cpu_seconds": None if cpu is None else round(cpu, 3),
-            "cpu_percent_of_one_core": None if cpu is None else round(100 * cpu / elapsed, 2),
-            "cpu_ms_per_sample": None if cpu is None else round(1000 * cpu / samples, 2),
-        }
-        if kind == "gpu-exporter":
-            out[kind]["sample_duration_ms"] = round(1000 * (sample_duration(ex) or 0), 2)
-    if len(out) == 2 and out["nvitop-exporter"]["cpu_seconds"]:
-        out["ratio_cpu"] = round(
-            (out["gpu-exporter"]["cpu_seconds"] or 0) / out["nvitop-exporter"]["cpu_seconds"], 3
-        )
+    out: dict[str, Any] = sample_cost(exporters, size.idle_seconds)
+    ours = out["gpu-exporter"]
+    ours["sample_duration_ms"] = round(1000 * (sample_duration(exporters["gpu-exporter"]) or 0), 2)
+    peer = out.get("nvitop-exporter")
+    if peer and peer["cpu_seconds"]:
+        out["ratio_cpu"] = round((ours["cpu_seconds"] or 0) / peer["cpu_seconds"], 3)
     return out
 
 
@@ -451,7 +430,7 @@ def group_scaling(lib: Path, work: Path, size: Size) -> list[dict[str, Any]]:
             latency = sequential(
                 ex.port, "/metrics", size.scaling_sequential, size.phase_seconds, {}
             )
-            cost = sample_cost(ex, size.scaling_seconds)
+            cost = sample_cost({ex.kind: ex}, size.scaling_seconds)[ex.kind]
             out.append(
                 {
                     "devices": devices,
@@ -474,7 +453,7 @@ def group_rss(ex: Exporter, size: Size, peer: Exporter | None) -> dict[str, Any]
     if peer is not None:
         out["nvitop_exporter_after_start_mib"] = peer.rss_mib()
     paths = ("/metrics", "/choose?n=1&lease=0", "/healthz")
-    load = Size(**{**asdict(size), "phase_seconds": 120.0})
+    load = replace(size, phase_seconds=120.0)
     for path in paths:  # warm-up: thread stacks, allocator arenas, caches
         concurrent(ex, path, 320, 16, load)
     out["after_warmup_mib"] = ex.rss_mib()
