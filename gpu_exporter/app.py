@@ -316,9 +316,12 @@ def create_app(
             while True:
                 snapshot, now = current()
                 problem = snapshot_problem(snapshot, now, max_age_seconds)
-                ahead, waiting_ahead = table.ahead_of(ticket)
+                _, waiting_ahead = table.ahead_of(ticket)
                 failure: ApiError | None = problem
-                if problem is None and ahead == 0:
+                # Requests ahead that are merely being served are not waited for: the claim
+                # is atomic under the table's lock. Waiting for them made a plain /choose
+                # take a --max-waiters slot under load and fail with too_many_waiters.
+                if problem is None and waiting_ahead == 0:
                     window = None
                     if req.idle_for_seconds is not None:
                         window = history_window(cache, req.idle_for_seconds, now)
@@ -338,8 +341,6 @@ def create_app(
                         failure = ApiError(503, "not_enough_gpus", str(exc))
                         if clock.monotonic() < deadline:
                             table.mark_waiting(ticket)  # later claimers now queue behind us
-                elif problem is None and waiting_ahead == 0:
-                    failure = None  # only requests being served are ahead: our turn is next
                 elif problem is None:
                     failure = ApiError(
                         503,
