@@ -342,16 +342,28 @@ def concurrent(
     return servers.concurrent(exporter, path, load, procs, context, clients)  # type: ignore[arg-type]
 
 
+def _settled_calls(exporter: Exporter) -> dict[str, int]:
+    """Call counts read between two samples, not in the middle of one (two equal reads)."""
+    counts = exporter.calls()
+    for _ in range(40):
+        time.sleep(0.025)
+        again = exporter.calls()
+        if again == counts:
+            break
+        counts = again
+    return counts
+
+
 def sample_cost(exporters: dict[str, Exporter], seconds: float) -> dict[str, dict[str, Any]]:
     """NVML calls per sample and CPU over a window in which nobody scrapes, per exporter."""
-    calls_before = {k: e.calls() for k, e in exporters.items()}
+    calls_before = {k: _settled_calls(e) for k, e in exporters.items()}
     cpu_before = {k: e.cpu_seconds() for k, e in exporters.items()}
     started = time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - started
     out: dict[str, dict[str, Any]] = {}
     for kind, ex in exporters.items():
-        after, before = ex.calls(), calls_before[kind]
+        after, before = _settled_calls(ex), calls_before[kind]
         delta = {f: after.get(f, 0) - before.get(f, 0) for f in after}
         delta = {f: n for f, n in sorted(delta.items()) if n}
         # gpu-exporter calls nvmlDeviceGetCount_v2 exactly once per sample; the peer does not
