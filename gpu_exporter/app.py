@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from flask import Flask, Response, jsonify, render_template, request
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -22,7 +21,8 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
 from gpu_exporter import __version__
-from gpu_exporter.choose import SORTS, Choice, Filters, NotEnoughGpus, Rejected, Window, score
+from gpu_exporter.choose import Choice, NotEnoughGpus, Rejected, Window, score
+from gpu_exporter.cluster import ClusterService
 from gpu_exporter.errors import error_response
 from gpu_exporter.exposition import Exposition
 from gpu_exporter.leases import Lease, LeaseError, LeaseTable
@@ -30,32 +30,27 @@ from gpu_exporter.limits import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAITERS, Requ
 from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.openapi import document as openapi_document
+
+# /choose's parameter tuples live in params.py; re-exported here for callers that import them
+# from the app.
+from gpu_exporter.params import CHOOSE_FORMATS as CHOOSE_FORMATS
+from gpu_exporter.params import CHOOSE_PARAMS as CHOOSE_PARAMS
+from gpu_exporter.params import (
+    DEFAULT_LEASE_SECONDS,
+    ApiError,
+    ChooseRequest,
+    check_params,
+    parse_choose_args,
+    parse_cluster_args,
+)
+from gpu_exporter.params import bad as _bad
+from gpu_exporter.params import parsed as _parsed
 from gpu_exporter.sampler import Clock, SnapshotCache, SystemClock
-from gpu_exporter.units import format_bytes, parse_bytes, parse_duration, parse_ratio
+from gpu_exporter.units import format_bytes, parse_duration
 
 log = logging.getLogger(__name__)
 
-MAX_N = 1024
-MAX_WAIT_SECONDS = 3600.0
-DEFAULT_LEASE_SECONDS = 60.0
-CHOOSE_PARAMS = (
-    "n", "format", "lease", "owner", "wait", "idle_for", "sort",
-    "min_free", "min_total", "max_util", "max_mem_util", "max_procs", "model", "include", "exclude",
-)  # fmt: skip
-CHOOSE_FORMATS = ("uuid", "index", "env", "json")
 WAIT_POLL_SECONDS = 0.1  # waiters also wake at once on lease changes
-
-
-@dataclass
-class ApiError(Exception):
-    status: int
-    code: str
-    message: str
-    param: str | None = None
-
-
-def _bad(param: str, message: str) -> NoReturn:
-    raise ApiError(400, "invalid_parameter", message, param)
 
 
 def _error_response(status: int, code: str, message: str, param: str | None = None) -> Response:
@@ -80,106 +75,6 @@ def snapshot_problem(
             "the sampler may be stuck in a driver call",
         )
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class ChooseRequest:
-    n: int
-    format: str
-    filters: Filters
-    sort: str = "free"
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
-    owner: str | None = None
-    wait_seconds: float = 0.0
-    idle_for_seconds: float | None = None
-
-
-def check_params(args: Any, allowed: tuple[str, ...], endpoint: str) -> None:
-    """Unknown or repeated query parameters are errors, never silently ignored."""
-    for name in args:
-        if name not in allowed:
-            takes = ", ".join(allowed) if allowed else "no parameters"
-            raise ApiError(
-                400,
-                "unknown_parameter",
-                f"unknown parameter {name!r}; {endpoint} takes {takes}",
-                name,
-            )
-        if len(args.getlist(name)) > 1:
-            _bad(name, f"{name} given more than once")
-
-
-def _parsed(args: Any, name: str, parse: Any) -> Any:
-    if name not in args:
-        return None
-    try:
-        return parse(args[name])
-    except ValueError as exc:
-        _bad(name, f"{name}: {exc}")
-
-
-def _duration(args: Any, name: str, maximum: float) -> float | None:
-    value: float | None = _parsed(args, name, parse_duration)
-    if value is not None and value > maximum:
-        _bad(name, f"{name}: at most {maximum:g} s, got {args[name]!r}")
-    return value
-
-
-def _selectors(args: Any, name: str) -> tuple[str, ...]:
-    selectors = tuple(s.strip() for s in args.get(name, "").split(",") if s.strip())
-    for selector in selectors:
-        if not (
-            selector.isdigit() or selector.upper().startswith(("GPU-", "MIG-")) or ":" in selector
-        ):
-            _bad(
-                name,
-                f"{name}: {selector!r} is not an NVML index, a UUID (GPU-…) or a PCI bus id",
-            )
-    return selectors
-
-
-def parse_choose_args(args: Any) -> ChooseRequest:
-    """Validate ``/choose``'s query string strictly."""
-    check_params(args, CHOOSE_PARAMS, "/choose")
-    raw_n = args.get("n", "1")
-    if not raw_n.isdigit() or not 1 <= int(raw_n) <= MAX_N:
-        _bad("n", f"n must be a whole number from 1 to {MAX_N}, got {raw_n!r}")
-    fmt = args.get("format", "uuid")
-    if fmt not in CHOOSE_FORMATS:
-        _bad("format", f"format must be one of {', '.join(CHOOSE_FORMATS)}, got {fmt!r}")
-    sort = args.get("sort", "free")
-    if sort not in SORTS:
-        _bad("sort", f"sort must be one of {', '.join(SORTS)}, got {sort!r}")
-    raw_procs = args.get("max_procs")
-    if raw_procs is not None and not raw_procs.isdigit():
-        _bad("max_procs", f"max_procs must be a whole number (0 = no processes), got {raw_procs!r}")
-    owner = args.get("owner")
-    if owner is not None and (len(owner) > 64 or not owner.isprintable()):
-        _bad("owner", "owner must be at most 64 printable characters")
-    model = args.get("model")
-    if model is not None and not model.strip():
-        _bad("model", "model must not be empty")
-    lease = _parsed(args, "lease", parse_duration)
-    filters = Filters(
-        min_free_bytes=_parsed(args, "min_free", parse_bytes),
-        max_util_ratio=_parsed(args, "max_util", parse_ratio),
-        exclude=_selectors(args, "exclude"),
-        min_total_bytes=_parsed(args, "min_total", parse_bytes),
-        max_mem_util_ratio=_parsed(args, "max_mem_util", parse_ratio),
-        max_procs=None if raw_procs is None else int(raw_procs),
-        model=model,
-        include=_selectors(args, "include"),
-    )
-    return ChooseRequest(
-        n=int(raw_n),
-        format=fmt,
-        filters=filters,
-        sort=sort,
-        lease_seconds=DEFAULT_LEASE_SECONDS if lease is None else lease,
-        owner=owner,
-        wait_seconds=_duration(args, "wait", MAX_WAIT_SECONDS) or 0.0,
-        idle_for_seconds=_duration(args, "idle_for", MAX_WAIT_SECONDS),
-    )
 
 
 def history_window(cache: SnapshotCache, seconds: float, monotonic_now: float) -> Window:
@@ -225,12 +120,14 @@ def create_app(
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     waiters: Waiters | None = None,
     stopping: threading.Event | None = None,
+    cluster: ClusterService | None = None,
     exposition: Exposition | None = None,
 ) -> Flask:
     """Build the app. Everything it reads comes in through the arguments.
 
     Pass the same ``leases``, ``requests`` and ``rejections`` to the metrics collector to
     export them. ``stopping``, once set, makes waiting ``/choose`` requests give up at once.
+    ``cluster`` (from ``--prometheus-url``) serves ``/cluster/choose``.
     With ``exposition``, ``/metrics`` serves its per-snapshot cached rendering (which must
     cover the same collectors as ``registry``); without, ``registry`` is rendered per scrape.
     """
@@ -316,12 +213,9 @@ def create_app(
             while True:
                 snapshot, now = current()
                 problem = snapshot_problem(snapshot, now, max_age_seconds)
-                _, waiting_ahead = table.ahead_of(ticket)
+                ahead, waiting_ahead = table.ahead_of(ticket)
                 failure: ApiError | None = problem
-                # Requests ahead that are merely being served are not waited for: the claim
-                # is atomic under the table's lock. Waiting for them made a plain /choose
-                # take a --max-waiters slot under load and fail with too_many_waiters.
-                if problem is None and waiting_ahead == 0:
+                if problem is None and ahead == 0:
                     window = None
                     if req.idle_for_seconds is not None:
                         window = history_window(cache, req.idle_for_seconds, now)
@@ -341,6 +235,8 @@ def create_app(
                         failure = ApiError(503, "not_enough_gpus", str(exc))
                         if clock.monotonic() < deadline:
                             table.mark_waiting(ticket)  # later claimers now queue behind us
+                elif problem is None and waiting_ahead == 0:
+                    failure = None  # only requests being served are ahead: our turn is next
                 elif problem is None:
                     failure = ApiError(
                         503,
@@ -352,7 +248,7 @@ def create_app(
                     raise failure
                 if stopping.is_set():
                     raise ApiError(503, "shutting_down", "the exporter is shutting down")
-                if not waiting:
+                if failure is not None and not waiting:  # waiting for GPUs, not our turn
                     if not waiters.try_enter():
                         if rejections is not None:
                             rejections.inc("too_many_waiters")
@@ -401,6 +297,29 @@ def create_app(
         if lease is not None:
             resp.headers["X-GPU-Lease"] = lease.id
             resp.headers["X-GPU-Lease-Expires"] = f"{lease.expires_at:.3f}"
+        resp.headers["Cache-Control"] = "no-store"
+        return resp
+
+    @app.get("/cluster/choose")
+    def cluster_choose_route() -> Response:
+        req = parse_cluster_args(request.args)
+        if cluster is None:
+            raise ApiError(
+                404,
+                "not_configured",
+                "this exporter has no fleet view: start it with --prometheus-url",
+            )
+        result = cluster.choose(request.args.to_dict())
+        fmt = req.choose.format
+        if fmt == "json":
+            resp = jsonify(result.to_json())
+        else:
+            resp = Response(result.text(fmt), mimetype="text/plain")
+        if len(result.placements) == 1:
+            placed = result.placements[0]
+            resp.headers["X-GPU-Host"] = placed.host or ""
+            if placed.lease_id is not None:
+                resp.headers["X-GPU-Lease"] = placed.lease_id
         resp.headers["Cache-Control"] = "no-store"
         return resp
 

@@ -46,11 +46,17 @@ class Filters:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """``idle_for``: every GPU must have met the filters in each of these past samples."""
+    """``idle_for``: every GPU must have met the filters in each of these past samples.
+
+    With ``worst_case``, ``past`` holds one entry per window whose GPUs carry the worst figure
+    of the whole window (least free memory, highest utilization …), as Prometheus' range
+    functions give them, rather than one sample.
+    """
 
     seconds: float
     covered_seconds: float  # how far back the history actually reaches
     past: tuple[tuple[float, tuple[GpuSample, ...]], ...]  # (age in seconds, GPUs), oldest first
+    worst_case: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,23 +127,31 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     """Why ``gpu`` does not qualify; empty when it does."""
     if not gpu.up:
         return (f"down: {gpu.error or 'not answering'}",)
-    reasons = []
+    # Each check is skipped outright when its filter is unset: this runs for every GPU of a
+    # fleet (bench/cluster.py ranks 10,000).
+    reasons: list[str] = []
     if filters.include and not any(selector_matches(gpu, s) for s in filters.include):
         reasons.append("not included")
-    if any(selector_matches(gpu, s) for s in filters.exclude):
+    if filters.exclude and any(selector_matches(gpu, s) for s in filters.exclude):
         reasons.append("excluded")
     if filters.model is not None and filters.model.lower() not in (gpu.name or "").lower():
         reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
-    _at_least(reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free")
-    _at_least(reasons, "total memory", gpu.memory_total_bytes, filters.min_total_bytes, "min_total")
-    _at_most(reasons, "utilization", gpu.utilization_ratio, filters.max_util_ratio, "max_util")
-    _at_most(
-        reasons,
-        "memory utilization",
-        gpu.memory_utilization_ratio,
-        filters.max_mem_util_ratio,
-        "max_mem_util",
-    )
+    if filters.min_free_bytes is not None:
+        _at_least(reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free")
+    if filters.min_total_bytes is not None:
+        _at_least(
+            reasons, "total memory", gpu.memory_total_bytes, filters.min_total_bytes, "min_total"
+        )
+    if filters.max_util_ratio is not None:
+        _at_most(reasons, "utilization", gpu.utilization_ratio, filters.max_util_ratio, "max_util")
+    if filters.max_mem_util_ratio is not None:
+        _at_most(
+            reasons,
+            "memory utilization",
+            gpu.memory_utilization_ratio,
+            filters.max_mem_util_ratio,
+            "max_mem_util",
+        )
     if filters.max_procs is not None:
         procs = gpu.compute_processes
         if procs is None:  # an unsupported process list never reads as "idle"
@@ -177,11 +191,12 @@ def window_reasons(gpu: GpuSample, filters: Filters, window: Window) -> tuple[st
         )
     for age, gpus in reversed(window.past):  # the most recent violation is the telling one
         past = next((g for g in gpus if g.uuid == gpu.uuid), None)
+        when = f"within the last {age:.0f} s" if window.worst_case else f"{age:.0f} s ago"
         if past is None:
-            return (f"not present {age:.0f} s ago",)
+            return (f"no figures {when}" if window.worst_case else f"not present {when}",)
         reasons = rejection_reasons(past, filters)
         if reasons:
-            return (f"{age:.0f} s ago: {reasons[0]}",)
+            return (f"{when}: {reasons[0]}",)
     return ()
 
 

@@ -35,6 +35,8 @@ class ServeConfig:
     nvml_timeout_seconds: float = 5.0
     max_requests_in_flight: int = 32
     max_waiters: int = 8
+    prometheus_url: str | None = None  # serves /cluster/choose from this Prometheus
+    prometheus_selector: str = ""  # label matchers narrowing /cluster/choose's fleet
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -164,6 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
         "too_many_waiters; 0 disables waiting (default %(default)s)",
     )
     serve.add_argument(
+        "--prometheus-url",
+        default=_env("prometheus-url", None),
+        metavar="URL",
+        help="a Prometheus that scrapes the fleet's exporters: serves GET /cluster/choose, "
+        "which picks GPUs across hosts and leases them on the chosen host (default: off)",
+    )
+    serve.add_argument(
+        "--prometheus-selector",
+        default=_env("prometheus-selector", ""),
+        metavar="MATCHERS",
+        help="/cluster/choose considers only the targets these label matchers select, "
+        "e.g. 'job=\"gpu-shared\"' (default: every gpu-exporter Prometheus scrapes)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
@@ -175,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_choose_parser(sub)
     add_run_parser(sub)
     return parser
+
+
+def _selector(text: str, parser: argparse.ArgumentParser) -> str:
+    from gpu_exporter.cluster import check_selector
+
+    try:
+        return check_selector(text)
+    except ValueError as exc:
+        parser.error(f"--prometheus-selector: {exc}")
 
 
 def _default_state_dir() -> str:
@@ -212,6 +237,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         nvml_timeout_seconds=float(args.nvml_timeout),
         max_requests_in_flight=int(args.max_requests_in_flight),
         max_waiters=int(args.max_waiters),
+        prometheus_url=args.prometheus_url or None,
+        prometheus_selector=_selector(args.prometheus_selector, parser),
     )
 
 
@@ -275,6 +302,11 @@ def serve(config: ServeConfig) -> int:
     process_collector = ProcessCollector(registry=registry)
     exposition = Exposition(cache, gpu_collector, (process_collector,))
     stopping = threading.Event()
+    cluster = None
+    if config.prometheus_url:
+        from gpu_exporter.cluster import ClusterService
+
+        cluster = ClusterService(config.prometheus_url, config.prometheus_selector)
     app = create_app(
         cache,
         registry,
@@ -286,6 +318,7 @@ def serve(config: ServeConfig) -> int:
         max_in_flight=config.max_requests_in_flight,
         waiters=Waiters(config.max_waiters),
         stopping=stopping,
+        cluster=cluster,
         exposition=exposition,
     )
 

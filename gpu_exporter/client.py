@@ -51,7 +51,9 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 if TYPE_CHECKING:
     from gpu_exporter.choose import Filters as LocalFilters
+    from gpu_exporter.cluster import ClusterChoice
     from gpu_exporter.nvml import Nvml
+    from gpu_exporter.params import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +221,8 @@ class Choice:
     local: bool = False
     details: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The server's whole JSON answer: every chosen GPU's figures, why others were passed over."""
+    host: str | None = None
+    """Set when chosen across a fleet (``prometheus=``/``hosts=``): the host the GPUs are on."""
 
     @property
     def cuda_visible_devices(self) -> str:
@@ -233,7 +237,12 @@ class Choice:
         {'CUDA_DEVICE_ORDER': 'PCI_BUS_ID', 'CUDA_VISIBLE_DEVICES': 'GPU-a,GPU-b',
          'GPU_LEASE': 'l1'}
         """
-        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": self.cuda_visible_devices}
+        env = {}
+        if self.host is not None:  # chosen across a fleet: where to run, and whom to ask
+            env["GPU_HOST"] = self.host
+            env[URL_ENV] = self.url
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         if self.lease_id is not None:
             env["GPU_LEASE"] = self.lease_id
         return env
@@ -482,6 +491,10 @@ def choose(
     wait: Duration | None = None,
     owner: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    prometheus: str | None = None,
+    hosts: Iterable[str] | str | None = None,
+    max_age: Duration | None = None,
+    selector: str | None = None,
     **filters: FilterValue,
 ) -> Choice:
     """Choose ``n`` GPUs and lease them for ``lease`` (``0``: advice only, nothing reserved).
@@ -498,9 +511,45 @@ def choose(
     With ``CUDA_VISIBLE_DEVICES=GPU-a,GPU-b`` PyTorch sees ``cuda:0`` and ``cuda:1``,
     TensorFlow ``/GPU:0`` and ``/GPU:1``. Release the lease when done (or let it expire);
     :func:`use_gpus` does both and renews it meanwhile.
+
+    ``prometheus="http://prom:9090"`` (and/or ``hosts=["node1", "node2:9401"]``) chooses
+    across a fleet instead of asking one host: all ``n`` GPUs on one host, leased by that
+    host's exporter; the Choice's ``host`` says which, ``url`` is its exporter (renew and
+    release go there). See :func:`choose_cluster`.
     """
     if "format" in filters:
         raise TypeError("format is not a filter: choose() reads JSON; see choose_raw()")
+    if prometheus or hosts:
+        if url is not None:
+            raise TypeError("give url (one host) or prometheus/hosts (a fleet), not both")
+        fleet = _choose_cluster(
+            n,
+            prometheus=prometheus,
+            hosts=hosts,
+            spread=False,
+            lease=lease,
+            wait=wait,
+            owner=owner,
+            max_age=max_age,
+            selector=selector,
+            timeout=timeout,
+            filters=filters,
+            stacklevel=3,
+        )
+        return fleet.placements[0]
+    return _choose_host(n, url, lease=lease, wait=wait, owner=owner, timeout=timeout, **filters)
+
+
+def _choose_host(
+    n: int,
+    url: str | None,
+    *,
+    lease: Duration | None,
+    wait: Duration | None,
+    owner: str | None,
+    timeout: float,
+    **filters: FilterValue,
+) -> Choice:
     answer = choose_raw(
         n, url, format="json", lease=lease, wait=wait, owner=owner, timeout=timeout, **filters
     )
@@ -511,6 +560,94 @@ def choose(
             f"{answer.url}/choose: expected JSON, got {answer.body[:200]!r}"
         ) from None
     return Choice.from_json(data, url=answer.url, lease_header=answer.lease_id)
+
+
+def choose_cluster(
+    n: int = 1,
+    *,
+    prometheus: str | None = None,
+    hosts: Iterable[str] | str | None = None,
+    spread: bool = False,
+    lease: Duration | None = DEFAULT_LEASE,
+    wait: Duration | None = None,
+    owner: str | None = None,
+    max_age: Duration | None = None,
+    selector: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    **filters: FilterValue,
+) -> ClusterChoice:
+    """Choose and lease ``n`` GPUs across hosts, reading the fleet from Prometheus.
+
+    The figures come from ``prometheus`` (its HTTP API); if it cannot be asked and ``hosts``
+    are named (``"node1,node2:9401"`` or a list), those exporters are asked directly, with a
+    :class:`GpuExporterWarning`. All ``n`` GPUs come from one host unless ``spread``; each
+    host's own exporter grants the lease. ``max_age`` (default 60 s): figures older than this
+    are never used. ``selector`` (label matchers, ``'job="gpu-shared"'``) narrows the fleet
+    Prometheus shows to those targets. Filters as for :func:`choose`.
+
+    Raises :class:`NoGpusAvailable` (the message has every host's reason) and
+    :class:`ServerError` (400 bad argument, 503 ``prometheus_unavailable``).
+    """
+    return _choose_cluster(
+        n,
+        prometheus=prometheus,
+        hosts=hosts,
+        spread=spread,
+        lease=lease,
+        wait=wait,
+        owner=owner,
+        max_age=max_age,
+        selector=selector,
+        timeout=timeout,
+        filters=filters,
+        stacklevel=3,
+    )
+
+
+def _choose_cluster(
+    n: int,
+    *,
+    prometheus: str | None,
+    hosts: Iterable[str] | str | None,
+    spread: bool,
+    lease: Duration | None,
+    wait: Duration | None,
+    owner: str | None,
+    max_age: Duration | None,
+    selector: str | None,
+    timeout: float,
+    filters: Mapping[str, FilterValue],
+    stacklevel: int,
+) -> ClusterChoice:
+    from gpu_exporter import cluster
+    from gpu_exporter.params import ApiError
+
+    params = _choose_params(n, "json", lease, wait, owner, filters)
+    if spread:
+        params["spread"] = "1"
+    if max_age is not None:
+        params["max_age"] = format_duration(max_age)
+    if isinstance(hosts, str):
+        hosts = hosts.split(",")
+    host_list = [h.strip() for h in hosts or () if h.strip()]
+    try:
+        result = cluster.choose_fleet(
+            params,
+            prometheus=prometheus,
+            hosts=host_list,
+            selector=selector or "",
+            timeout=timeout,
+        )
+    except ApiError as exc:
+        raise _from_api_error(exc, prometheus or ",".join(host_list)) from None
+    for note in result.notes:
+        warnings.warn(note, GpuExporterWarning, stacklevel=stacklevel)
+    return result
+
+
+def _from_api_error(exc: ApiError, url: str) -> ServerError:
+    cls = NoGpusAvailable if exc.status == 503 and exc.code == "not_enough_gpus" else ServerError
+    return cls(exc.status, exc.message, code=exc.code, param=exc.param, url=url)
 
 
 def release(
@@ -738,50 +875,15 @@ def choose_locally(n: int, filters: Mapping[str, FilterValue], *, url: str = "")
 
 
 def _local_filters(given: Mapping[str, FilterValue]) -> tuple[LocalFilters, str]:
-    """``/choose``'s filter parameters as :class:`gpu_exporter.choose.Filters`, and the sort."""
-    from gpu_exporter.choose import SORTS, Filters
-    from gpu_exporter.units import parse_bytes, parse_ratio
+    """``/choose``'s filter parameters, parsed as the server parses them, and the sort."""
+    from gpu_exporter.params import ApiError, parse_choose_args
 
-    def size(name: str) -> int | None:
-        value = given.get(name)
-        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-            return value
-        try:
-            return parse_bytes(_filter_value(name, value))
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-
-    def ratio(name: str) -> float | None:
-        value = given.get(name)
-        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-            return value
-        try:
-            return parse_ratio(_filter_value(name, value))
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-
-    def selectors(name: str) -> tuple[str, ...]:
-        text = _filter_value(name, given.get(name, ""))
-        return tuple(s.strip() for s in text.split(",") if s.strip())
-
-    procs = given.get("max_procs")
-    if procs is not None and not str(procs).isdigit():
-        raise ValueError(f"max_procs must be a whole number, got {procs!r}")
-    model = given.get("model")
-    sort = _filter_value("sort", given.get("sort", "free"))
-    if sort not in SORTS:
-        raise ValueError(f"sort must be one of {', '.join(SORTS)}, got {sort!r}")
-    filters = Filters(
-        min_free_bytes=size("min_free"),
-        max_util_ratio=ratio("max_util"),
-        exclude=selectors("exclude"),
-        min_total_bytes=size("min_total"),
-        max_mem_util_ratio=ratio("max_mem_util"),
-        max_procs=None if procs is None else int(str(procs)),
-        model=None if model is None else _filter_value("model", model),
-        include=selectors("include"),
-    )
-    return filters, sort
+    args = {name: _filter_value(name, value) for name, value in given.items()}
+    try:
+        req = parse_choose_args(args, allowed=(*_LOCAL_FILTERS, "n"))
+    except ApiError as exc:
+        raise ValueError(exc.message) from None
+    return req.filters, req.sort
 
 
 def choose_or_fallback(
@@ -798,7 +900,7 @@ def choose_or_fallback(
 ) -> Choice:
     """:func:`choose`; if no server answers and ``local_fallback``, :func:`choose_locally`."""
     try:
-        return choose(n, url, lease=lease, wait=wait, owner=owner, timeout=timeout, **filters)
+        return _choose_host(n, url, lease=lease, wait=wait, owner=owner, timeout=timeout, **filters)
     except ServerUnreachable as exc:
         if not local_fallback:
             raise

@@ -41,6 +41,33 @@ _CHOOSE_PARAMETERS: dict[str, tuple[str, dict[str, Any]]] = {
     "exclude": ("Never these GPUs: indices, UUIDs or prefixes, PCI bus ids.", _SELECTORS),
 }
 
+_CLUSTER_PARAMETERS: dict[str, tuple[str, dict[str, Any]]] = {
+    **_CHOOSE_PARAMETERS,
+    "format": (
+        "uuid (default): 'HOST GPU-a,GPU-b' per host; index: 'HOST 0,1'; env: an export line "
+        "with GPU_HOST and GPU_EXPORTER_URL (one host only); json.",
+        {"type": "string", "enum": ["uuid", "index", "env", "json"]},
+    ),
+    "wait": (
+        "Read the fleet again every 5 s for up to this long (at most 1h) until enough GPUs "
+        "qualify; no first-come-first-served order across the fleet.",
+        _DURATION,
+    ),
+    "idle_for": (
+        "Every GPU must have met the filters throughout this window, by Prometheus' range "
+        "functions (max_over_time, min_over_time).",
+        _DURATION,
+    ),
+    "spread": (
+        "0 (default): all n GPUs on one host; 1: several hosts may share them.",
+        {"type": "string", "enum": ["0", "1", "true", "false"]},
+    ),
+    "max_age": (
+        "Fleet figures older than this (default 60s) are never used to hand out GPUs.",
+        _DURATION,
+    ),
+}
+
 _ERROR = {
     "type": "object",
     "required": ["error"],
@@ -83,7 +110,7 @@ _GPU = {
 }
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
+def _errors(*statuses: int, **override: str) -> dict[str, Any]:
     described = {
         400: "Invalid or unknown parameter.",
         404: "No such lease.",
@@ -94,6 +121,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
         "request or waiter limit (too_many_requests with Retry-After, too_many_waiters), or "
         "it is shutting down (shutting_down).",
     }
+    described.update({int(k.removeprefix("s")): v for k, v in override.items()})
     return {
         str(s): {
             "description": described[s],
@@ -132,6 +160,34 @@ def document() -> dict[str, Any]:
         "parameters": choose_params,
         "responses": {"200": choose_ok, **_errors(400, 414, 429, 503)},
     }
+    cluster_op = {
+        "summary": "Choose GPUs across the hosts Prometheus scrapes; the host's exporter leases "
+        "them",
+        "parameters": [
+            {"name": name, "in": "query", "required": False, "description": d, "schema": schema}
+            for name, (d, schema) in _CLUSTER_PARAMETERS.items()
+        ],
+        "responses": {
+            "200": {
+                "description": "Where the GPUs are, and the lease each host granted.",
+                "headers": {
+                    "X-GPU-Host": {"schema": {"type": "string"}, "description": "The host."},
+                    "X-GPU-Lease": {"schema": {"type": "string"}, "description": "Lease id."},
+                },
+                "content": {
+                    "text/plain": {"schema": {"type": "string"}},
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Placements"}},
+                },
+            },
+            **_errors(
+                400,
+                404,
+                503,
+                s404="This exporter was started without --prometheus-url.",
+                s503="Not enough GPUs qualify on any host, or Prometheus cannot be asked.",
+            ),
+        },
+    }
     lease_id = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
     lease_ref = {"$ref": "#/components/schemas/Lease"}
     return {
@@ -143,6 +199,7 @@ def document() -> dict[str, Any]:
         },
         "paths": {
             "/choose": {"get": choose_op, "post": {**choose_op, "operationId": "choosePost"}},
+            "/cluster/choose": {"get": cluster_op},
             "/leases": {
                 "get": {
                     "summary": "Active leases",
@@ -244,6 +301,44 @@ def document() -> dict[str, Any]:
                         },
                         "lease": {"oneOf": [lease_ref, {"type": "null"}]},
                         "snapshot_age_seconds": {"type": "number"},
+                    },
+                },
+                "Placements": {
+                    "type": "object",
+                    "required": ["n", "spread", "source", "placements", "passed_over"],
+                    "properties": {
+                        "n": {"type": "integer"},
+                        "spread": {"type": "boolean"},
+                        "source": {"type": "string", "enum": ["prometheus", "hosts"]},
+                        "evaluated_at": {"type": ["number", "null"]},
+                        "placements": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["host", "url", "uuids", "indices", "lease"],
+                                "properties": {
+                                    "host": {"type": "string"},
+                                    "url": {"type": "string"},
+                                    "uuids": {"type": "array", "items": {"type": "string"}},
+                                    "indices": {"type": "array", "items": {"type": "integer"}},
+                                    "lease": {"type": ["object", "null"]},
+                                    "chosen": {"type": "array", "items": _GPU},
+                                },
+                            },
+                        },
+                        "passed_over": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["host", "url", "reason"],
+                                "properties": {
+                                    "host": {"type": "string"},
+                                    "url": {"type": "string"},
+                                    "reason": {"type": "string"},
+                                },
+                            },
+                        },
+                        "notes": {"type": "array", "items": {"type": "string"}},
                     },
                 },
                 "Snapshot": {

@@ -14,6 +14,12 @@ command ends, forwards SIGINT and SIGTERM to it, and exits with its exit status 
 it was killed by signal N). If ``run`` itself is killed (SIGKILL), renewals stop and the
 lease expires by itself after its TTL.
 
+With ``--prometheus URL`` (and/or ``--hosts a,b,c``) both choose across hosts instead
+(:mod:`gpu_exporter.cluster`, docs/cluster.md): all N GPUs on one host, leased by that host's
+exporter. ``choose`` then prints ``HOST GPU-a,GPU-b`` (``--format env`` adds ``GPU_HOST`` and
+``GPU_EXPORTER_URL``); ``run`` sets those two as well and holds the lease from here, while
+COMMAND is expected to go to ``$GPU_HOST`` (ssh, srun -w) to use the GPUs.
+
 Exit status of both, before any command runs: 3 when not enough GPUs qualify, 2 for bad
 arguments (ours or the server's 400), 1 for anything else (no server, 429, NVML down …).
 """
@@ -29,7 +35,7 @@ import subprocess
 import sys
 import warnings
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_exporter import client
 from gpu_exporter.client import (
@@ -42,6 +48,9 @@ from gpu_exporter.client import (
     NoGpusAvailable,
     ServerError,
 )
+
+if TYPE_CHECKING:
+    from gpu_exporter.cluster import ClusterChoice
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -105,6 +114,36 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         help="wait up to this long for enough GPUs to qualify, e.g. 10m (default: fail at once)",
     )
     parser.add_argument("--owner", default=None, metavar="LABEL", help="a label for the lease")
+    fleet = parser.add_argument_group(
+        "across hosts (instead of --url): all N GPUs on one host, leased by its exporter"
+    )
+    fleet.add_argument(
+        "--prometheus",
+        default=None,
+        metavar="URL",
+        help="read the fleet from this Prometheus (which scrapes every host's exporter)",
+    )
+    fleet.add_argument(
+        "--hosts",
+        default=None,
+        metavar="HOST[:PORT],...",
+        help="ask these exporters directly (port 9400 unless given); with --prometheus, only "
+        "when Prometheus cannot be asked",
+    )
+    fleet.add_argument(
+        "--selector",
+        default=None,
+        metavar="MATCHERS",
+        help="with --prometheus: only the targets these label matchers select, "
+        "e.g. 'job=\"gpu-shared\"'",
+    )
+    fleet.add_argument(
+        "--max-age",
+        type=_duration_text,
+        default=None,
+        metavar="DURATION",
+        help="never use fleet figures older than this (default 60s)",
+    )
     filters = parser.add_argument_group("filters (passed to /choose as they are)")
     for flag, metavar, help_text in FILTER_FLAGS:
         filters.add_argument(flag, default=None, metavar=metavar, help=help_text)
@@ -126,7 +165,14 @@ def add_choose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         choices=("uuid", "index", "env", "json"),
         default="uuid",
         help="uuid: GPU-a,GPU-b (default); index: NVML indices; "
-        "env: an `export …` line for eval; json: the ranking with figures and reasons",
+        "env: an `export …` line for eval; json: the ranking with figures and reasons. "
+        "Across hosts: 'HOST GPU-a,GPU-b' per host, and env adds GPU_HOST and GPU_EXPORTER_URL",
+    )
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="with --prometheus/--hosts: the GPUs may come from several hosts "
+        "(one line per host; not with --format env)",
     )
 
 
@@ -136,7 +182,10 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="run a command on leased GPUs",
         description="Choose and lease GPUs, run COMMAND with CUDA_VISIBLE_DEVICES (UUIDs), "
         "CUDA_DEVICE_ORDER=PCI_BUS_ID and GPU_LEASE set, renew the lease while it runs and "
-        "release it when it ends. SIGINT and SIGTERM are forwarded to COMMAND.",
+        "release it when it ends. SIGINT and SIGTERM are forwarded to COMMAND. "
+        "With --prometheus/--hosts the GPUs may be on another host: GPU_HOST names it and "
+        "GPU_EXPORTER_URL its exporter, and COMMAND is expected to go there "
+        '(ssh "$GPU_HOST" …, srun -w "$GPU_HOST" …) while the lease is held from here.',
         epilog="Exit status: COMMAND's (128+N if signal N killed it); before it runs: "
         "3 not enough GPUs qualify, 2 bad arguments, 1 otherwise, 127 COMMAND not found.",
         usage="%(prog)s [-n N] [--wait DURATION] [options] [filters] -- COMMAND [ARG ...]",
@@ -168,8 +217,52 @@ def _fail(exc: GpuExporterError, prefix: str = "") -> int:
     return EXIT_FAILURE
 
 
+def _fleet(args: argparse.Namespace) -> bool:
+    """Across hosts? Then --url makes no sense."""
+    if not (args.prometheus or args.hosts):
+        if args.max_age is not None or args.selector or getattr(args, "spread", False):
+            raise client.ServerError(
+                400, "--max-age, --selector and --spread need --prometheus or --hosts"
+            )
+        return False
+    if args.url is not None:
+        raise client.ServerError(400, "give --url (one host) or --prometheus/--hosts, not both")
+    return True
+
+
+def _choose_fleet(args: argparse.Namespace, *, spread: bool) -> ClusterChoice:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = client.choose_cluster(
+            args.n,
+            prometheus=args.prometheus,
+            hosts=args.hosts,
+            spread=spread,
+            lease=args.lease,
+            wait=args.wait,
+            owner=args.owner,
+            max_age=args.max_age,
+            selector=args.selector,
+            **_filters(args),
+        )
+    for warning in caught:
+        print(f"gpu-exporter: warning: {warning.message}", file=sys.stderr)
+    return result
+
+
 def choose_main(args: argparse.Namespace) -> int:
     """``gpu-exporter choose``: print ``/choose``'s answer, or its error on stderr."""
+    try:
+        if _fleet(args):
+            if args.spread and args.format == "env":
+                raise client.ServerError(400, "--format env names one host; not with --spread")
+            sys.stdout.write(_choose_fleet(args, spread=args.spread).text(args.format))
+            sys.stdout.flush()
+            return 0
+    except GpuExporterError as exc:
+        return _fail(exc)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
     try:
         answer = client.choose_raw(
             args.n,
@@ -262,6 +355,8 @@ class _SignalForwarder:
 def _describe(choice: Choice, keeper: LeaseKeeper | None) -> str:
     gpus = ", ".join(f"{i} ({u})" for i, u in zip(choice.indices, choice.uuids, strict=True))
     plural = "s" if len(choice.uuids) > 1 else ""
+    if choice.host is not None:
+        gpus += f" on host {choice.host} ({choice.url})"
     if keeper is not None:
         return (
             f"GPU{plural} {gpus}, lease {keeper.lease_id} "
@@ -288,20 +383,23 @@ def run_main(args: argparse.Namespace) -> int:
     keeper: LeaseKeeper | None = None
     with _SignalForwarder() as signals:
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                choice = client.choose_or_fallback(
-                    args.n,
-                    args.url,
-                    lease=args.lease,
-                    wait=args.wait,
-                    owner=args.owner,
-                    timeout=client.DEFAULT_TIMEOUT_SECONDS,
-                    local_fallback=args.local_fallback,
-                    filters=_filters(args),
-                )
-            for warning in caught:
-                print(f"{prefix}warning: {warning.message}", file=sys.stderr)
+            if _fleet(args):
+                choice = _choose_fleet(args, spread=False).placements[0]
+            else:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    choice = client.choose_or_fallback(
+                        args.n,
+                        args.url,
+                        lease=args.lease,
+                        wait=args.wait,
+                        owner=args.owner,
+                        timeout=client.DEFAULT_TIMEOUT_SECONDS,
+                        local_fallback=args.local_fallback,
+                        filters=_filters(args),
+                    )
+                for warning in caught:
+                    print(f"{prefix}warning: {warning.message}", file=sys.stderr)
             if choice.lease_id is not None:
                 keeper = LeaseKeeper(choice).start()
             if not args.quiet:

@@ -171,3 +171,32 @@ def test_oversized_headers_and_bodies_are_413_one_line(running: Running) -> None
     assert resp.status == 413
     assert b"\n" not in resp.read()
     conn.close()
+
+
+def test_requests_queued_for_their_turn_are_not_waiters() -> None:
+    """A wait=0 claim queued behind one being served is not a long-poll waiter."""
+    clock = FakeClock()
+    nvml = Nvml(SimulatedNvml.with_gpus(2, clock=clock.monotonic), simulated=True)
+    cache = new_cache(nvml, clock)
+    Sampler(nvml, cache, clock=clock).sample_once()
+    table, rejections = LeaseTable(clock), RequestCounter()
+    app = create_app(
+        cache, CollectorRegistry(), clock=clock, leases=table, rejections=rejections,
+        waiters=Waiters(0),
+    )  # fmt: skip
+    ticket = table.enqueue()  # a claim in progress: later ones wait for their turn
+    out: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda: out.append(app.test_client().get("/choose?lease=0").status_code)
+        )
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    table.dequeue(ticket)
+    for t in threads:
+        t.join(timeout=5)
+    assert out == [200, 200, 200]
+    assert rejections.counts() == {}

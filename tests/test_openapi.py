@@ -14,8 +14,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from conftest import FakeClock, Stack, build_stack
-from gpu_exporter.app import CHOOSE_FORMATS, CHOOSE_PARAMS
 from gpu_exporter.openapi import document
+from gpu_exporter.params import CHOOSE_FORMATS, CHOOSE_PARAMS, CLUSTER_PARAMS
 from gpu_exporter.simulate import SimulatedNvml
 
 
@@ -44,6 +44,21 @@ def test_choose_parameters_match_the_handler() -> None:
     assert tuple(p["name"] for p in params) == CHOOSE_PARAMS
     fmt = next(p for p in params if p["name"] == "format")
     assert tuple(fmt["schema"]["enum"]) == CHOOSE_FORMATS
+
+
+def test_cluster_choose_parameters_match_the_handler() -> None:
+    params = document()["paths"]["/cluster/choose"]["get"]["parameters"]
+    assert tuple(p["name"] for p in params) == CLUSTER_PARAMS
+
+
+def test_cluster_choose_without_prometheus_is_a_documented_404(stack: Stack) -> None:
+    resp = stack.client.get("/cluster/choose?n=1&format=json")
+    assert resp.status_code == 404
+    assert resp.get_json()["error"]["code"] == "not_configured"
+    assert "--prometheus-url" in resp.get_json()["error"]["message"]
+    # Parameters are checked first, as everywhere.
+    resp = stack.client.get("/cluster/choose?n=1&spread=2")
+    assert resp.status_code == 400 and resp.text.startswith("error: spread must be 0 or 1")
 
 
 class _FastClock(FakeClock):

@@ -1,0 +1,57 @@
+"""bench/cluster.py's quick mode runs, and its synthetic fleet is what the chooser expects."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from gpu_exporter.choose import Filters
+from gpu_exporter.cluster import parse_fleet, rank_fleet
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "cluster.py"
+
+
+def load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_cluster", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_mode_writes_every_figure(tmp_path: Path) -> None:
+    bench = load_bench()
+    out = tmp_path / "cluster.json"
+    bench.main(["--quick", "--out", str(out)])  # its exit status is the 50 ms verdict: not ours
+    result = json.loads(out.read_text())
+    assert result["hosts"] == 50 and result["gpus"] == 400
+    assert result["series"]["scraped"] == 50  # every GPU host was scraped
+    assert result["answer_bytes"]["values"] > 100_000
+    for key in ("fetch_ms", "json_decode_ms", "parse_ms"):
+        assert result[key] > 0
+    assert set(result["rank"]) == {
+        "n=1",
+        "n=2 min_free=40GiB max_util=10% max_procs=0",
+        "n=16 spread",
+    }
+    assert all(r["candidate_hosts"] > 0 for r in result["rank"].values())
+    assert result["exporter"]["gpus"] == 8 and result["exporter"]["per_gpu_series"] >= 8 * 15
+    assert result["meta"]["mode"] == "quick"
+
+
+def test_the_synthetic_fleet_has_stale_down_and_leased_gpus_that_are_passed_over() -> None:
+    bench = load_bench()
+    answers = bench.synthetic_answers(400)
+    results = {name: doc["data"]["result"] for name, doc in answers.items()}
+    fleet = parse_fleet(results, evaluated_at=bench.NOW, max_age_seconds=60)
+    problems = [h.problem for h in fleet.hosts if h.problem]
+    assert sum("target down" in p for p in problems) == 4
+    assert sum("400 s old" in p for p in problems) == 2
+    ranking = rank_fleet(fleet, 1, Filters())
+    leased = {u for h in fleet.hosts for u in h.leased}
+    chosen_first = {g.uuid for c in ranking.candidates for g in c.qualified}
+    assert leased and not leased & chosen_first

@@ -1,0 +1,577 @@
+"""Choosing across hosts, from synthetic Prometheus API answers (no server, no network)."""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pytest
+
+from gpu_exporter import client
+from gpu_exporter.choose import Filters
+from gpu_exporter.client import Choice, ServerUnreachable
+from gpu_exporter.cluster import (
+    ClusterChoice,
+    Fleet,
+    Host,
+    SourceUnavailable,
+    choose_fleet,
+    fleet_queries,
+    http_claimer,
+    parse_fleet,
+    place,
+    rank_fleet,
+)
+from gpu_exporter.params import ApiError, parse_cluster_args
+
+NOW = 1_800_000_000.0
+GIB = 2**30
+A100 = "NVIDIA A100-SXM4-80GB"
+
+
+def uuid(host: str, index: int) -> str:
+    return f"GPU-{host.replace(':', '-')}-{index}"
+
+
+def series(metric: str, value: float | str, instance: str, **labels: str) -> dict[str, Any]:
+    return {
+        "metric": {"__name__": metric, "instance": instance, "job": "gpu", **labels},
+        "value": [NOW, str(value)],
+    }
+
+
+def gpu(
+    instance: str,
+    index: int,
+    *,
+    free_gib: float = 79,
+    util: float = 0.0,
+    up: bool = True,
+    leased: bool = False,
+    procs: int = 0,
+    model: str = A100,
+    **labels: str,
+) -> list[dict[str, Any]]:
+    ids = {"gpu": str(index), "uuid": uuid(instance, index), **labels}
+    out = [
+        series("gpu_up", int(up), instance, **ids),
+        series("gpu_leased", int(leased), instance, **ids),
+        series("gpu_info", 1, instance, name=model, pci_bus_id=f"00000000:{index:02X}:00.0", **ids),
+    ]
+    if up:
+        out += [
+            series("gpu_memory_free_bytes", int(free_gib * GIB), instance, **ids),
+            series("gpu_memory_total_bytes", 80 * GIB, instance, **ids),
+            series("gpu_utilization_ratio", util, instance, **ids),
+            series("gpu_compute_processes", procs, instance, **ids),
+        ]
+    return out
+
+
+def exporter_series(
+    instance: str, *, sampled_ago: float = 1.0, nvml_up: int = 1, **labels: str
+) -> list[dict[str, Any]]:
+    return [
+        series("gpu_exporter_nvml_up", nvml_up, instance, **labels),
+        series("gpu_exporter_last_sample_timestamp_seconds", NOW - sampled_ago, instance, **labels),
+    ]
+
+
+def scraped(instance: str, ago: float = 2.0, **labels: str) -> dict[str, Any]:
+    return {"metric": {"instance": instance, "job": "gpu", **labels}, "value": [NOW, NOW - ago]}
+
+
+def host_results(
+    hosts: Mapping[str, Iterable[dict[str, Any]]], *, scraped_ago: float = 2.0
+) -> dict[str, list[dict[str, Any]]]:
+    """``values`` and ``scraped`` answers for hosts {instance: GPU series}."""
+    values: list[dict[str, Any]] = []
+    for instance, gpus in hosts.items():
+        values += exporter_series(instance) + list(gpus)
+    return {
+        "values": values,
+        "scraped": [scraped(i, scraped_ago) for i in hosts],
+        "down": [],
+    }
+
+
+def fleet_of(results: Mapping[str, Any], **kwargs: Any) -> Fleet:
+    return parse_fleet(results, evaluated_at=NOW, max_age_seconds=60, **kwargs)
+
+
+def by_url(fleet: Fleet) -> dict[str, Host]:
+    return {h.url: h for h in fleet.hosts}
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+def test_series_become_the_same_gpu_samples_choose_ranks() -> None:
+    results = host_results(
+        {
+            "n1:9400": [
+                *gpu("n1:9400", 0, free_gib=10, util=0.9, procs=2),
+                *gpu("n1:9400", 1, leased=True),
+                *gpu("n1:9400", 2, up=False),
+            ]
+        }
+    )
+    for sample in results["values"]:  # Prometheus' NaN
+        if (
+            sample["metric"]["__name__"] == "gpu_utilization_ratio"
+            and sample["metric"]["gpu"] == "1"
+        ):
+            sample["value"][1] = "NaN"
+    results["values"] += gpu("n1:9400", 0, uuid="MIG-1234")  # MIG devices are not whole cards
+    (host,) = fleet_of(results).hosts
+    assert host.url == "http://n1:9400" and host.name == "n1" and host.problem is None
+    g0, g1, g2 = host.gpus
+    assert (g0.index, g0.uuid, g0.up, g0.name) == (0, uuid("n1:9400", 0), True, A100)
+    assert g0.memory_free_bytes == 10 * GIB and g0.memory_total_bytes == 80 * GIB
+    assert g0.utilization_ratio == 0.9 and g0.compute_processes == 2
+    assert g0.pci_bus_id == "00000000:00:00.0"
+    assert g1.utilization_ratio is None  # NaN is absent, never 0
+    assert host.leased == (g1.uuid,)
+    assert not g2.up and g2.error == "gpu_up 0" and g2.memory_free_bytes is None
+    assert host.age_seconds == pytest.approx(2.0)
+
+
+def test_the_exporter_url_comes_from_the_instance_or_the_scrape_configs_label() -> None:
+    label = {"gpu_exporter_url": "https://node2.lab:9443"}
+    results = host_results({"node1:9400": gpu("node1:9400", 0)})
+    results["values"] += exporter_series("node2", **label) + gpu("node2", 0, **label)
+    results["scraped"].append(scraped("node2", **label))
+    hosts = by_url(fleet_of(results))
+    assert set(hosts) == {"http://node1:9400", "https://node2.lab:9443"}
+    assert hosts["https://node2.lab:9443"].name == "node2.lab"
+    assert hosts["https://node2.lab:9443"].instance == "node2"
+    assert hosts["https://node2.lab:9443"].problem is None
+
+
+def test_stale_figures_are_never_used_even_when_they_look_best() -> None:
+    results = host_results({"old:9400": gpu("old:9400", 0, free_gib=79)}, scraped_ago=300)
+    results["values"] += exporter_series("ok:9400") + gpu("ok:9400", 0, free_gib=5)
+    results["scraped"].append(scraped("ok:9400", 1))
+    # Scraped recently, but the exporter's own sampler stopped 200 s before that scrape.
+    results["values"] += exporter_series("stuck:9400", sampled_ago=205) + gpu("stuck:9400", 0)
+    results["scraped"].append(scraped("stuck:9400", 5))
+    # No scrape timestamp at all: the age is unknown, so the figures are not trusted either.
+    results["values"] += exporter_series("unknown:9400") + gpu("unknown:9400", 0)
+    fleet = fleet_of(results)
+    hosts = by_url(fleet)
+    assert hosts["http://old:9400"].problem == "figures are 300 s old (max_age 60 s)"
+    assert "last sample was 200 s old" in (hosts["http://stuck:9400"].problem or "")
+    assert "unknown" in (hosts["http://unknown:9400"].problem or "")
+    ranking = rank_fleet(fleet, 1, Filters())
+    assert [c.host.url for c in ranking.candidates] == ["http://ok:9400"]
+    assert {h.url for h, _ in ranking.passed_over} == {
+        "http://old:9400",
+        "http://stuck:9400",
+        "http://unknown:9400",
+    }
+    # A larger bound accepts the old host, and then it wins.
+    relaxed = parse_fleet(results, evaluated_at=NOW, max_age_seconds=400)
+    assert rank_fleet(relaxed, 1, Filters()).candidates[0].host.url == "http://old:9400"
+
+
+def test_down_targets_and_nvml_down_hosts_are_passed_over_with_the_reason() -> None:
+    results = host_results({"ok:9400": gpu("ok:9400", 0)})
+    results["values"] += exporter_series("nonvml:9400", nvml_up=0)
+    results["scraped"].append(scraped("nonvml:9400"))
+    results["down"] = [
+        {"metric": {"__name__": "up", "instance": "gone:9400", "job": "gpu"}, "value": [NOW, "0"]},
+        {"metric": {"__name__": "up", "instance": "db:9100", "job": "node"}, "value": [NOW, "0"]},
+    ]
+    # Still has figures (remote data has no staleness markers), but its last scrape failed.
+    results["values"] += exporter_series("failing:9400") + gpu("failing:9400", 0)
+    results["scraped"].append(scraped("failing:9400"))
+    results["down"].append(
+        {
+            "metric": {"__name__": "up", "instance": "failing:9400", "job": "gpu"},
+            "value": [NOW, "0"],
+        }
+    )
+    hosts = by_url(fleet_of(results))
+    assert set(hosts) == {
+        "http://ok:9400",
+        "http://nonvml:9400",
+        "http://gone:9400",
+        "http://failing:9400",
+    }
+    assert "target down" in (hosts["http://failing:9400"].problem or "")
+    assert "target down" in (hosts["http://gone:9400"].problem or "")
+    assert "NVML is down" in (hosts["http://nonvml:9400"].problem or "")
+
+
+# -- ranking -----------------------------------------------------------------------------------
+
+
+def test_all_n_gpus_come_from_one_host_whose_weakest_pick_is_best() -> None:
+    results = host_results(
+        {
+            "a:9400": gpu("a:9400", 0, free_gib=79) + gpu("a:9400", 1, free_gib=10),
+            "b:9400": gpu("b:9400", 0, free_gib=60) + gpu("b:9400", 1, free_gib=60),
+            "c:9400": gpu("c:9400", 0, free_gib=79, util=0.95),
+        }
+    )
+    fleet = fleet_of(results)
+    two = rank_fleet(fleet, 2, Filters())
+    assert [c.host.url for c in two.candidates] == ["http://b:9400", "http://a:9400"]
+    assert [h.url for h, _ in two.passed_over] == ["http://c:9400"]
+    assert "1 of 1 GPUs qualify, 2 requested" in two.passed_over[0][1]
+    one = rank_fleet(fleet, 1, Filters())
+    # 79 GiB idle beats 79 GiB busy (same free GiB, lower utilization) and 60 GiB.
+    assert [c.host.url for c in one.candidates] == [
+        "http://a:9400",
+        "http://c:9400",
+        "http://b:9400",
+    ]
+    busy_ok = rank_fleet(fleet, 1, Filters(max_util_ratio=0.5, min_free_bytes=70 * GIB))
+    assert [c.host.url for c in busy_ok.candidates] == ["http://a:9400"]
+    assert [g.index for g in busy_ok.candidates[0].qualified] == [0]
+
+
+def test_leased_and_down_gpus_do_not_qualify() -> None:
+    results = host_results(
+        {"a:9400": gpu("a:9400", 0, leased=True) + gpu("a:9400", 1, up=False) + gpu("a:9400", 2)}
+    )
+    (candidate,) = rank_fleet(fleet_of(results), 1, Filters()).candidates
+    assert [g.index for g in candidate.qualified] == [2]
+    (passed,) = rank_fleet(fleet_of(results), 2, Filters()).passed_over
+    assert "leased (at the last scrape)" in passed[1] and "down: gpu_up 0" in passed[1]
+
+
+def test_idle_for_uses_the_worst_figure_of_the_window() -> None:
+    results = host_results({"a:9400": gpu("a:9400", 0) + gpu("a:9400", 1) + gpu("a:9400", 2)})
+    ids = {i: {"gpu": str(i), "uuid": uuid("a:9400", i)} for i in range(3)}
+
+    def worst(field: str, value: float, i: int | None = None) -> dict[str, Any]:
+        labels = {"fleet_field": field, **(ids[i] if i is not None else {})}
+        return {
+            "metric": {"instance": "a:9400", "job": "gpu", **labels},
+            "value": [NOW, str(value)],
+        }
+
+    results["window"] = [
+        worst("oldest", NOW - 299),  # history back to 1 s after the window's start: covered
+        worst("up", 1, 0),
+        worst("up", 1, 1),
+        worst("up", 0, 2),  # down at some point in the window
+        worst("utilization_ratio", 0.0, 0),
+        worst("utilization_ratio", 0.8, 1),  # busy at some point
+        worst("utilization_ratio", 0.0, 2),
+    ]
+    fleet = fleet_of(results, idle_for_seconds=300)
+    ranking = rank_fleet(fleet, 1, Filters(max_util_ratio=0.1))
+    assert [g.index for g in ranking.candidates[0].qualified] == [0]
+    reasons = rank_fleet(fleet, 3, Filters(max_util_ratio=0.1)).passed_over[0][1]
+    assert "gpu 1: within the last 300 s: utilization 0.80 > max_util 0.10" in reasons
+    assert "gpu 2: within the last 300 s: down" in reasons
+    # History that does not reach back far enough proves nothing.
+    results["window"][0] = worst("oldest", NOW - 100)
+    short = rank_fleet(fleet_of(results, idle_for_seconds=300), 1, Filters(max_util_ratio=0.1))
+    assert not short.candidates
+    assert "only 160 s of history for idle_for 300 s" in short.passed_over[0][1]
+
+
+def test_queries_ask_only_for_what_the_choice_needs() -> None:
+    plain = fleet_queries(Filters(), "free", None)
+    assert set(plain) == {"values", "scraped", "down"}
+    assert "gpu_compute_processes" not in plain["values"]
+    assert "gpu_power_draw_watts" not in plain["values"]
+    assert "gpu_info" not in plain["values"]  # the biggest series, only when needed
+    assert "gpu_info" in fleet_queries(Filters(model="A100"), "free", None)["values"]
+    assert "gpu_info" in fleet_queries(Filters(exclude=("3b:00.0",)), "free", None)["values"]
+    full = fleet_queries(Filters(max_procs=0, max_util_ratio=0.1), "power", 300)
+    assert "gpu_compute_processes" in full["values"] and "gpu_power_limit_watts" in full["values"]
+    assert "max_over_time(gpu_utilization_ratio[300s])" in full["window"]
+    assert "max_over_time(gpu_compute_processes[300s])" in full["window"]
+    assert "min_over_time(gpu_memory_free_bytes" not in full["window"]
+    narrowed = fleet_queries(Filters(max_util_ratio=0.1), "free", 300, 'job="shared"')
+    assert narrowed["values"].endswith('", job="shared"}')
+    assert narrowed["scraped"].endswith('gpu_exporter_last_sample_timestamp_seconds{job="shared"})')
+    assert 'max_over_time(gpu_utilization_ratio{job="shared"}[300s])' in narrowed["window"]
+    with pytest.raises(ValueError, match="label matchers"):
+        fleet_queries(Filters(), "free", None, 'job="x"} or vector(1) or up{a="b"')
+
+
+# -- claiming ----------------------------------------------------------------------------------
+
+
+def claimed(host: Host, n: int, include: tuple[str, ...]) -> Choice:
+    return Choice(include[:n], tuple(range(n)), f"lease-{host.instance}", NOW + 60, host.url)
+
+
+def test_a_refusing_host_is_passed_over_and_the_next_one_claimed() -> None:
+    results = host_results(
+        {
+            "a:9400": gpu("a:9400", 0) + gpu("a:9400", 1),
+            "b:9400": gpu("b:9400", 0, free_gib=50) + gpu("b:9400", 1, free_gib=50),
+        }
+    )
+    calls: list[tuple[str, int, tuple[str, ...]]] = []
+
+    def claim(host: Host, n: int, include: tuple[str, ...]) -> Choice:
+        calls.append((host.url, n, include))
+        if host.url == "http://a:9400":
+            raise client.NoGpusAvailable(503, "0 of 2 GPUs qualify", code="not_enough_gpus")
+        return claimed(host, n, include)
+
+    placements, passed = place(
+        rank_fleet(fleet_of(results), 2, Filters()), 2, spread=False, claim=claim
+    )
+    assert [c[0] for c in calls] == ["http://a:9400", "http://b:9400"]
+    assert calls[1][1:] == (2, (uuid("b:9400", 1), uuid("b:9400", 0)))  # best first
+    assert [(p.host, p.lease_id) for p in placements] == [("b", "lease-b:9400")]
+    assert [(h.url, why) for h, why in passed] == [
+        ("http://a:9400", "refused: 0 of 2 GPUs qualify")
+    ]
+
+
+def test_spread_fills_the_best_host_first_and_gives_back_a_partial_claim() -> None:
+    results = host_results(
+        {
+            "a:9400": gpu("a:9400", 0) + gpu("a:9400", 1),
+            "b:9400": gpu("b:9400", 0, free_gib=40),
+        }
+    )
+    ranking = rank_fleet(fleet_of(results), 3, Filters(), spread=True)
+    placements, _ = place(ranking, 3, spread=True, claim=claimed)
+    assert [(p.host, len(p.uuids)) for p in placements] == [("a", 2), ("b", 1)]
+    no_lease = [Choice(("GPU-x",), (0,), None, None, "http://a:9400")]
+
+    def partial(host: Host, n: int, include: tuple[str, ...]) -> Choice:
+        if host.url == "http://b:9400":
+            raise ServerUnreachable(host.url, "connection refused")
+        return no_lease.pop()
+
+    placements, passed = place(ranking, 3, spread=True, claim=partial)
+    assert placements == [] and "connection refused" in passed[-1][1]
+
+
+def fake_fetch(answers: Mapping[str, Any]) -> Any:
+    """A Fetch over canned answers: Prometheus queries by kind, exporter paths by URL."""
+
+    def fetch(url: str, timeout: float) -> Any:
+        if url in answers:
+            answer = answers[url]
+        else:
+            split = urllib.parse.urlsplit(url)
+            if split.path != "/api/v1/query" or "prometheus" not in answers:
+                raise SourceUnavailable(f"cannot reach {split.netloc}: connection refused")
+            expr = urllib.parse.parse_qs(split.query)["query"][0]
+            kind = (
+                "window" if "label_replace" in expr
+                else "values" if expr.startswith("{__name__")
+                else "scraped" if expr.startswith("timestamp(")
+                else "down"
+            )  # fmt: skip
+            result = answers["prometheus"].get(kind, [])
+            answer = {"status": "success", "data": {"resultType": "vector", "result": result}}
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    return fetch
+
+
+def fixed_claimer(*_: Any) -> Any:
+    return claimed
+
+
+def test_choose_fleet_end_to_end_over_a_synthetic_prometheus() -> None:
+    results = host_results({"a:9400": gpu("a:9400", 0), "b:9400": gpu("b:9400", 0, util=0.5)})
+    result = choose_fleet(
+        {"n": "1", "max_util": "10%", "format": "env"},
+        prometheus="prom:9090",
+        fetch=fake_fetch({"prometheus": results}),
+        claimer=fixed_claimer,
+        wall_clock=lambda: NOW,
+    )
+    assert result.source == "prometheus" and not result.notes
+    assert result.text("env") == (
+        "export GPU_HOST=a GPU_EXPORTER_URL=http://a:9400 CUDA_DEVICE_ORDER=PCI_BUS_ID "
+        f"CUDA_VISIBLE_DEVICES={uuid('a:9400', 0)} GPU_LEASE=lease-a:9400\n"
+    )
+    assert result.text("uuid") == f"a {uuid('a:9400', 0)}\n"
+    assert result.to_json()["passed_over"][0]["url"] == "http://b:9400"
+    with pytest.raises(ApiError) as info:
+        choose_fleet(
+            {"n": "3"},
+            prometheus="prom:9090",
+            fetch=fake_fetch({"prometheus": results}),
+            claimer=fixed_claimer,
+            wall_clock=lambda: NOW,
+        )
+    assert info.value.status == 503 and info.value.code == "not_enough_gpus"
+    assert "http://a:9400: 1 of 1 GPUs qualify, 3 requested" in info.value.message
+
+
+def test_without_prometheus_the_named_hosts_are_asked_directly() -> None:
+    def snapshot(free_gib: int, up: bool = True) -> dict[str, Any]:
+        gpus = [
+            {"index": 0, "uuid": "GPU-0", "up": up, "memory_free_bytes": free_gib * GIB},
+            {"index": 1, "uuid": "GPU-1", "up": True, "memory_free_bytes": free_gib * GIB},
+        ]
+        return {"nvml_up": True, "snapshot_age_seconds": 0.5, "gpus": gpus}
+
+    answers = {
+        "http://a:9400/gpus": snapshot(20),
+        "http://a:9400/leases": {"leases": []},
+        "http://b:9401/gpus": snapshot(70),
+        "http://b:9401/leases": {"leases": [{"id": "x", "gpus": ["GPU-1"]}]},
+    }
+    args = {"n": "2", "idle_for": "5m"}
+    passed_on: list[Mapping[str, str]] = []
+
+    def claimer(raw: Mapping[str, str], req: Any, fleet: Fleet, timeout: float) -> Any:
+        passed_on.append(raw)
+        assert not fleet.window_checked  # so idle_for goes to the host, which has the history
+        return claimed
+
+    result = choose_fleet(
+        args,
+        prometheus="http://prom:9090",
+        hosts=["a", "b:9401", "c"],
+        fetch=fake_fetch(answers),
+        claimer=claimer,
+        wall_clock=lambda: NOW,
+    )
+    assert result.source == "hosts" and result.placements[0].url == "http://a:9400"
+    assert "cannot reach prom:9090" in result.notes[0]
+    passed = {url: why for _, url, why in result.passed_over}
+    assert "leased" in passed["http://b:9401"]  # b's GPU-1 is held
+    assert "connection refused" in passed["http://c:9400"]
+    with pytest.raises(ApiError) as info:
+        choose_fleet(args, prometheus="http://prom:9090", fetch=fake_fetch(answers))
+    assert (info.value.status, info.value.code) == (503, "prometheus_unavailable")
+
+
+def test_the_claim_rechecks_the_point_filters_on_the_host() -> None:
+    args = {"n": "2", "max_util": "10%", "idle_for": "5m", "lease": "10m", "model": "A100"}
+    req = parse_cluster_args(args)
+    seen: dict[str, Any] = {}
+
+    def fake_choose(n: int, url: str, **kwargs: Any) -> Choice:
+        seen.update(kwargs, n=n, url=url)
+        return claimed(Host(url, "h"), n, kwargs["include"])
+
+    with pytest.MonkeyPatch().context() as mp:
+        mp.setattr(client, "choose", fake_choose)
+        fleet = Fleet((), "prometheus", NOW, window_checked=True)
+        http_claimer(args, req, fleet, 5.0)(Host("http://h:9400", "h"), 2, ("GPU-a", "GPU-b"))
+    assert seen["include"] == ("GPU-a", "GPU-b") and seen["n"] == 2
+    assert (seen["max_util"], seen["model"], seen["lease"]) == ("10%", "A100", "10m")
+    assert "idle_for" not in seen  # judged from Prometheus' longer history instead
+
+
+def test_cluster_parameters_are_checked_like_choose_parameters() -> None:
+    assert parse_cluster_args({"n": "2", "spread": "true", "max_age": "2m"}).max_age_seconds == 120
+    for args, param in [
+        ({"spread": "2"}, "spread"),
+        ({"max_age": "0"}, "max_age"),
+        ({"spread": "1", "format": "env"}, "format"),
+        ({"n": "0"}, "n"),
+        ({"hosts": "a"}, "hosts"),  # not a server parameter: the server asks only Prometheus
+    ]:
+        with pytest.raises(ApiError) as info:
+            parse_cluster_args(args)
+        assert info.value.status == 400 and info.value.param == param
+
+
+def test_cluster_choice_text_formats() -> None:
+    a = Choice(("GPU-a", "GPU-b"), (0, 3), "l1", NOW, "http://n1:9400", host="n1")
+    b = Choice(("GPU-c",), (1,), "l2", NOW, "http://n2:9400", host="n2")
+    spread = ClusterChoice((a, b), "prometheus", spread=True, n=3)
+    assert spread.text("uuid") == "n1 GPU-a,GPU-b\nn2 GPU-c\n"
+    assert spread.text("index") == "n1 0,3\nn2 1\n"
+    with pytest.raises(ValueError, match="one host"):
+        spread.text("env")
+    assert a.env()["GPU_HOST"] == "n1" and a.env()["GPU_EXPORTER_URL"] == "http://n1:9400"
+
+
+def test_wait_reads_the_fleet_again_until_gpus_qualify() -> None:
+    busy = host_results({"a:9400": gpu("a:9400", 0, util=0.9)})
+    idle = host_results({"a:9400": gpu("a:9400", 0)})
+    answers: dict[str, Any] = {"prometheus": busy}
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+        answers["prometheus"] = idle  # the job on GPU 0 has ended meanwhile
+
+    result = choose_fleet(
+        {"n": "1", "max_util": "0.1", "wait": "1m"},
+        prometheus="prom:9090",
+        fetch=fake_fetch(answers),
+        claimer=fixed_claimer,
+        wall_clock=lambda: NOW,
+        monotonic=lambda: now[0],
+        sleep=sleep,
+    )
+    assert result.placements[0].url == "http://a:9400" and slept == [5.0]
+    answers["prometheus"] = busy
+    with pytest.raises(ApiError, match=r"utilization 0\.90 > max_util 0\.10"):
+        choose_fleet(
+            {"n": "1", "max_util": "0.1", "wait": "12s"},
+            prometheus="prom:9090",
+            fetch=fake_fetch({"prometheus": busy}),
+            claimer=fixed_claimer,
+            wall_clock=lambda: NOW,
+            monotonic=lambda: now[0],
+            sleep=lambda s: now.__setitem__(0, now[0] + s),
+        )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["choose", "--spread"], "need --prometheus or --hosts"),
+        (["choose", "--max-age", "2m"], "need --prometheus or --hosts"),
+        (["choose", "--selector", 'job="x"'], "need --prometheus or --hosts"),
+        (["choose", "--prometheus", "p:9090", "--selector", "job=x"], "label matchers"),
+        (["choose", "--prometheus", "p:9090", "--url", "h:9400"], "not both"),
+        (["choose", "--hosts", "a", "--spread", "--format", "env"], "not with --spread"),
+        (["run", "--hosts", "a", "--url", "h:9400", "--", "true"], "not both"),
+    ],
+)
+def test_the_command_line_refuses_contradictory_fleet_options(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpu_exporter.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_json_answer_keeps_to_the_openapi_schema() -> None:
+    import jsonschema
+
+    from gpu_exporter.openapi import document
+
+    results = host_results({"a:9400": gpu("a:9400", 0), "b:9400": gpu("b:9400", 0, util=0.5)})
+    result = choose_fleet(
+        {"n": "1", "max_util": "10%"},
+        prometheus="prom:9090",
+        fetch=fake_fetch({"prometheus": results}),
+        claimer=fixed_claimer,
+        wall_clock=lambda: NOW,
+    )
+    schema = document()["components"]["schemas"]["Placements"]
+    jsonschema.validate(result.to_json(), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**result.to_json(), "placements": [{"host": "a"}]}, schema)
+
+
+def test_serve_refuses_a_selector_that_is_not_label_matchers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gpu_exporter.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--prometheus-url", "p:9090", "--prometheus-selector", "up or vector(1)"])
+    assert info.value.code == 2
+    assert "--prometheus-selector: expected label matchers" in capsys.readouterr().err

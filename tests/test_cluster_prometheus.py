@@ -1,0 +1,214 @@
+"""Choosing across hosts for real: three exporters, a real Prometheus, leases on the hosts.
+
+Loads (constant, so no lease ends early because a job "arrived"):
+
+* host A: 1 idle GPU, 3 busy;  * host B: 3 idle, 1 busy;  * host C: 2 idle, 2 busy.
+
+The tests run in file order on one fleet: B is stopped by the down-host test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpu_exporter import client
+from gpu_exporter.client import GpuExporterWarning, NoGpusAvailable
+from harness import ROOT, Exporter, Prometheus, exporter, get, prometheus, stop
+
+pytestmark = pytest.mark.slow
+
+IDLE = 'load = "constant"\nutilization = 0.0\nmemory_used_ratio = 0.0\nprocesses = 0'
+BUSY = 'load = "constant"\nutilization = 0.95\nmemory_used_ratio = 0.9\nprocesses = 1'
+
+
+def scenario(path: Path, idle: int, busy: int) -> str:
+    blocks = [f"[[gpus]]\ncount = {idle}\n{IDLE}\n", f"[[gpus]]\ncount = {busy}\n{BUSY}\n"]
+    path.write_text("\n".join(blocks))
+    return str(path)
+
+
+@dataclass
+class Fleet:
+    a: Exporter
+    b: Exporter
+    c: Exporter
+    prom: Prometheus
+
+    def wait_until_no_leases(self) -> None:
+        """Prometheus' view catches up with released leases (one scrape, 1 s)."""
+        self.prom.wait_for("sum(gpu_leased) == 0")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("fleet")
+    with contextlib.ExitStack() as stack:
+        a, b, c = (
+            stack.enter_context(
+                exporter(
+                    "--simulate", scenario(tmp / f"{name}.toml", idle, busy), "--interval", "0.2"
+                )
+            )
+            for name, idle, busy in (("a", 1, 3), ("b", 3, 1), ("c", 2, 2))
+        )
+        prom = stack.enter_context(prometheus([a.address, b.address, c.address]))
+        prom.wait_for_targets_up(3)
+        prom.wait_for("count(gpu_up == 1) == 12")
+        prom.wait_for("count(gpu_exporter_last_sample_timestamp_seconds) == 3")
+        yield Fleet(a, b, c, prom)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpu_exporter", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != client.URL_ENV},
+    )
+
+
+def env_line(text: str) -> dict[str, str]:
+    assert text.startswith("export "), text
+    return dict(part.split("=", 1) for part in text.split()[1:])
+
+
+def leases_on(ex: Exporter) -> list[dict[str, object]]:
+    status, body = get(ex.base + "/leases")
+    assert status == 200, body
+    leases: list[dict[str, object]] = json.loads(body)["leases"]
+    return leases
+
+
+def test_the_host_with_the_requested_free_gpus_is_chosen(fleet: Fleet) -> None:
+    # Only B has three idle GPUs.
+    choice = client.choose(3, prometheus=fleet.prom.base, max_util="10%")
+    assert choice.url == fleet.b.base and choice.host == "127.0.0.1"
+    assert len(choice.uuids) == 3 and choice.lease_id is not None
+    assert [lease["id"] for lease in leases_on(fleet.b)] == [choice.lease_id]
+    client.release(choice)
+
+    # The command line, as a job script would use it.
+    done = cli("choose", "--prometheus", fleet.prom.base, "-n", "2", "--max-util", "10%",
+               "--min-free", "70GiB", "--format", "env", "--lease", "0")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    env = env_line(done.stdout)
+    assert env["GPU_EXPORTER_URL"] in (fleet.b.base, fleet.c.base)  # A has one idle GPU only
+    assert env["GPU_HOST"] == "127.0.0.1" and "GPU_LEASE" not in env
+
+    # idle_for through Prometheus' range functions: two seconds of history are there, ten
+    # minutes are not (and unproven idleness is not idleness).
+    advice = client.choose_cluster(
+        3, prometheus=fleet.prom.base, max_util=0.1, idle_for="2s", lease=0
+    )
+    assert advice.placements[0].url == fleet.b.base
+    with pytest.raises(NoGpusAvailable) as info:
+        client.choose(1, prometheus=fleet.prom.base, max_util=0.1, idle_for="10m", lease=0)
+    for ex in (fleet.a, fleet.b, fleet.c):
+        assert ex.base in str(info.value)
+    assert "s of history for idle_for 600 s" in str(info.value)
+
+    # A selector narrows the fleet to the targets it matches.
+    narrowed = client.choose(1, prometheus=fleet.prom.base, selector='job="gpu"', lease=0)
+    assert narrowed.url in (fleet.a.base, fleet.b.base, fleet.c.base)
+    with pytest.raises(client.ServerError, match='no gpu-exporter series matching job="other"'):
+        client.choose(1, prometheus=fleet.prom.base, selector='job="other"', lease=0)
+
+
+def test_the_cluster_endpoint_of_an_exporter_with_a_prometheus_url(fleet: Fleet) -> None:
+    fleet.wait_until_no_leases()
+    with exporter("--simulate", "1", "--prometheus-url", fleet.prom.base) as front:
+        status, body = get(front.base + "/cluster/choose?n=3&max_util=10%25&format=json")
+        assert status == 200, body
+        answer = json.loads(body)
+        (placed,) = answer["placements"]
+        assert placed["url"] == fleet.b.base and answer["source"] == "prometheus"
+        assert [lease["id"] for lease in leases_on(fleet.b)] == [placed["lease"]["id"]]
+        client.release(placed["lease"]["id"], fleet.b.base)
+        status, body = get(front.base + "/cluster/choose?n=5")
+        assert status == 503 and body.startswith("error: no 5 GPUs qualify on one host")
+
+
+def test_concurrent_cluster_choices_never_lease_one_gpu_twice(fleet: Fleet) -> None:
+    fleet.wait_until_no_leases()
+    chosen: list[client.Choice] = []
+    refused: list[Exception] = []
+    start = threading.Barrier(20)
+
+    def one() -> None:
+        start.wait()
+        try:
+            chosen.append(client.choose(1, prometheus=fleet.prom.base, lease="60s", timeout=30))
+        except NoGpusAvailable as exc:
+            refused.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    try:
+        held = [(c.url, u) for c in chosen for u in c.uuids]
+        assert len(held) == len(set(held))  # never one GPU twice
+        assert len(chosen) == 12 and len(refused) == 8  # every GPU once, then no more
+        for ex in (fleet.a, fleet.b, fleet.c):  # and each host's table agrees
+            on_host = sorted(u for lease in leases_on(ex) for u in lease["gpus"])  # type: ignore[attr-defined]
+            assert on_host == sorted(u for url, u in held if url == ex.base)
+            assert len(on_host) == 4
+    finally:
+        for c in chosen:
+            client.release(c)
+
+
+def test_a_host_whose_exporter_is_down_is_skipped(fleet: Fleet) -> None:
+    fleet.wait_until_no_leases()
+    stop(fleet.b.proc)
+    # Whether Prometheus has noticed yet or not, B cannot serve: C (two idle GPUs) does.
+    first = client.choose_cluster(2, prometheus=fleet.prom.base, max_util=0.1, lease=0)
+    assert first.placements[0].url == fleet.c.base
+    assert fleet.b.base in {url for _, url, _ in first.passed_over}
+    fleet.prom.wait_for(f'up{{instance="{fleet.b.address}"}} == 0')
+    later = client.choose_cluster(2, prometheus=fleet.prom.base, max_util=0.1, lease=0)
+    assert later.placements[0].url == fleet.c.base
+    reasons = {url: why for _, url, why in later.passed_over}
+    assert "target down" in reasons[fleet.b.base]
+
+
+def test_with_prometheus_down_the_named_hosts_still_serve(fleet: Fleet) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+    hosts = ",".join(ex.address for ex in (fleet.a, fleet.b, fleet.c))  # B is down by now
+    with pytest.warns(GpuExporterWarning, match="asked the hosts named instead"):
+        choice = client.choose(2, prometheus=dead, hosts=hosts, max_util=0.1)
+    try:
+        assert choice.url == fleet.c.base and choice.lease_id is not None
+        assert [lease["id"] for lease in leases_on(fleet.c)] == [choice.lease_id]
+    finally:
+        client.release(choice)
+
+    done = cli("run", "--prometheus", dead, "--hosts", hosts, "-n", "1", "--max-util", "10%",
+               "--", sys.executable, "-c",
+               "import os; print(os.environ['GPU_HOST'], os.environ['GPU_EXPORTER_URL'],"
+               " os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPU_LEASE'])")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    host, url, uuid, lease = done.stdout.split()
+    assert host == "127.0.0.1" and url in (fleet.a.base, fleet.c.base)
+    assert uuid.startswith("GPU-") and lease
+    assert "asked the hosts named instead" in done.stderr
+    assert not any(lease_["id"] == lease for lease_ in leases_on(fleet.c))  # released after
+
+    done = cli("choose", "--prometheus", dead, "-n", "1")
+    assert done.returncode == 1 and "cannot reach" in done.stderr
