@@ -303,8 +303,10 @@ def _state_file(state_dir: str | None) -> Path | None:
 def serve(config: ServeConfig) -> int:
     # Imported here so that `gpu-exporter --help` stays fast and needs no Flask.
     from prometheus_client import CollectorRegistry, ProcessCollector
+    from prometheus_client.registry import Collector
 
     from gpu_exporter.app import create_app
+    from gpu_exporter.exposition import Exposition
     from gpu_exporter.leases import LeaseTable
     from gpu_exporter.limits import PROBE_THREADS, Waiters
     from gpu_exporter.metrics import GpuCollector, RequestCounter, WebConfigCollector
@@ -348,8 +350,14 @@ def serve(config: ServeConfig) -> int:
     )
     requests, rejections = RequestCounter(), RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, leases=leases, requests=requests, rejections=rejections))
-    ProcessCollector(registry=registry)
+    gpu_collector = GpuCollector(cache, leases=leases, requests=requests, rejections=rejections)
+    registry.register(gpu_collector)
+    # Collectors rendered on every scrape, after the cached GPU part; same order as registered.
+    live: list[Collector] = [ProcessCollector(registry=registry)]
+    if watcher is not None:
+        live.append(WebConfigCollector(watcher))
+        registry.register(live[-1])
+    exposition = Exposition(cache, gpu_collector, live)
     stopping = threading.Event()
     cluster = None
     if config.prometheus_url:
@@ -368,12 +376,12 @@ def serve(config: ServeConfig) -> int:
         waiters=Waiters(config.max_waiters),
         stopping=stopping,
         cluster=cluster,
+        exposition=exposition,
     )
 
     # A few threads beyond the request limit, so that probes always find one free.
     threads = config.max_requests_in_flight + PROBE_THREADS
     if watcher is not None:
-        registry.register(WebConfigCollector(watcher))
         tls = watcher.tls_context if watcher.active.context is not None else None
         server = Server(
             secure(app, watcher, config.auth_scope),
@@ -405,6 +413,7 @@ def serve(config: ServeConfig) -> int:
         config.host, watcher.active.config if watcher else None, os.geteuid()
     ):
         log.warning("%s", warning)
+    exposition.start()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if not stopping.is_set():
@@ -423,6 +432,7 @@ def serve(config: ServeConfig) -> int:
     try:
         server.serve()
     finally:
+        exposition.stop()
         sampler.stop()
         if watcher is not None:
             watcher.stop()

@@ -396,10 +396,22 @@ class GpuCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._cache.get()  # one snapshot for the whole scrape
+        yield from self.snapshot_families(snapshot)
+        yield from self.live_families(snapshot)
+
+    def snapshot_families(self, snapshot: Snapshot) -> Iterator[Metric]:
+        """Families that depend on the snapshot alone (and the fixed version).
+
+        :mod:`gpu_exporter.exposition` renders these once per snapshot and serves the bytes,
+        so nothing here may read anything that changes between samples.
+        """
         yield from gpu_families(snapshot)
+        yield from exporter_families(snapshot, self._version)
+
+    def live_families(self, snapshot: Snapshot) -> Iterator[Metric]:
+        """Families that can change between samples (leases, request counters)."""
         if self._leases is not None:
             yield from lease_families(snapshot, self._leases, self._requests)
-        yield from exporter_families(snapshot, self._version)
         if self._rejections is not None:
             yield _counts(REQUESTS_REJECTED, self._rejections)
 

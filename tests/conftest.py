@@ -11,6 +11,7 @@ from flask.testing import FlaskClient
 from prometheus_client import CollectorRegistry
 
 from gpu_exporter.app import create_app
+from gpu_exporter.exposition import Exposition
 from gpu_exporter.leases import LeaseTable
 from gpu_exporter.metrics import GpuCollector, RequestCounter
 from gpu_exporter.model import Snapshot
@@ -49,6 +50,7 @@ class Stack:
     registry: CollectorRegistry
     app: Flask
     leases: LeaseTable
+    exposition: Exposition
 
     @property
     def client(self) -> FlaskClient:
@@ -81,9 +83,11 @@ def build_stack(
     table = leases or LeaseTable(clock)
     requests, rejections = RequestCounter(), RequestCounter()
     registry = CollectorRegistry()
-    registry.register(
-        GpuCollector(cache, version="test", leases=table, requests=requests, rejections=rejections)
+    collector = GpuCollector(
+        cache, version="test", leases=table, requests=requests, rejections=rejections
     )
+    registry.register(collector)
+    exposition = Exposition(cache, collector)
     app = create_app(
         cache,
         registry,
@@ -92,8 +96,9 @@ def build_stack(
         leases=table,
         requests=requests,
         rejections=rejections,
+        exposition=exposition,
     )
-    return Stack(clock, sim, nvml, cache, sampler, registry, app, table)
+    return Stack(clock, sim, nvml, cache, sampler, registry, app, table, exposition)
 
 
 @pytest.fixture
