@@ -157,6 +157,7 @@ def _build_app() -> tuple[Any, Any]:
     from prometheus_client import CollectorRegistry, ProcessCollector
 
     from gpu_exporter.app import create_app
+    from gpu_exporter.exposition import Exposition
     from gpu_exporter.leases import LeaseTable
     from gpu_exporter.metrics import GpuCollector, RequestCounter
     from gpu_exporter.nvml import Nvml
@@ -169,11 +170,18 @@ def _build_app() -> tuple[Any, Any]:
     leases = LeaseTable(clock)  # in memory only, as without --state-dir
     requests = RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, leases=leases, requests=requests))
-    ProcessCollector(registry=registry)
+    gpu_collector = GpuCollector(cache, leases=leases, requests=requests)
+    registry.register(gpu_collector)
+    process_collector = ProcessCollector(registry=registry)
     max_age = max(10.0, 5 * SAMPLE_INTERVAL_SECONDS)
     app = create_app(
-        cache, registry, clock=clock, max_age_seconds=max_age, leases=leases, requests=requests
+        cache,
+        registry,
+        clock=clock,
+        max_age_seconds=max_age,
+        leases=leases,
+        requests=requests,
+        exposition=Exposition(cache, gpu_collector, (process_collector,)),
     )
     sampler = Sampler(nvml, cache, interval_seconds=SAMPLE_INTERVAL_SECONDS, clock=clock)
     return app, sampler
@@ -526,10 +534,15 @@ def _client_process(
 
 
 def concurrent(
-    server: ServerProcess, path: str, size: Size, procs: int, ctx: Context
+    server: ServerProcess,
+    path: str,
+    size: Size,
+    procs: int,
+    ctx: Context,
+    clients_total: int = CLIENTS,
 ) -> dict[str, Any]:
-    threads = CLIENTS // procs
-    per_thread = max(1, size.concurrent // CLIENTS)
+    threads = clients_total // procs
+    per_thread = max(1, size.concurrent // clients_total)
     barrier = ctx.Barrier(procs * threads + 1)
     queue = ctx.Queue()
     args = (

@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from flask import Flask, Response, jsonify, render_template, request
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
@@ -25,9 +25,10 @@ from gpu_exporter.choose import Choice, NotEnoughGpus, Rejected, Window, score
 from gpu_exporter.cluster import ClusterService
 from gpu_exporter.counters import XidCounter
 from gpu_exporter.errors import error_response
+from gpu_exporter.exposition import Exposition
 from gpu_exporter.leases import Lease, LeaseError, LeaseTable
 from gpu_exporter.limits import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAITERS, RequestLimits, Waiters
-from gpu_exporter.metrics import RequestCounter, metrics_wsgi_app
+from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.openapi import document as openapi_document
 
@@ -135,6 +136,7 @@ def create_app(
     waiters: Waiters | None = None,
     stopping: threading.Event | None = None,
     cluster: ClusterService | None = None,
+    exposition: Exposition | None = None,
     xids: XidCounter | None = None,
 ) -> Flask:
     """Build the app. Everything it reads comes in through the arguments.
@@ -142,6 +144,8 @@ def create_app(
     Pass the same ``leases``, ``requests`` and ``rejections`` to the metrics collector to
     export them. ``stopping``, once set, makes waiting ``/choose`` requests give up at once.
     ``cluster`` (from ``--prometheus-url``) serves ``/cluster/choose``.
+    With ``exposition``, ``/metrics`` serves its per-snapshot cached rendering (which must
+    cover the same collectors as ``registry``); without, ``registry`` is rendered per scrape.
     """
     app = Flask(__name__)
     app.json.sort_keys = False  # type: ignore[attr-defined]
@@ -356,7 +360,7 @@ def create_app(
         lease = table.renew(lease_id, DEFAULT_LEASE_SECONDS if ttl is None else ttl)
         return jsonify(lease.to_json())
 
-    metrics_app = metrics_wsgi_app(registry)
+    metrics_app = make_wsgi_app(registry) if exposition is None else exposition.wsgi_app(registry)
     app.wsgi_app = RequestLimits(  # type: ignore[method-assign]
         DispatcherMiddleware(app.wsgi_app, {"/metrics": metrics_app}),
         max_in_flight=max_in_flight,

@@ -381,11 +381,13 @@ def _state_file(state_dir: str | None) -> Path | None:
 def serve(config: ServeConfig) -> int:
     # Imported here so that `gpu-exporter --help` stays fast and needs no Flask.
     from prometheus_client import CollectorRegistry, ProcessCollector
+    from prometheus_client.registry import Collector
 
     from gpu_exporter.app import create_app
     from gpu_exporter.background import NvmlThread
     from gpu_exporter.counters import PcieRates, XidCounter
     from gpu_exporter.events import XidListener
+    from gpu_exporter.exposition import Exposition
     from gpu_exporter.leases import LeaseTable
     from gpu_exporter.limits import PROBE_THREADS, Waiters
     from gpu_exporter.metrics import GpuCollector, RequestCounter, WebConfigCollector
@@ -433,18 +435,22 @@ def serve(config: ServeConfig) -> int:
     xids = XidCounter() if config.xid_events else None
     pcie = PcieRates() if config.pcie_throughput else None
     registry = CollectorRegistry()
-    registry.register(
-        GpuCollector(
-            cache,
-            leases=leases,
-            requests=requests,
-            rejections=rejections,
-            xids=xids,
-            pcie=pcie,
-            process_series_limit=config.process_series_limit,
-        )
+    gpu_collector = GpuCollector(
+        cache,
+        leases=leases,
+        requests=requests,
+        rejections=rejections,
+        xids=xids,
+        pcie=pcie,
+        process_series_limit=config.process_series_limit,
     )
-    ProcessCollector(registry=registry)
+    registry.register(gpu_collector)
+    # Collectors rendered on every scrape, after the cached GPU part; same order as registered.
+    live: list[Collector] = [ProcessCollector(registry=registry)]
+    if watcher is not None:
+        live.append(WebConfigCollector(watcher))
+        registry.register(live[-1])
+    exposition = Exposition(cache, gpu_collector, live)
     stopping = threading.Event()
     cluster = None
     if config.prometheus_url:
@@ -464,12 +470,12 @@ def serve(config: ServeConfig) -> int:
         stopping=stopping,
         xids=xids,
         cluster=cluster,
+        exposition=exposition,
     )
 
     # A few threads beyond the request limit, so that probes always find one free.
     threads = config.max_requests_in_flight + PROBE_THREADS
     if watcher is not None:
-        registry.register(WebConfigCollector(watcher))
         tls = watcher.tls_context if watcher.active.context is not None else None
         server = Server(
             secure(app, watcher, config.auth_scope),
@@ -515,6 +521,7 @@ def serve(config: ServeConfig) -> int:
         config.host, watcher.active.config if watcher else None, os.geteuid()
     ):
         log.warning("%s", warning)
+    exposition.start()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if not stopping.is_set():
@@ -533,6 +540,7 @@ def serve(config: ServeConfig) -> int:
     try:
         server.serve()
     finally:
+        exposition.stop()
         for thread in background:
             thread.stop()
         sampler.stop()

@@ -55,8 +55,15 @@ class XidListener(NvmlThread):
         self._told: set[str] = set()  # GPUs already logged as unable to report Xids
 
     def setup(self) -> None:
-        self._event_set = self.nvml.event_set_create()
         self._gpus = {}
+        try:
+            self._event_set = self.nvml.event_set_create()
+        except Unsupported as exc:  # a driver without event sets: stay idle, say so once
+            if "" not in self._told:
+                self._told.add("")
+                log.info("this driver has no NVML event sets (%s); not listening for Xids", exc)
+            self.listening = ()
+            return
         for index in range(self.nvml.device_count()):
             try:
                 handle = self.nvml.handle(index)

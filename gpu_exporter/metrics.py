@@ -10,17 +10,13 @@ global gauges, nothing left behind when a GPU disappears — and never calls NVM
 
 from __future__ import annotations
 
-import gzip
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
 from gpu_exporter import __version__
@@ -826,126 +822,33 @@ class GpuCollector(Collector):
         self._xids = xids
         self._pcie = pcie
         self._process_series_limit = process_series_limit
-        self._memo: tuple[Snapshot, list[Metric], list[Metric]] | None = None
-
-    def _snapshot_families(self, snapshot: Snapshot) -> tuple[list[Metric], list[Metric]]:
-        """The families that depend on the snapshot alone, built once per snapshot.
-
-        They are marked as unchanging, so :func:`metrics_wsgi_app` formats each only once.
-        """
-        memo = self._memo
-        if memo is not None and memo[0] is snapshot:
-            return memo[1], memo[2]
-        # A family equal to the previous snapshot's (static values, field support, info) is
-        # the previous object: its formatted text is reused, and nothing new is kept.
-        previous = {f.name: f for f in (*memo[1], *memo[2])} if memo is not None else {}
-
-        def same(family: Metric) -> Metric:
-            old = previous.get(family.name)
-            unchanged = (
-                old is not None
-                and old.documentation == family.documentation
-                and old.type == family.type
-                and old.samples == family.samples
-            )
-            return old if unchanged and old is not None else family
-
-        gpus = [same(f) for f in gpu_families(snapshot, self._process_series_limit)]
-        fields = [same(f) for f in field_families(snapshot)]
-        for family in (*gpus, *fields):
-            setattr(family, _UNCHANGING, True)
-        self._memo = (snapshot, gpus, fields)
-        return gpus, fields
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._cache.get()  # one snapshot for the whole scrape
-        gpus, fields = self._snapshot_families(snapshot)
-        yield from gpus
+        yield from self.snapshot_families(snapshot)
+        yield from self.live_families(snapshot)
+
+    def snapshot_families(self, snapshot: Snapshot) -> Iterator[Metric]:
+        """Families that depend on the snapshot alone (and the fixed version).
+
+        :mod:`gpu_exporter.exposition` renders these once per snapshot and serves the bytes,
+        so nothing here may read anything that changes between samples.
+        """
+        yield from gpu_families(snapshot, self._process_series_limit)
+        yield from exporter_families(snapshot, self._version)
+        yield from field_families(snapshot)
+
+    def live_families(self, snapshot: Snapshot) -> Iterator[Metric]:
+        """Families that can change between samples: leases, request counters, and the Xid
+        and PCIe figures, which their own threads update."""
         if self._xids is not None:
             yield from xid_families(self._xids)
         if self._pcie is not None:
             yield from pcie_families(self._pcie)
         if self._leases is not None:
             yield from lease_families(snapshot, self._leases, self._requests)
-        yield from exporter_families(snapshot, self._version)
         if self._rejections is not None:
             yield _counts(REQUESTS_REJECTED, self._rejections)
-        yield from fields
-
-
-# Set on families that never change once built (those of one snapshot): their text is
-# formatted once.
-_UNCHANGING = "_gpu_exporter_unchanging"
-
-
-class _One:
-    """A registry of one family, for formatting it alone."""
-
-    def __init__(self, family: Metric) -> None:
-        self._family = family
-
-    def collect(self) -> Iterable[Metric]:
-        return [self._family]
-
-
-class _FamilyTexts:
-    """Text exposition by family, remembered for families that do not change.
-
-    The text format is the concatenation of each family's text, so formatting the families
-    of one snapshot once (rather than on every scrape) gives byte-for-byte the output of
-    ``generate_latest``. With a few hundred series per host and scrapes far more frequent
-    than samples under load, this is most of the cost of ``/metrics``.
-    """
-
-    def __init__(self) -> None:
-        self._texts: dict[int, tuple[Metric, bytes]] = {}
-        self._lock = threading.Lock()
-
-    def encode(self, registry: Any) -> list[bytes]:
-        """The exposition as chunks: cached ones are shared between scrapes, not copied."""
-        with self._lock:
-            old = self._texts
-        parts, kept = [], {}
-        for family in registry.collect():
-            hit = old.get(id(family))
-            fresh = hit is None or hit[0] is not family
-            text = generate_latest(_One(family)) if fresh else hit[1]  # type: ignore[index]
-            if getattr(family, _UNCHANGING, False):
-                kept[id(family)] = (family, text)
-            parts.append(text)
-        with self._lock:
-            self._texts = kept
-        return parts
-
-
-def metrics_wsgi_app(registry: CollectorRegistry) -> Callable[..., Any]:
-    """``prometheus_client.make_wsgi_app`` with the text format cached per snapshot.
-
-    OpenMetrics (when asked for) and ``name[]`` filters are served by prometheus_client
-    itself, as is gzip.
-    """
-    fallback = make_wsgi_app(registry)
-    texts = _FamilyTexts()
-
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT") or "")
-        if (
-            environ["REQUEST_METHOD"] != "GET"
-            or encoder is not generate_latest
-            or "name[]" in parse_qs(environ.get("QUERY_STRING", ""))
-        ):
-            result: list[bytes] = fallback(environ, start_response)
-            return result
-        chunks = texts.encode(registry)
-        headers = [("Content-Type", content_type)]
-        if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING") or ""):
-            chunks = [gzip.compress(b"".join(chunks))]
-            headers.append(("Content-Encoding", "gzip"))
-        headers.append(("Content-Length", str(sum(len(c) for c in chunks))))
-        start_response("200 OK", headers)
-        return chunks
-
-    return app
 
 
 class WebConfigCollector(Collector):

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from gpu_exporter.app import create_app
 from gpu_exporter.counters import PcieRates, XidCounter
+from gpu_exporter.exposition import Exposition
 from gpu_exporter.leases import LeaseTable
 from gpu_exporter.metrics import GpuCollector, RequestCounter
 from gpu_exporter.model import Snapshot
@@ -52,6 +53,7 @@ class Stack:
     registry: CollectorRegistry
     app: Flask
     leases: LeaseTable
+    exposition: Exposition
     xids: XidCounter
     pcie: PcieRates | None = None
 
@@ -96,18 +98,18 @@ def build_stack(
     xids = XidCounter()
     rates = PcieRates() if pcie else None
     registry = CollectorRegistry()
-    registry.register(
-        GpuCollector(
-            cache,
-            version="test",
-            leases=table,
-            requests=requests,
-            rejections=rejections,
-            xids=xids,
-            pcie=rates,
-            process_series_limit=process_series_limit,
-        )
+    collector = GpuCollector(
+        cache,
+        version="test",
+        leases=table,
+        requests=requests,
+        rejections=rejections,
+        xids=xids,
+        pcie=rates,
+        process_series_limit=process_series_limit,
     )
+    registry.register(collector)
+    exposition = Exposition(cache, collector)
     app = create_app(
         cache,
         registry,
@@ -116,9 +118,10 @@ def build_stack(
         leases=table,
         requests=requests,
         rejections=rejections,
+        exposition=exposition,
         xids=xids,
     )
-    return Stack(clock, sim, nvml, cache, sampler, registry, app, table, xids, rates)
+    return Stack(clock, sim, nvml, cache, sampler, registry, app, table, exposition, xids, rates)
 
 
 @pytest.fixture

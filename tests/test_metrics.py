@@ -206,17 +206,3 @@ def test_served_metrics_equal_generate_latest_byte_for_byte() -> None:
     # name[] filters are prometheus_client's own (our collector has no describe(), so the
     # filtered registry is empty, as before): served by it, not from the cache.
     assert client.get("/metrics?name[]=gpu_up").data == b""
-
-
-def test_one_snapshot_builds_its_families_once() -> None:
-    s = mixed()
-
-    def family(name: str) -> object:
-        return next(f for f in s.registry.collect() if f.name == name)
-
-    up, energy = family("gpu_up"), family("gpu_energy_joules")
-    assert family("gpu_up") is up  # the same snapshot: the same family objects
-    s.clock.advance(1)
-    s.sample()
-    assert family("gpu_energy_joules") is not energy  # changed: built anew
-    assert family("gpu_up") is up  # equal to the last sample's: kept, with its text

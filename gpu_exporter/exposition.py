@@ -1,0 +1,207 @@
+"""``/metrics`` rendered once per snapshot, not once per scrape.
+
+The GPU part of the exposition (every ``gpu_*`` series and the sample's own
+``gpu_exporter_*`` figures: :meth:`GpuCollector.snapshot_families`) only changes when a new
+snapshot is published, so it is rendered once per snapshot sequence and content type, and the
+bytes are served to every scrape of that sample. What can change between two samples — the
+lease table (``gpu_leased``), the request counters, the ``process_*`` figures of the exporter
+itself — is small and rendered on every scrape, after the cached part.
+
+Rendering happens on the first scrape after a sample, or — while anyone has scraped in the
+last :data:`PRERENDER_WINDOW_SECONDS` — on a background thread as soon as the sample is
+published (:meth:`Exposition.start`), so that a Prometheus scraping less often than the
+sampler samples still gets cached bytes; an exporter nobody scrapes renders nothing.
+
+The body is byte for byte what ``prometheus_client.make_wsgi_app`` over the same collectors
+would serve (a test compares them), because each family is rendered on its own and the
+parts are simply concatenated (OpenMetrics: with one ``# EOF`` at the end). For gzip, the
+compressor's state after the cached part is kept too: a scrape copies it and compresses only
+the live tail.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+from urllib.parse import parse_qs
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.registry import Collector
+
+from gpu_exporter.metrics import GpuCollector
+from gpu_exporter.model import Snapshot
+from gpu_exporter.sampler import SnapshotCache
+
+OPENMETRICS_EOF = b"# EOF\n"
+PRERENDER_WINDOW_SECONDS = 300.0  # render new samples ahead while scraped this recently
+GZIP_LEVEL = 6
+GZIP_WBITS = 31  # a gzip header and trailer, as Content-Encoding: gzip needs
+
+Encoder = Callable[[Collector], bytes]
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+
+
+class _Families(Collector):
+    """A fixed list of families, for rendering part of the exposition."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def _render(encoder: Encoder, families: Iterable[Metric], openmetrics: bool) -> bytes:
+    text = encoder(_Families(families))
+    if openmetrics and text.endswith(OPENMETRICS_EOF):
+        text = text[: -len(OPENMETRICS_EOF)]
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """The snapshot part of one content type, rendered and half-compressed."""
+
+    sequence: int
+    text: bytes
+    gzip_head: bytes  # what the compressor emitted for ``text`` so far (not flushed)
+    gzip_state: Any  # zlib compressor after ``text``; copied per scrape, never used directly
+
+
+class Exposition:
+    """Renders ``/metrics`` for ``gpu`` (cached per snapshot) and ``live`` collectors.
+
+    ``live`` are collectors rendered on every scrape after the GPU collector's families,
+    such as ``ProcessCollector``; register the same objects, in the same order, in the
+    registry given to :func:`gpu_exporter.app.create_app` so that both agree.
+    """
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        gpu: GpuCollector,
+        live: Sequence[Collector] = (),
+        *,
+        gzip_level: int = GZIP_LEVEL,
+        monotonic: Callable[[], float] = time.monotonic,
+        prerender_window_seconds: float = PRERENDER_WINDOW_SECONDS,
+    ) -> None:
+        self._cache = cache
+        self._monotonic = monotonic
+        self._window = prerender_window_seconds
+        # content type → (encoder, OpenMetrics?, when last scraped): what to render ahead
+        self._recent: dict[str, tuple[Encoder, bool, float]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._gpu = gpu
+        self._live = tuple(live)
+        self._gzip_level = gzip_level
+        self._parts: dict[str, _Part] = {}
+        self._lock = threading.Lock()
+        self.renders = 0  # snapshot parts rendered so far (for tests and benchmarks)
+
+    def render(
+        self, accept: str | None = None, accept_encoding: str | None = None
+    ) -> tuple[bytes, list[tuple[str, str]]]:
+        """The body and headers for a scrape with these ``Accept``/``Accept-Encoding``."""
+        encoder, content_type = choose_encoder(accept or "")
+        openmetrics = content_type.startswith("application/openmetrics-text")
+        self._recent[content_type] = (encoder, openmetrics, self._monotonic())
+        snapshot = self._cache.get()
+        part = self._part(snapshot, encoder, content_type, openmetrics)
+        live = chain(
+            self._gpu.live_families(snapshot), *(collector.collect() for collector in self._live)
+        )
+        tail = _render(encoder, live, openmetrics)
+        if openmetrics:
+            tail += OPENMETRICS_EOF
+        headers = [("Content-Type", content_type)]
+        if gzip_accepted(accept_encoding or ""):
+            compressor = part.gzip_state.copy()
+            body = part.gzip_head + compressor.compress(tail) + compressor.flush()
+            headers.append(("Content-Encoding", "gzip"))
+        else:
+            body = part.text + tail
+        return body, headers
+
+    def _part(
+        self, snapshot: Snapshot, encoder: Encoder, content_type: str, openmetrics: bool
+    ) -> _Part:
+        sequence = snapshot.sequence
+        part = self._parts.get(content_type)
+        if part is not None and part.sequence == sequence:
+            return part
+        with self._lock:  # concurrent scrapes of a new sample render it once
+            part = self._parts.get(content_type)
+            if part is not None and part.sequence == sequence:
+                return part
+            text = _render(encoder, self._gpu.snapshot_families(snapshot), openmetrics)
+            compressor = zlib.compressobj(self._gzip_level, zlib.DEFLATED, GZIP_WBITS)
+            fresh = _Part(sequence, text, compressor.compress(text), compressor)
+            self.renders += 1
+            if part is None or sequence > part.sequence:
+                if any(p.sequence != sequence for p in self._parts.values()):
+                    self._parts = {}  # keep only the newest sample's parts
+                self._parts[content_type] = fresh
+            return fresh
+
+    def prerender(self, snapshot: Snapshot) -> int:
+        """Render ``snapshot`` for every content type scraped within the window; how many."""
+        now = self._monotonic()
+        recent = [
+            (ct, e, om) for ct, (e, om, t) in list(self._recent.items()) if now - t <= self._window
+        ]
+        for content_type, encoder, openmetrics in recent:
+            self._part(snapshot, encoder, content_type, openmetrics)
+        return len(recent)
+
+    def start(self) -> None:
+        """Render each new sample ahead, on a thread of its own, while someone scrapes."""
+        self._thread = threading.Thread(target=self._run, name="exposition", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_seconds)
+
+    def _run(self) -> None:
+        sequence = self._cache.get().sequence
+        while not self._stop.is_set():
+            snapshot = self._cache.wait_for_newer(sequence, timeout_seconds=0.5)
+            if snapshot.sequence != sequence:
+                sequence = snapshot.sequence
+                self.prerender(snapshot)
+
+    def wsgi_app(
+        self, registry: CollectorRegistry
+    ) -> Callable[[dict[str, Any], StartResponse], list[bytes]]:
+        """A WSGI app for ``/metrics``; ``registry`` serves what the cache does not cover.
+
+        ``?name[]=`` filtering and anything but GET go to ``make_wsgi_app(registry)``, which
+        must hold the same collectors.
+        """
+        fallback = make_wsgi_app(registry)
+
+        def app(environ: dict[str, Any], start_response: StartResponse) -> list[bytes]:
+            if (
+                environ["REQUEST_METHOD"] != "GET"
+                or environ.get("PATH_INFO", "") not in ("", "/")
+                or "name[]" in parse_qs(environ.get("QUERY_STRING", ""))
+            ):
+                result: list[bytes] = fallback(environ, start_response)
+                return result
+            body, headers = self.render(
+                environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING")
+            )
+            start_response("200 OK", [*headers, ("Content-Length", str(len(body)))])
+            return [body]
+
+        return app

@@ -1,0 +1,197 @@
+"""Build and drive the fake ``libnvidia-ml.so.1`` (``fakenvml.c``).
+
+Used by the end-to-end tests (``tests/test_fakenvml.py``) and by the benchmarks (``bench/``):
+
+* :func:`build` compiles ``fakenvml.c`` with the system C compiler against the real
+  ``nvml.h`` from the ``nvidia-nvml-dev`` wheel, exporting only what it implements;
+* :class:`FakeGpu` and :func:`write_config` write the configuration file the library reads
+  (``$FAKENVML_CONFIG``), atomically, so the library never sees half a file;
+* :func:`read_stats` reads the per-function call counts (``$FAKENVML_STATS``);
+* :func:`environment` is what a process needs to load it instead of the driver's library.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import struct
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent / "fakenvml.c"
+LIBRARY_NAME = "libnvidia-ml.so.1"
+SYNTHETIC_PID_BASE = 4_000_000  # as in fakenvml.c
+
+
+class BuildUnavailable(Exception):
+    """No C compiler or no nvml.h: the message says which, and how to get it."""
+
+
+def nvml_header_dir() -> Path:
+    """The directory holding ``nvml.h`` from the ``nvidia-nvml-dev`` wheel."""
+    try:
+        files = importlib.metadata.files("nvidia-nvml-dev") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise BuildUnavailable(
+            "nvidia-nvml-dev is not installed (it is in the test extras: pip install -e '.[test]')"
+        ) from None
+    for f in files:
+        if f.name == "nvml.h":
+            return Path(str(f.locate())).resolve().parent
+    raise BuildUnavailable("nvidia-nvml-dev is installed but has no nvml.h")
+
+
+def compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise BuildUnavailable(
+        "no C compiler (cc, gcc or clang); scripts/test.sh installs gcc when run as root"
+    )
+
+
+def exported_functions() -> list[str]:
+    """The NVML functions ``fakenvml.c`` defines with ``EXPORT``: exactly its symbol table."""
+    text = SOURCE.read_text()
+    names = re.findall(r"^EXPORT [^(]*?\b(nvml\w+)\(", text, re.M)
+    names += re.findall(r"^UINT_GETTER\((nvml\w+),", text, re.M)
+    return sorted(names)
+
+
+def build(dest_dir: Path) -> Path:
+    """Compile the fake library into ``dest_dir``; returns that directory."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    out = dest_dir / LIBRARY_NAME
+    command = [
+        compiler(),
+        "-shared",
+        "-fPIC",
+        "-O2",
+        "-Wall",
+        "-Wextra",
+        "-Wno-deprecated-declarations",  # nvmlDeviceGetTemperature is deprecated in CUDA 13
+        "-fvisibility=hidden",  # only EXPORT-marked functions are in the symbol table
+        "-DNVML_NO_UNVERSIONED_FUNC_DEFS",
+        f"-I{nvml_header_dir()}",
+        f"-Wl,-soname,{LIBRARY_NAME}",
+        "-o",
+        str(out),
+        str(SOURCE),
+        "-lpthread",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise RuntimeError(f"building {LIBRARY_NAME} failed:\n{result.stderr}")
+    return dest_dir
+
+
+def environment(
+    lib_dir: Path, config: Path, stats: Path | None = None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Environment variables for a process that should load the fake library."""
+    env = dict(os.environ if base is None else base)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (str(lib_dir), env.get("LD_LIBRARY_PATH")) if p
+    )
+    env["FAKENVML_CONFIG"] = str(config)
+    if stats is not None:
+        env["FAKENVML_STATS"] = str(stats)
+    else:
+        env.pop("FAKENVML_STATS", None)
+    return env
+
+
+@dataclass
+class FakeGpu:
+    """One fake GPU; ``None`` keeps the library's default (an idle 80 GiB A100)."""
+
+    name: str | None = None
+    uuid: str | None = None
+    memory_total: int | None = None
+    memory_used: int | None = None
+    memory_reserved: int | None = None
+    utilization_gpu: int | None = None  # percent
+    utilization_memory: int | None = None
+    power_usage_mw: int | None = None
+    power_limit_mw: int | None = None
+    energy_mj: int | None = None
+    temperature_c: int | None = None
+    fan_percent: int | None = None
+    processes: tuple[tuple[int, int], ...] | None = None  # (pid, bytes)
+    synthetic_processes: tuple[int, int] | None = None  # (count, bytes each)
+    errors: dict[str, str] = field(default_factory=dict)  # function or "*" → "GPU_IS_LOST"
+    hangs: dict[str, float] = field(default_factory=dict)  # function or "*" → seconds
+
+    def lines(self, index: int | str) -> list[str]:
+        out = []
+        for key in (
+            "name",
+            "uuid",
+            "memory_total",
+            "memory_used",
+            "memory_reserved",
+            "utilization_gpu",
+            "utilization_memory",
+            "power_usage_mw",
+            "power_limit_mw",
+            "energy_mj",
+            "temperature_c",
+            "fan_percent",
+        ):
+            value = getattr(self, key)
+            if value is not None:
+                out.append(f"{index} {key} {value}")
+        if self.processes is not None:
+            listed = " ".join(f"{pid}:{used}" for pid, used in self.processes)
+            out.append(f"{index} processes {listed}")
+        if self.synthetic_processes is not None:
+            n, used = self.synthetic_processes
+            out.append(f"{index} synthetic_processes {n} {used}")
+        out += [f"{index} error {fn} {err}" for fn, err in self.errors.items()]
+        out += [f"{index} hang {fn} {seconds:g}" for fn, seconds in self.hangs.items()]
+        return out
+
+
+def config_text(
+    gpus: Iterable[FakeGpu],
+    *,
+    driver_version: str = "550.54.15",
+    cuda_driver_version: int = 12040,
+    errors: Mapping[str, str] | None = None,
+    every_gpu: FakeGpu | None = None,
+) -> str:
+    gpus = list(gpus)
+    lines = [
+        f"gpus {len(gpus)}",
+        f"driver_version {driver_version}",
+        f"cuda_driver_version {cuda_driver_version}",
+    ]
+    lines += [f"error {fn} {err}" for fn, err in (errors or {}).items()]
+    if every_gpu is not None:
+        lines += every_gpu.lines("*")
+    for index, gpu in enumerate(gpus):
+        lines += gpu.lines(index)
+    return "\n".join(lines) + "\n"
+
+
+def write_config(path: Path, gpus: Iterable[FakeGpu], **kwargs: object) -> None:
+    """Write the configuration atomically (a new inode, so the library always notices)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(config_text(gpus, **kwargs))  # type: ignore[arg-type]
+    os.replace(tmp, path)
+
+
+def read_stats(path: Path) -> dict[str, int]:
+    """Calls so far by NVML function name (functions never called are left out)."""
+    data = path.read_bytes()
+    counts = {}
+    for offset in range(0, len(data) - 63, 64):
+        name = data[offset : offset + 56].rstrip(b"\0").decode()
+        (calls,) = struct.unpack_from("<Q", data, offset + 56)
+        if calls:
+            counts[name] = calls
+    return counts

@@ -1,0 +1,386 @@
+"""End to end through the real ctypes layer: `gpu-exporter serve` over a fake libnvidia-ml.so.1.
+
+The fake library (tests/fakenvml/fakenvml.c) is compiled against NVIDIA's nvml.h, so pynvml
+resolves the same versioned symbols (``nvmlDeviceGetCount_v2``, ``..._v3``), passes the same
+structs and runs the same two-call size protocol as against a driver. The rest of the suite
+uses the simulator, which replaces pynvml itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import fakenvml
+from fakenvml import FakeGpu
+from gpu_exporter.server import free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+GiB = 2**30
+
+# What gpu_exporter/nvml.py resolves through pynvml today (pynvml's own symbol names).
+NEEDED_BY_THE_EXPORTER = {
+    "nvmlInitWithFlags",
+    "nvmlShutdown",
+    "nvmlErrorString",
+    "nvmlSystemGetDriverVersion",
+    "nvmlSystemGetCudaDriverVersion",
+    "nvmlDeviceGetCount_v2",
+    "nvmlDeviceGetHandleByIndex_v2",
+    "nvmlDeviceGetUUID",
+    "nvmlDeviceGetName",
+    "nvmlDeviceGetPciInfo_v3",
+    "nvmlDeviceGetMemoryInfo_v2",
+    "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetEnforcedPowerLimit",
+    "nvmlDeviceGetTotalEnergyConsumption",
+    "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetFanSpeed",
+    "nvmlDeviceGetClockInfo",
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+}
+
+
+@pytest.fixture(scope="session")
+def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fake library, compiled once per test session."""
+    try:
+        return fakenvml.build(tmp_path_factory.mktemp("fakenvml"))
+    except fakenvml.BuildUnavailable as exc:
+        pytest.skip(f"cannot build the fake libnvidia-ml.so.1: {exc}")
+
+
+@dataclass
+class Exporter:
+    base: str
+    config: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def write(self, gpus: list[FakeGpu], **kwargs: object) -> None:
+        fakenvml.write_config(self.config, gpus, **kwargs)
+
+    def get(self, path: str, timeout: float = 5.0) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=timeout) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics by (name, sorted labels)."""
+        status, text = self.get("/metrics")
+        assert status == 200, text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.samples().get((name, tuple(sorted(labels.items()))))
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            assert self.proc.poll() is None, self.log.read_text()
+            time.sleep(0.05)
+        raise AssertionError(f"condition not met within {timeout} s; log:\n{self.log.read_text()}")
+
+
+@pytest.fixture
+def start_exporter(fake_lib: Path, tmp_path: Path) -> Iterator[Callable[..., Exporter]]:
+    """Start `gpu-exporter serve` (no --simulate) with the fake library on its load path."""
+    started: list[Exporter] = []
+
+    def start(
+        gpus: list[FakeGpu], *, ready: bool = True, args: tuple[str, ...] = (), **kwargs: object
+    ) -> Exporter:
+        config = tmp_path / f"fakenvml-{len(started)}.conf"
+        fakenvml.write_config(config, gpus, **kwargs)
+        port = free_port()
+        log = tmp_path / f"exporter-{len(started)}.log"
+        env = fakenvml.environment(fake_lib, config)
+        env["GPU_EXPORTER_STATE_DIR"] = tempfile.mkdtemp(dir=tmp_path)
+        command = ["serve", "--interval", "0.1", "--listen-address", f"127.0.0.1:{port}", *args]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gpu_exporter", *command],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
+        exporter = Exporter(f"http://127.0.0.1:{port}", config, proc, log)
+        started.append(exporter)
+        if ready:
+            exporter.wait_for(lambda: _ready(exporter))
+        return exporter
+
+    yield start
+    for exporter in started:
+        if exporter.proc.poll() is None:
+            exporter.proc.terminate()
+        try:
+            exporter.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            exporter.proc.kill()
+            exporter.proc.wait()
+
+
+def _ready(exporter: Exporter) -> bool:
+    try:
+        return exporter.get("/readyz", timeout=1)[0] == 200
+    except OSError:
+        return False
+
+
+def _run_python(fake_lib: Path, config: Path, code: str) -> str:
+    """Run ``code`` in a fresh interpreter that loads the fake library; returns stdout."""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=fakenvml.environment(fake_lib, config),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_exports_exactly_what_it_implements_and_all_the_exporter_needs(fake_lib: Path) -> None:
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) not installed; it comes with gcc")
+    out = subprocess.run(
+        [nm, "-D", "--defined-only", str(fake_lib / fakenvml.LIBRARY_NAME)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    exported = sorted(line.split()[-1] for line in out.splitlines() if " T " in line)
+    assert exported == fakenvml.exported_functions()
+    assert set(exported) >= NEEDED_BY_THE_EXPORTER
+    # the unversioned compatibility names are NOT exported, as -DNVML_NO_UNVERSIONED_FUNC_DEFS
+    # keeps them distinct: pynvml must ask for the _v2/_v3 symbols
+    assert "nvmlDeviceGetCount" not in exported
+    assert "nvmlDeviceGetComputeRunningProcesses" not in exported
+
+
+def test_metric_values_in_base_units(start_exporter: Callable[..., Exporter]) -> None:
+    gpus = [
+        FakeGpu(
+            name="NVIDIA H100 80GB HBM3",
+            memory_total=80 * GiB,
+            memory_used=30 * GiB,
+            memory_reserved=GiB // 2,
+            utilization_gpu=42,
+            utilization_memory=17,
+            power_usage_mw=312_500,
+            power_limit_mw=700_000,
+            energy_mj=123_456_789,
+            temperature_c=61,
+            fan_percent=55,
+        ),
+        FakeGpu(memory_total=40 * GiB, memory_used=GiB, utilization_gpu=3),
+    ]
+    ex = start_exporter(gpus, driver_version="560.35.03", cuda_driver_version=12060)
+    s = ex.samples()
+    uuid0 = "GPU-fa4e0000-0000-4000-8000-000000000000"
+    ids0 = (("gpu", "0"), ("uuid", uuid0))
+
+    def v(name: str, ids: tuple[tuple[str, str], ...] = ids0, **extra: str) -> float | None:
+        return s.get((name, tuple(sorted((*ids, *extra.items())))))
+
+    assert v("gpu_up") == 1
+    assert v("gpu_memory_total_bytes") == 80 * GiB
+    assert v("gpu_memory_used_bytes") == 30 * GiB
+    assert v("gpu_memory_reserved_bytes") == GiB // 2
+    assert v("gpu_memory_free_bytes") == 80 * GiB - 30 * GiB - GiB // 2
+    assert v("gpu_utilization_ratio") == 0.42
+    assert v("gpu_memory_utilization_ratio") == 0.17
+    assert v("gpu_power_draw_watts") == 312.5
+    assert v("gpu_power_limit_watts") == 700.0
+    assert v("gpu_energy_joules_total") == 123_456.789
+    assert v("gpu_temperature_celsius") == 61
+    assert v("gpu_fan_speed_ratio") == 0.55
+    assert v("gpu_clock_hz", clock="memory") == 1593e6
+    assert v("gpu_compute_processes") == 0
+    info = {
+        "gpu": "0",
+        "uuid": uuid0,
+        "name": "NVIDIA H100 80GB HBM3",
+        "pci_bus_id": "00000000:10:00.0",
+        "driver_version": "560.35.03",
+        "cuda_driver_version": "12.6",
+    }
+    assert s[("gpu_info", tuple(sorted(info.items())))] == 1
+    ids1 = (("gpu", "1"), ("uuid", "GPU-fa4e0001-0000-4000-8000-000000000001"))
+    assert v("gpu_memory_total_bytes", ids1) == 40 * GiB
+    assert v("gpu_utilization_ratio", ids1) == 0.03
+    assert s[("gpu_exporter_nvml_up", ())] == 1
+    assert ('gpu_exporter_build_info{backend="nvml"') in ex.get("/metrics")[1]
+
+
+def test_a_gpu_lost_mid_run_is_down_while_the_others_keep_reporting(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    ex = start_exporter([FakeGpu(), FakeGpu(), FakeGpu()])
+    uuid1 = "GPU-fa4e0001-0000-4000-8000-000000000001"
+    assert ex.value("gpu_up", gpu="1", uuid=uuid1) == 1
+    ex.write([FakeGpu(), FakeGpu(errors={"*": "GPU_IS_LOST"}), FakeGpu()])
+    ex.wait_for(lambda: ex.value("gpu_up", gpu="1", uuid=uuid1) == 0)
+    s = ex.samples()
+    # the lost GPU keeps its uuid label (read before it was lost) and has no values at all
+    assert not [k for k in s if dict(k[1]).get("uuid") == uuid1 and k[0].startswith("gpu_m")]
+    assert s[("gpu_up", (("gpu", "0"), ("uuid", uuid1.replace("0001", "0000"))))] == 1
+    assert s[("gpu_up", (("gpu", "2"), ("uuid", uuid1.replace("0001", "0002"))))] == 1
+    errors = {k: v for k, v in s.items() if k[0] == "gpu_exporter_nvml_errors_total"}
+    assert errors and all(dict(k[1])["error"] == "GPU_IS_LOST" for k in errors)
+    status, body = ex.get("/choose?n=3&lease=0")
+    assert status == 503 and "2 of 3 GPUs qualify" in body
+
+
+def test_a_not_supported_field_is_absent_and_not_an_error(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    ex = start_exporter(
+        [
+            FakeGpu(fan_percent=30, errors={"nvmlDeviceGetFanSpeed": "NOT_SUPPORTED"}),
+            FakeGpu(fan_percent=30),
+        ]
+    )
+    s = ex.samples()
+    fans = {dict(k[1])["gpu"]: value for k, value in s.items() if k[0] == "gpu_fan_speed_ratio"}
+    assert fans == {"1": 0.3}
+    assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]
+    assert "NaN" not in ex.get("/metrics")[1]
+
+
+def test_memory_and_utilization_changes_are_picked_up(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    ex = start_exporter([FakeGpu(memory_used=GiB, utilization_gpu=5)])
+    ids = {"gpu": "0", "uuid": "GPU-fa4e0000-0000-4000-8000-000000000000"}
+    assert ex.value("gpu_memory_used_bytes", **ids) == GiB
+    ex.write([FakeGpu(memory_used=20 * GiB, utilization_gpu=95)])
+    ex.wait_for(lambda: ex.value("gpu_memory_used_bytes", **ids) == 20 * GiB)
+    assert ex.value("gpu_utilization_ratio", **ids) == 0.95
+    gpus = json.loads(ex.get("/gpus")[1])["gpus"]
+    assert gpus[0]["memory_used_bytes"] == 20 * GiB
+
+
+def test_processes_with_real_pids_cross_the_two_call_protocol_intact(
+    fake_lib: Path, start_exporter: Callable[..., Exporter], tmp_path: Path
+) -> None:
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as child:
+        try:
+            real = ((os.getpid(), 3 * GiB), (child.pid, 512 * 2**20))
+            gpus = [FakeGpu(processes=real), FakeGpu(synthetic_processes=(1000, 2**20))]
+            ex = start_exporter(gpus)
+            assert ex.value("gpu_compute_processes", gpu="0", uuid=_uuid(0)) == 2
+            assert ex.value("gpu_compute_processes", gpu="1", uuid=_uuid(1)) == 1000
+            # The wrapper's own view: PIDs and bytes exactly as configured, so the struct is
+            # the 24-byte v2 layout pynvml expects (a 16-byte one would garble every PID
+            # after the first).
+            out = _run_python(
+                fake_lib,
+                ex.config,
+                "from gpu_exporter.nvml import Nvml\n"
+                "n = Nvml(); n.init()\n"
+                "for i in range(2):\n"
+                "    ps = n.compute_processes(n.handle(i))\n"
+                "    print(len(ps), [(p.pid, p.used_memory_bytes) for p in ps[:3]], ps[-1].pid)\n",
+            )
+            first, second = out.splitlines()
+            assert first == f"2 {[real[0], real[1]]} {child.pid}"
+            base = fakenvml.SYNTHETIC_PID_BASE + 10000
+            expected = [(base, 2**20), (base + 1, 2**20), (base + 2, 2**20)]
+            assert second == f"1000 {expected} {base + 999}"
+        finally:
+            child.kill()
+
+
+def _uuid(index: int) -> str:
+    return f"GPU-fa4e{index:04x}-0000-4000-8000-00000000{index:04x}"
+
+
+def test_a_function_the_library_lacks_is_unsupported_not_an_error(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "one.conf"
+    fakenvml.write_config(config, [FakeGpu()])
+    out = _run_python(
+        fake_lib,
+        config,
+        "from gpu_exporter.nvml import Nvml, Unsupported\n"
+        "n = Nvml(); n.init(); h = n.handle(0)\n"
+        "try:\n"
+        "    n._call('nvmlDeviceGetPersistenceMode', h)\n"
+        "except Unsupported as exc:\n"
+        "    print(exc.error, n.error_counts())\n",
+    )
+    assert out.strip() == "FUNCTION_NOT_FOUND {}"
+
+
+def test_a_hung_driver_call_never_slows_a_scrape(start_exporter: Callable[..., Exporter]) -> None:
+    ex = start_exporter([FakeGpu(), FakeGpu()])
+    hang_seconds = 3.0
+    ex.write([FakeGpu(hangs={"nvmlDeviceGetPowerUsage": hang_seconds}), FakeGpu()])
+    time.sleep(0.5)  # the sampler is now inside the hung call
+    for _ in range(5):
+        started = time.monotonic()
+        assert ex.get("/metrics")[0] == 200
+        assert time.monotonic() - started < hang_seconds / 2
+    ex.wait_for(
+        lambda: (ex.value("gpu_exporter_sample_duration_seconds") or 0) >= hang_seconds * 0.9
+    )
+
+
+def test_a_call_past_the_deadline_marks_that_gpu_down_until_it_returns(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    ex = start_exporter([FakeGpu(), FakeGpu()], args=("--nvml-timeout", "1"))
+    ex.write([FakeGpu(hangs={"nvmlDeviceGetPowerUsage": 4}), FakeGpu()])
+    reason = {"gpu": "0", "uuid": _uuid(0), "reason": "timeout"}
+    ex.wait_for(lambda: ex.value("gpu_down_reason", **reason) == 1)
+    assert ex.value("gpu_up", gpu="0", uuid=_uuid(0)) == 0
+    assert ex.value("gpu_up", gpu="1", uuid=_uuid(1)) == 1  # the other GPU keeps reporting
+    ex.write([FakeGpu(), FakeGpu()])
+    ex.wait_for(lambda: ex.value("gpu_up", gpu="0", uuid=_uuid(0)) == 1)
+
+
+def test_driver_not_loaded_at_start_then_recovers(start_exporter: Callable[..., Exporter]) -> None:
+    ex = start_exporter([FakeGpu()], ready=False, errors={"nvmlInitWithFlags": "DRIVER_NOT_LOADED"})
+    ex.wait_for(lambda: _scrape_ok(ex) and ex.value("gpu_exporter_nvml_up") == 0)
+    status, body = ex.get("/readyz")
+    assert status == 503 and "Driver Not Loaded" in body
+    ex.write([FakeGpu()])
+    ex.wait_for(lambda: _ready(ex))  # init is retried with backoff (1 s first)
+    assert ex.value("gpu_up", gpu="0", uuid=_uuid(0)) == 1
+
+
+def _scrape_ok(ex: Exporter) -> bool:
+    try:
+        return ex.get("/metrics", timeout=1)[0] == 200
+    except OSError:
+        return False
