@@ -150,3 +150,23 @@ def test_scenario_xid_events_are_checked() -> None:
         SimulatedNvml.from_scenario(
             {"gpus": [{}], "xid_events": [{"gpu": 3, "xid": 79}]}, clock=FakeClock().monotonic
         )
+
+
+def test_a_library_without_event_sets_leaves_the_listener_idle() -> None:
+    """An old driver (or the fake libnvidia-ml) lacks nvmlEventSetCreate: no retry loop."""
+    s = build_stack(
+        sim_of(
+            SimGpu(0, A100, Load("idle")),
+            faults=[Fault("nvmlEventSetCreate", "FUNCTION_NOT_FOUND")],
+        )
+    )
+    listener = XidListener(s.nvml, s.xids, clock=s.clock, timeout_ms=20)
+    listener.start()
+    try:
+        eventually(lambda: s.sim.calls.get("nvmlEventSetCreate", 0) == 1)
+        time.sleep(1.5)  # longer than the first re-initialisation backoff
+        assert listener.is_alive() and listener.listening == ()
+        assert s.sim.calls["nvmlInit"] == 1 and s.sim.calls["nvmlEventSetCreate"] == 1
+    finally:
+        listener.stop()
+    assert s.sim.init_count == 0
