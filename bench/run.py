@@ -741,8 +741,10 @@ def _expected_calls() -> int:
     """One nvmlDeviceGetCount_v2, then per GPU its handle and one call per supported field."""
     from gpu_exporter.model import CLOCKS
 
-    # memory, utilization, power draw, power limit, energy, temperature, fan, clocks, processes
-    fields = 7 + len(CLOCKS) + 1
+    # memory, utilization, power draw, power limit, energy, temperature, fan, clocks, processes,
+    # and of the health fields the two this fake library answers: encoder and decoder. (The
+    # others are FUNCTION_NOT_FOUND there: asked once, then never again.)
+    fields = 7 + len(CLOCKS) + 1 + 2
     return 1 + GPUS * (1 + fields)
 
 

@@ -23,6 +23,7 @@ from werkzeug.middleware.dispatcher import DispatcherMiddleware
 from gpu_exporter import __version__
 from gpu_exporter.choose import Choice, NotEnoughGpus, Rejected, Window, score
 from gpu_exporter.cluster import ClusterService
+from gpu_exporter.counters import XidCounter
 from gpu_exporter.errors import error_response
 from gpu_exporter.exposition import Exposition
 from gpu_exporter.leases import Lease, LeaseError, LeaseTable
@@ -97,6 +98,20 @@ def _rejected_json(r: Rejected) -> dict[str, Any]:
     return {"index": r.gpu.index, "uuid": r.gpu.uuid, "reasons": list(r.reasons)}
 
 
+def gpus_json(snapshot: Snapshot, xids: XidCounter | None = None) -> list[dict[str, Any]]:
+    """``/gpus``' list: every GPU with its MIG devices, processes and (if counted) Xids."""
+    counts: dict[str, dict[str, int]] = {}
+    for c in xids.counts() if xids is not None else ():
+        counts.setdefault(c.uuid, {})[str(c.xid)] = c.count
+    out = []
+    for gpu in snapshot.gpus:
+        data = gpu_json(gpu)
+        if xids is not None:
+            data["xid_errors"] = counts.get(gpu.uuid, {})
+        out.append(data)
+    return out
+
+
 def choice_text(choice: Choice, lease: Lease | None, fmt: str) -> str:
     """The text formats of a successful ``/choose``, newline-terminated."""
     uuids = ",".join(g.uuid for g in choice.chosen)
@@ -122,6 +137,7 @@ def create_app(
     stopping: threading.Event | None = None,
     cluster: ClusterService | None = None,
     exposition: Exposition | None = None,
+    xids: XidCounter | None = None,
 ) -> Flask:
     """Build the app. Everything it reads comes in through the arguments.
 
@@ -199,7 +215,8 @@ def create_app(
                 "cuda_driver_version": snapshot.cuda_driver_version,
                 "sampled_at": snapshot.taken_at_seconds if snapshot.sequence else None,
                 "snapshot_age_seconds": round(snapshot.age_seconds(now), 3),
-                "gpus": [gpu_json(g) for g in snapshot.gpus],
+                "process_labels": list(snapshot.process_labels),
+                "gpus": gpus_json(snapshot, xids),
             }
         )
 

@@ -13,6 +13,11 @@ first), ``power`` (lowest draw/limit first) and ``pack`` (the fullest card that 
 the filters, to keep whole cards free). Each falls back to the default order on ties, then to
 the index rule above, so every order is total and deterministic.
 
+MIG (``mig=``): ``deny`` (default) hands out whole cards only, and a card in MIG mode is not
+one (CUDA would see only its MIG devices); ``allow`` adds every MIG device as a candidate of
+its own; ``only`` hands out MIG devices only. A MIG device is named by its ``MIG-…`` UUID,
+which is what ``CUDA_VISIBLE_DEVICES`` takes; it has its parent's index.
+
 A GPU that is down never qualifies. A filter on a value the GPU cannot report rejects it
 (unknown is not "free"). Memory used by processes we cannot see (another container) is
 already counted in NVML's "used", so it is never mistaken for free memory.
@@ -23,13 +28,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpu_exporter.model import GpuSample
+from gpu_exporter.model import GpuSample, all_devices
 from gpu_exporter.units import format_bytes
 
 GIB = 2**30
 
 
 SORTS = ("free", "free_ratio", "util", "power", "pack")
+MIG_MODES = ("deny", "allow", "only")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +48,7 @@ class Filters:
     max_procs: int | None = None  # 0: no compute process at all
     model: str | None = None  # case-insensitive substring of the name
     include: tuple[str, ...] = ()  # when given, only these GPUs
+    mig: str = "deny"  # deny | allow | only (see MIG_MODES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +130,41 @@ def _is_hex(s: str) -> bool:
     return True
 
 
+def candidates(gpus: Iterable[GpuSample], mig: str = "deny") -> list[GpuSample]:
+    """What may be handed out under ``mig``: whole GPUs and, unless denied, MIG devices.
+
+    Sorted by index, a parent before its MIG devices.
+    """
+    out = []
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        out.append(gpu)
+        if mig != "deny":
+            out.extend(sorted(gpu.mig_devices, key=_instance_order))
+    return out
+
+
+def _instance_order(gpu: GpuSample) -> tuple[int, int, str]:
+    return (gpu.gpu_instance_id or 0, gpu.compute_instance_id or 0, gpu.uuid)
+
+
+def _mig_reason(gpu: GpuSample, mig: str) -> str | None:
+    if gpu.is_mig_device:
+        return None if mig != "deny" else "a MIG device (mig=deny)"
+    if mig == "only":
+        return "not a MIG device (mig=only)"
+    if gpu.mig_mode_enabled:
+        hint = "its MIG devices are candidates" if mig == "allow" else "use mig=allow or mig=only"
+        return f"MIG mode is on ({hint})"
+    return None
+
+
 def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     """Why ``gpu`` does not qualify; empty when it does."""
     if not gpu.up:
         return (f"down: {gpu.error or 'not answering'}",)
+    mig_reason = _mig_reason(gpu, filters.mig)
+    if mig_reason is not None:
+        return (mig_reason,)
     # Each check is skipped outright when its filter is unset: this runs for every GPU of a
     # fleet (bench/cluster.py ranks 10,000).
     reasons: list[str] = []
@@ -190,7 +228,7 @@ def window_reasons(gpu: GpuSample, filters: Filters, window: Window) -> tuple[st
             f"only {window.covered_seconds:.0f} s of history for idle_for {window.seconds:g} s",
         )
     for age, gpus in reversed(window.past):  # the most recent violation is the telling one
-        past = next((g for g in gpus if g.uuid == gpu.uuid), None)
+        past = next((g for g in all_devices(gpus) if g.uuid == gpu.uuid), None)
         when = f"within the last {age:.0f} s" if window.worst_case else f"{age:.0f} s ago"
         if past is None:
             return (f"no figures {when}" if window.worst_case else f"not present {when}",)
@@ -227,14 +265,20 @@ def sort_key(gpu: GpuSample, sort: str = "free") -> SortKey:
     """Ascending key: best first. Ties fall back to the default order, then highest index."""
     free = score(gpu, "free")
     util = gpu.utilization_ratio
-    default = (_known(None if free is None else -free), _known(util), (False, -gpu.index))
+    # Last: the highest index; among one card's MIG devices, the lowest instance first.
+    last = (
+        (False, -gpu.index),
+        (False, gpu.gpu_instance_id or 0),
+        (False, gpu.compute_instance_id or 0),
+    )
+    default = (_known(None if free is None else -free), _known(util), *last)
     if sort == "free":
         return default
     primary = score(gpu, sort)
     if primary is not None and sort == "free_ratio":
         primary = -primary  # more is better
     if sort == "pack":  # least free memory that still passed the filters
-        return (_known(primary), _known(util), (False, -gpu.index))
+        return (_known(primary), _known(util), *last)
     return (_known(primary), *default)
 
 
@@ -251,7 +295,7 @@ def rank(
     ``leased`` maps the UUIDs of GPUs someone holds to a short description of the lease.
     """
     qualified, rejected = [], []
-    for gpu in sorted(gpus, key=lambda g: g.index):
+    for gpu in candidates(gpus, filters.mig):
         reasons = rejection_reasons(gpu, filters)
         if not reasons and leased and gpu.uuid in leased:
             reasons = (leased[gpu.uuid],)
@@ -285,5 +329,8 @@ def choose(
         Rejected(g, (f"ranked {place} of {len(ranking.qualified)} qualifying; {n} requested",))
         for place, g in enumerate(ranking.qualified[n:], start=n + 1)
     )
-    not_chosen = sorted(ranking.rejected + passed_over, key=lambda r: r.gpu.index)
+    not_chosen = sorted(
+        ranking.rejected + passed_over,
+        key=lambda r: (r.gpu.index, r.gpu.is_mig_device, _instance_order(r.gpu)),
+    )
     return Choice(chosen, tuple(not_chosen))

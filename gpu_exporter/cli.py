@@ -32,6 +32,11 @@ class ServeConfig:
     state_dir: str | None = None  # None: leases are not kept across restarts
     max_lease_seconds: float = 3600.0
     max_gpus_per_requester: int = 0  # 0: no limit
+    process_labels: tuple[str, ...] = ()  # opt-in attribution of GPU processes
+    process_series_limit: int = 64
+    proc_root: str = "/proc"
+    pcie_throughput: bool = False
+    xid_events: bool = True
     nvml_timeout_seconds: float = 5.0
     max_requests_in_flight: int = 32
     max_waiters: int = 8
@@ -56,7 +61,31 @@ def parse_listen_address(text: str) -> tuple[str, int]:
 
 
 def _env(flag: str, default: str | None) -> str | None:
-    return os.environ.get("GPU_EXPORTER_" + flag.upper().replace("-", "_"), default)
+    return os.environ.get(
+        "GPU_EXPORTER_" + flag.upper().replace("-", "_").replace(".", "_"), default
+    )
+
+
+def _env_bool(flag: str) -> bool:
+    return (_env(flag, "") or "").lower() in ("1", "true", "yes", "on")
+
+
+def parse_process_labels(text: str) -> tuple[str, ...]:
+    """``--process-labels``' value → the labels, in their fixed order.
+
+    >>> parse_process_labels("command,user")
+    ('user', 'command')
+    """
+    from gpu_exporter.model import PROCESS_LABELS
+
+    wanted = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = wanted - set(PROCESS_LABELS)
+    if unknown:
+        raise ValueError(
+            f"unknown process labels {', '.join(sorted(unknown))}; "
+            f"choose from {', '.join(PROCESS_LABELS)}"
+        )
+    return tuple(label for label in PROCESS_LABELS if label in wanted)
 
 
 def _positive_seconds(text: str) -> float:
@@ -150,6 +179,44 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("max-gpus-per-requester", "0"),
         metavar="N",
         help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
+    )
+    serve.add_argument(
+        "--process-labels",
+        default=_env("process-labels", ""),
+        metavar="LABELS",
+        help="extra labels on gpu_process_memory_used_bytes and in /gpus, comma-separated: "
+        "user, command (argv[0] only), container, slurm_job, pod. Off by default: they "
+        "show who runs what on a shared host",
+    )
+    serve.add_argument(
+        "--process-series-limit",
+        type=int,
+        default=_env("process-series-limit", "64"),
+        metavar="N",
+        help="at most N process series per GPU or MIG device, largest first; 0 = none "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--proc-root",
+        default=_env("proc-root", "/proc"),
+        metavar="DIR",
+        help="where to read processes for --process-labels, e.g. /host/proc in a container "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--collect.pcie-throughput",
+        dest="pcie_throughput",
+        action="store_true",
+        default=_env_bool("collect.pcie-throughput"),
+        help="export gpu_pcie_throughput_bytes_per_second (NVML measures 20 ms per direction "
+        "per GPU; done on its own thread)",
+    )
+    serve.add_argument(
+        "--no-xid-events",
+        dest="xid_events",
+        action="store_false",
+        default=not _env_bool("no-xid-events"),
+        help="do not listen for Xid errors (gpu_xid_errors_total)",
     )
     serve.add_argument(
         "--max-requests-in-flight",
@@ -252,6 +319,12 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
     if args.max_gpus_per_requester < 0:
         parser.error("--max-gpus-per-requester must be 0 (no limit) or more")
+    try:
+        process_labels = parse_process_labels(args.process_labels)
+    except ValueError as exc:
+        parser.error(f"--process-labels: {exc}")
+    if args.process_series_limit < 0:
+        parser.error("--process-series-limit must be 0 or more")
     if not 1 <= args.max_requests_in_flight <= 1024:
         parser.error("--max-requests-in-flight must be from 1 to 1024")
     if not 0 <= args.max_waiters < args.max_requests_in_flight:
@@ -275,6 +348,11 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or _default_state_dir(),
         max_lease_seconds=float(args.max_lease),
         max_gpus_per_requester=int(args.max_gpus_per_requester),
+        process_labels=process_labels,
+        process_series_limit=int(args.process_series_limit),
+        proc_root=args.proc_root,
+        pcie_throughput=bool(args.pcie_throughput),
+        xid_events=bool(args.xid_events),
         nvml_timeout_seconds=float(args.nvml_timeout),
         max_requests_in_flight=int(args.max_requests_in_flight),
         max_waiters=int(args.max_waiters),
@@ -306,11 +384,16 @@ def serve(config: ServeConfig) -> int:
     from prometheus_client.registry import Collector
 
     from gpu_exporter.app import create_app
+    from gpu_exporter.background import NvmlThread
+    from gpu_exporter.counters import PcieRates, XidCounter
+    from gpu_exporter.events import XidListener
     from gpu_exporter.exposition import Exposition
     from gpu_exporter.leases import LeaseTable
     from gpu_exporter.limits import PROBE_THREADS, Waiters
     from gpu_exporter.metrics import GpuCollector, RequestCounter, WebConfigCollector
     from gpu_exporter.nvml import Nvml
+    from gpu_exporter.pcie import PcieThroughputSampler
+    from gpu_exporter.procinfo import ProcInfoCache
     from gpu_exporter.sampler import Sampler, SystemClock, new_cache
     from gpu_exporter.server import ListenError, Server
     from gpu_exporter.webconfig import WebConfigError, WebConfigWatcher, exposure_warnings, secure
@@ -349,8 +432,18 @@ def serve(config: ServeConfig) -> int:
         max_gpus_per_requester=config.max_gpus_per_requester,
     )
     requests, rejections = RequestCounter(), RequestCounter()
+    xids = XidCounter() if config.xid_events else None
+    pcie = PcieRates() if config.pcie_throughput else None
     registry = CollectorRegistry()
-    gpu_collector = GpuCollector(cache, leases=leases, requests=requests, rejections=rejections)
+    gpu_collector = GpuCollector(
+        cache,
+        leases=leases,
+        requests=requests,
+        rejections=rejections,
+        xids=xids,
+        pcie=pcie,
+        process_series_limit=config.process_series_limit,
+    )
     registry.register(gpu_collector)
     # Collectors rendered on every scrape, after the cached GPU part; same order as registered.
     live: list[Collector] = [ProcessCollector(registry=registry)]
@@ -375,6 +468,7 @@ def serve(config: ServeConfig) -> int:
         max_in_flight=config.max_requests_in_flight,
         waiters=Waiters(config.max_waiters),
         stopping=stopping,
+        xids=xids,
         cluster=cluster,
         exposition=exposition,
     )
@@ -399,14 +493,28 @@ def serve(config: ServeConfig) -> int:
         return 1
 
     # NVML is initialised on the sampler thread of this (serving) process — never before a fork.
+    procinfo = (
+        ProcInfoCache(config.process_labels, config.proc_root) if config.process_labels else None
+    )
     sampler = Sampler(
         nvml,
         cache,
         interval_seconds=config.interval_seconds,
         nvml_timeout_seconds=config.nvml_timeout_seconds,
         clock=clock,
+        procinfo=procinfo,
     )
     sampler.start()
+    # Off the main sampling path: each on its own thread, holding its own NVML reference.
+    background: list[NvmlThread] = []
+    if xids is not None:
+        background.append(XidListener(nvml, xids, clock=clock))
+    if pcie is not None:
+        background.append(
+            PcieThroughputSampler(nvml, pcie, interval_seconds=config.interval_seconds)
+        )
+    for thread in background:
+        thread.start()
     if watcher is not None:
         watcher.start()
     for warning in exposure_warnings(
@@ -433,6 +541,8 @@ def serve(config: ServeConfig) -> int:
         server.serve()
     finally:
         exposition.stop()
+        for thread in background:
+            thread.stop()
         sampler.stop()
         if watcher is not None:
             watcher.stop()

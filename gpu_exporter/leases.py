@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_exporter.choose import Choice, Filters, Window, choose
-from gpu_exporter.model import GpuSample, Snapshot
+from gpu_exporter.model import GpuSample, Snapshot, all_devices
 from gpu_exporter.sampler import Clock
 
 log = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ class LeaseTable:
                 or snapshot.taken_at_seconds <= lease.created_at
             ):
                 continue
-            by_uuid = {g.uuid: g for g in snapshot.gpus}
+            by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
             keep = []
             for held in lease.gpus:
                 gpu = by_uuid.get(held.uuid)

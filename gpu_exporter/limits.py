@@ -71,11 +71,12 @@ class RequestLimits:
                 retry_after=1,
             )
         try:
-            # Bodies here are small; reading them before releasing the slot keeps the count
-            # honest without wrapping every response iterable.
+            # Reading the body before releasing the slot keeps the count honest without
+            # wrapping every response iterable. Its chunks are kept as they are: /metrics
+            # serves the same cached chunks to every scrape of one snapshot.
             result = self.app(environ, start_response)
             try:
-                return [b"".join(result)]
+                return list(result)
             finally:
                 close = getattr(result, "close", None)
                 if close is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gpu_exporter import __version__
-from gpu_exporter.model import CLOCKS, GpuSample, Snapshot
+from gpu_exporter.counters import PcieRates, XidCounter
+from gpu_exporter.model import (
+    CLOCKS,
+    CLOCKS_EVENT_REASONS,
+    ECC_COUNTERS,
+    ECC_ERRORS,
+    PCIE_LINKS,
+    PROCESS_LABELS,
+    RETIREMENT_CAUSES,
+    TEMPERATURE_THRESHOLDS,
+    GpuSample,
+    Snapshot,
+    all_devices,
+)
 from gpu_exporter.sampler import SnapshotCache
 
 if TYPE_CHECKING:
@@ -31,6 +44,10 @@ GPU_LABELS = ("gpu", "uuid")
 SAMPLED = (
     " Sampled in the background every --interval (see gpu_exporter_last_sample_timestamp_seconds)."
 )
+ON = "yes"
+
+# (label values after gpu and uuid, value) pairs that one metric has for one device.
+Values = Callable[[GpuSample], Iterable[tuple[tuple[str, ...], float]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,26 +56,79 @@ class MetricSpec:
     type: str  # "gauge" or "counter"
     help: str
     labels: tuple[str, ...]
-    source: str  # where the value comes from, for the docs
+    source: str  # where the value comes from (the NVML function), for the docs
     field: str | None = None  # GpuSample attribute, for plain per-GPU values
     # For a metric with one extra label: (label value, GpuSample attribute) pairs.
     per_label: tuple[tuple[str, str], ...] = ()
+    unit: str = ""  # for the docs: bytes, watts, ratio (0-1), 0/1 …
+    default: str = ON  # "yes", or how to turn it on
+    values: Values | None = None  # anything the two above cannot express
+    mig: bool = False  # also exported for MIG devices (uuid="MIG-…")
 
     @property
     def family_name(self) -> str:
         return self.name.removesuffix("_total") if self.type == "counter" else self.name
 
+    @property
+    def on_by_default(self) -> bool:
+        return self.default.startswith(ON)
 
-def _gpu(name: str, help: str, source: str, field: str, type: str = "gauge") -> MetricSpec:
-    return MetricSpec(name, type, help + SAMPLED, GPU_LABELS, source, field)
+
+def _gpu(
+    name: str,
+    help: str,
+    source: str,
+    field: str,
+    unit: str,
+    type: str = "gauge",
+    *,
+    mig: bool = False,
+) -> MetricSpec:
+    return MetricSpec(name, type, help + SAMPLED, GPU_LABELS, source, field, unit=unit, mig=mig)
+
+
+def _labelled(
+    name: str,
+    help: str,
+    label: str,
+    source: str,
+    unit: str,
+    pairs: tuple[tuple[str, str], ...],
+    type: str = "gauge",
+) -> MetricSpec:
+    return MetricSpec(
+        name, type, help + SAMPLED, (*GPU_LABELS, label), source, per_label=pairs, unit=unit
+    )
+
+
+def _reasons(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+    if gpu.clocks_event_reasons is not None:
+        for reason in CLOCKS_EVENT_REASONS:
+            yield (reason,), 1.0 if reason in gpu.clocks_event_reasons else 0.0
+
+
+def _compute_mode(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+    if gpu.compute_mode is not None:
+        yield (gpu.compute_mode,), 1.0
+
+
+def _ecc_errors(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+    for error in ECC_ERRORS:
+        for counter in ECC_COUNTERS:
+            value = getattr(gpu, f"ecc_errors_{error}_{counter}")
+            if value is not None:
+                yield (error, counter), float(value)
 
 
 GPU_INFO = MetricSpec(
     "gpu_info",
     "gauge",
-    "Always 1; labels identify the GPU (gpu is the NVML index, in PCI bus order).",
+    "Always 1; labels identify the GPU or MIG device (gpu is the NVML index, in PCI bus order; "
+    "a MIG device has its parent's).",
     (*GPU_LABELS, "name", "pci_bus_id", "driver_version", "cuda_driver_version"),
     "nvmlDeviceGetName, nvmlDeviceGetPciInfo, nvmlSystemGetDriverVersion",
+    unit="1 (info)",
+    mig=True,
 )
 GPU_UP = MetricSpec(
     "gpu_up",
@@ -67,6 +137,8 @@ GPU_UP = MetricSpec(
     "its value series are then absent." + SAMPLED,
     GPU_LABELS,
     "nvmlDeviceGetHandleByIndex and every value call",
+    unit="0/1",
+    mig=True,
 )
 GPU_LAST_SEEN = MetricSpec(
     "gpu_last_seen_timestamp_seconds",
@@ -75,6 +147,7 @@ GPU_LAST_SEEN = MetricSpec(
     "time() - this is how long it has been gone." + SAMPLED,
     GPU_LABELS,
     "the exporter",
+    unit="seconds",
 )
 GPU_DOWN_REASON = MetricSpec(
     "gpu_down_reason",
@@ -83,6 +156,7 @@ GPU_DOWN_REASON = MetricSpec(
     "call for it has not returned within --nvml-timeout) or error." + SAMPLED,
     (*GPU_LABELS, "reason"),
     "nvmlDeviceGetHandleByIndex and every value call",
+    unit="1 (info)",
 )
 GPU_VALUES: tuple[MetricSpec, ...] = (
     _gpu(
@@ -90,54 +164,91 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
         "Total frame-buffer memory.",
         "nvmlDeviceGetMemoryInfo_v2",
         "memory_total_bytes",
+        "bytes",
+        mig=True,
     ),
     _gpu(
         "gpu_memory_used_bytes",
         "Frame-buffer memory in use, excluding the driver's reservation (as nvidia-smi >= 510).",
         "nvmlDeviceGetMemoryInfo_v2",
         "memory_used_bytes",
+        "bytes",
+        mig=True,
     ),
     _gpu(
         "gpu_memory_free_bytes",
         "Frame-buffer memory free for allocations.",
         "nvmlDeviceGetMemoryInfo_v2",
         "memory_free_bytes",
+        "bytes",
+        mig=True,
     ),
     _gpu(
         "gpu_memory_reserved_bytes",
         "Frame-buffer memory reserved by the driver.",
         "nvmlDeviceGetMemoryInfo_v2",
         "memory_reserved_bytes",
+        "bytes",
+        mig=True,
     ),
     _gpu(
         "gpu_utilization_ratio",
-        "Fraction of the last sample period (0-1) in which a kernel was running.",
+        "Fraction of the last sample period (0-1) in which a kernel was running "
+        "(absent in MIG mode: NVML does not report it).",
         "nvmlDeviceGetUtilizationRates",
         "utilization_ratio",
+        "ratio",
+        mig=True,
     ),
     _gpu(
         "gpu_memory_utilization_ratio",
         "Fraction of the last sample period (0-1) in which device memory was read or written.",
         "nvmlDeviceGetUtilizationRates",
         "memory_utilization_ratio",
+        "ratio",
+        mig=True,
     ),
     _gpu(
         "gpu_power_draw_watts",
         "Power draw of the whole board.",
         "nvmlDeviceGetPowerUsage",
         "power_draw_watts",
+        "watts",
     ),
     _gpu(
         "gpu_power_limit_watts",
         "Power limit the driver enforces.",
         "nvmlDeviceGetEnforcedPowerLimit",
         "power_limit_watts",
+        "watts",
+    ),
+    _gpu(
+        "gpu_power_limit_default_watts",
+        "Power limit the board ships with.",
+        "nvmlDeviceGetPowerManagementDefaultLimit",
+        "power_limit_default_watts",
+        "watts",
+    ),
+    _gpu(
+        "gpu_power_limit_min_watts",
+        "Lowest power limit that can be set.",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+        "power_limit_min_watts",
+        "watts",
+    ),
+    _gpu(
+        "gpu_power_limit_max_watts",
+        "Highest power limit that can be set.",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+        "power_limit_max_watts",
+        "watts",
     ),
     _gpu(
         "gpu_energy_joules_total",
         "Energy consumed since the driver was loaded.",
         "nvmlDeviceGetTotalEnergyConsumption",
         "energy_joules",
+        "joules",
         type="counter",
     ),
     _gpu(
@@ -145,34 +256,244 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
         "GPU core temperature.",
         "nvmlDeviceGetTemperature",
         "temperature_celsius",
+        "celsius",
+    ),
+    _labelled(
+        "gpu_temperature_threshold_celsius",
+        "Temperatures at which the GPU slows down, shuts down, and the highest GPU and memory "
+        "temperatures for normal operation.",
+        "threshold",
+        "nvmlDeviceGetTemperatureThreshold",
+        "celsius",
+        tuple((t, f"temperature_{t}_celsius") for t in TEMPERATURE_THRESHOLDS),
     ),
     _gpu(
         "gpu_fan_speed_ratio",
         "Fan speed as a fraction of its maximum (absent on passively cooled cards).",
         "nvmlDeviceGetFanSpeed",
         "fan_speed_ratio",
+        "ratio",
+    ),
+    _labelled(
+        "gpu_clock_hz",
+        "Current clock frequency by clock domain.",
+        "clock",
+        "nvmlDeviceGetClockInfo",
+        "hertz",
+        tuple((c, f"clock_{c}_hz") for c in CLOCKS),
+    ),
+    _labelled(
+        "gpu_clock_max_hz",
+        "Highest clock frequency by clock domain.",
+        "clock",
+        "nvmlDeviceGetMaxClockInfo",
+        "hertz",
+        tuple((c, f"clock_max_{c}_hz") for c in CLOCKS),
     ),
     MetricSpec(
-        "gpu_clock_hz",
+        "gpu_clocks_event_reasons",
         "gauge",
-        "Current clock frequency by clock domain." + SAMPLED,
-        (*GPU_LABELS, "clock"),
-        "nvmlDeviceGetClockInfo",
-        per_label=tuple((c, f"clock_{c}_hz") for c in CLOCKS),
+        "1 for each reason the clocks are held below their maximum right now (power cap, "
+        "thermal or hardware slowdown, power brake, idle …), 0 for the others." + SAMPLED,
+        (*GPU_LABELS, "reason"),
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        unit="0/1",
+        values=_reasons,
+    ),
+    _gpu(
+        "gpu_performance_state",
+        "Performance state: 0 (P0, fastest) to 15 (P15, slowest).",
+        "nvmlDeviceGetPerformanceState",
+        "performance_state",
+        "P-state",
+    ),
+    _gpu(
+        "gpu_persistence_mode_enabled",
+        "1 if persistence mode is on (the driver stays loaded with no client).",
+        "nvmlDeviceGetPersistenceMode",
+        "persistence_mode_enabled",
+        "0/1",
+    ),
+    MetricSpec(
+        "gpu_compute_mode",
+        "gauge",
+        "Always 1; the compute mode (default, exclusive_process, prohibited) is the mode label."
+        + SAMPLED,
+        (*GPU_LABELS, "mode"),
+        "nvmlDeviceGetComputeMode",
+        unit="1 (info)",
+        values=_compute_mode,
+    ),
+    _gpu(
+        "gpu_ecc_mode_enabled",
+        "1 if ECC is on for the frame-buffer memory.",
+        "nvmlDeviceGetEccMode",
+        "ecc_mode_enabled",
+        "0/1",
+    ),
+    MetricSpec(
+        "gpu_ecc_errors_total",
+        "counter",
+        "Memory ECC errors: corrected or uncorrected, since the driver loaded (volatile) or "
+        "over the card's life (aggregate)." + SAMPLED,
+        (*GPU_LABELS, "error", "counter"),
+        "nvmlDeviceGetTotalEccErrors",
+        unit="errors",
+        values=_ecc_errors,
+    ),
+    _labelled(
+        "gpu_remapped_rows_total",
+        "Memory rows remapped because of correctable or uncorrectable errors (Ampere and later).",
+        "cause",
+        "nvmlDeviceGetRemappedRows",
+        "rows",
+        (
+            ("correctable", "remapped_rows_correctable"),
+            ("uncorrectable", "remapped_rows_uncorrectable"),
+        ),
+        type="counter",
+    ),
+    _gpu(
+        "gpu_remapped_rows_pending",
+        "1 if a row remapping is pending: reset the GPU to apply it.",
+        "nvmlDeviceGetRemappedRows",
+        "remapped_rows_pending",
+        "0/1",
+    ),
+    _gpu(
+        "gpu_remapped_rows_failed",
+        "1 if a row remapping failed: the GPU needs service.",
+        "nvmlDeviceGetRemappedRows",
+        "remapped_rows_failed",
+        "0/1",
+    ),
+    _labelled(
+        "gpu_retired_pages_total",
+        "Memory pages retired for multiple single-bit or for double-bit ECC errors "
+        "(before Ampere).",
+        "cause",
+        "nvmlDeviceGetRetiredPages",
+        "pages",
+        tuple((c, f"retired_pages_{c}") for c in RETIREMENT_CAUSES),
+        type="counter",
+    ),
+    _gpu(
+        "gpu_retired_pages_pending",
+        "1 if a page retirement is pending: reboot or reset to apply it.",
+        "nvmlDeviceGetRetiredPagesPendingStatus",
+        "retired_pages_pending",
+        "0/1",
+    ),
+    _labelled(
+        "gpu_pcie_link_generation",
+        "PCIe link generation: current (idle links drop to a lower one) and max.",
+        "link",
+        "nvmlDeviceGetCurrPcieLinkGeneration, nvmlDeviceGetMaxPcieLinkGeneration",
+        "generation",
+        tuple((link, f"pcie_link_generation_{link}") for link in PCIE_LINKS),
+    ),
+    _labelled(
+        "gpu_pcie_link_width",
+        "PCIe link width in lanes: current (below max: a link trained down) and max.",
+        "link",
+        "nvmlDeviceGetCurrPcieLinkWidth, nvmlDeviceGetMaxPcieLinkWidth",
+        "lanes",
+        tuple((link, f"pcie_link_width_{link}") for link in PCIE_LINKS),
+    ),
+    _gpu(
+        "gpu_pcie_replay_errors_total",
+        "PCIe replays (retransmissions after link errors) since the driver loaded.",
+        "nvmlDeviceGetPcieReplayCounter",
+        "pcie_replay_errors",
+        "replays",
+        type="counter",
+    ),
+    _gpu(
+        "gpu_encoder_utilization_ratio",
+        "Fraction of time (0-1) the video encoder was busy.",
+        "nvmlDeviceGetEncoderUtilization",
+        "encoder_utilization_ratio",
+        "ratio",
+    ),
+    _gpu(
+        "gpu_decoder_utilization_ratio",
+        "Fraction of time (0-1) the video decoder was busy.",
+        "nvmlDeviceGetDecoderUtilization",
+        "decoder_utilization_ratio",
+        "ratio",
     ),
     _gpu(
         "gpu_compute_processes",
         "Compute processes with a context on the GPU, as far as this process can see them.",
         "nvmlDeviceGetComputeRunningProcesses",
         "compute_processes",
+        "processes",
+        mig=True,
     ),
+    _gpu(
+        "gpu_mig_mode_enabled",
+        "1 if MIG mode is on: the GPU is split into the MIG devices of gpu_mig_info.",
+        "nvmlDeviceGetMigMode",
+        "mig_mode_enabled",
+        "0/1",
+    ),
+)
+GPU_MIG_INFO = MetricSpec(
+    "gpu_mig_info",
+    "gauge",
+    "Always 1 for each MIG device (uuid MIG-…): its parent GPU, GPU and compute instance and "
+    "profile. Whole-card queries leave MIG devices out with `unless on(uuid) gpu_mig_info`."
+    + SAMPLED,
+    (*GPU_LABELS, "parent_uuid", "gpu_instance_id", "compute_instance_id", "profile"),
+    "nvmlDeviceGetMigDeviceHandleByIndex, nvmlDeviceGetGpuInstanceId, "
+    "nvmlDeviceGetComputeInstanceId, nvmlDeviceGetName",
+    unit="1 (info)",
+)
+PROCESS_MEMORY = MetricSpec(
+    "gpu_process_memory_used_bytes",
+    "gauge",
+    "Memory used by one compute process on a GPU or MIG device (at most "
+    "--process-series-limit per device, largest first; memory of processes in other PID "
+    "namespaces is in gpu_memory_used_bytes but not here)." + SAMPLED,
+    (*GPU_LABELS, "pid", *PROCESS_LABELS),
+    "nvmlDeviceGetComputeRunningProcesses, /proc/<pid>/{status,cmdline,cgroup}",
+    unit="bytes",
+    default="yes; user, command, container, slurm_job, pod labels only with --process-labels",
+)
+XID_ERRORS = MetricSpec(
+    "gpu_xid_errors_total",
+    "counter",
+    "Critical Xid errors reported by the driver, by Xid code (79: fallen off the bus, 48: "
+    "double-bit ECC, 13/31/43: application faults …); counted since the exporter started.",
+    (*GPU_LABELS, "xid"),
+    "nvmlEventSetWait_v2 (nvmlEventTypeXidCriticalError)",
+    unit="errors",
+)
+LAST_XID = MetricSpec(
+    "gpu_last_xid_timestamp_seconds",
+    "gauge",
+    "Unix time at which the last Xid error of this GPU was received (absent until one is).",
+    GPU_LABELS,
+    "nvmlEventSetWait_v2",
+    unit="seconds",
+)
+PCIE_THROUGHPUT = MetricSpec(
+    "gpu_pcie_throughput_bytes_per_second",
+    "gauge",
+    "PCIe traffic by direction (tx: from the GPU, rx: to it), measured by NVML over 20 ms "
+    "on its own thread every --interval.",
+    (*GPU_LABELS, "direction"),
+    "nvmlDeviceGetPcieThroughput",
+    unit="bytes/second",
+    default="no: --collect.pcie-throughput",
 )
 GPU_LEASED = MetricSpec(
     "gpu_leased",
     "gauge",
-    "1 while a /choose lease holds the GPU, else 0.",
+    "1 while a /choose lease holds the GPU or MIG device, else 0.",
     GPU_LABELS,
     "the lease table",
+    unit="0/1",
 )
 BUILD_INFO = MetricSpec(
     "gpu_exporter_build_info",
@@ -180,6 +501,7 @@ BUILD_INFO = MetricSpec(
     'Always 1; the exporter\'s version, and backend="simulated" when --simulate is on.',
     ("version", "backend"),
     "the exporter",
+    unit="1 (info)",
 )
 NVML_UP = MetricSpec(
     "gpu_exporter_nvml_up",
@@ -188,6 +510,7 @@ NVML_UP = MetricSpec(
     "initialisation is retried with backoff.",
     (),
     "nvmlInit",
+    unit="0/1",
 )
 LAST_SAMPLE = MetricSpec(
     "gpu_exporter_last_sample_timestamp_seconds",
@@ -195,6 +518,7 @@ LAST_SAMPLE = MetricSpec(
     "Unix time at which the sample behind every gpu_* value was taken.",
     (),
     "the exporter",
+    unit="seconds",
 )
 SAMPLE_DURATION = MetricSpec(
     "gpu_exporter_sample_duration_seconds",
@@ -202,6 +526,7 @@ SAMPLE_DURATION = MetricSpec(
     "How long the last sample of all GPUs took.",
     (),
     "the exporter",
+    unit="seconds",
 )
 NVML_ERRORS = MetricSpec(
     "gpu_exporter_nvml_errors_total",
@@ -209,6 +534,16 @@ NVML_ERRORS = MetricSpec(
     "NVML calls that failed, by function and NVML error name (unsupported fields not counted).",
     ("function", "error"),
     "every NVML call",
+    unit="calls",
+)
+FIELD_SUPPORTED = MetricSpec(
+    "gpu_exporter_field_supported",
+    "gauge",
+    "1 if this GPU or MIG device reports the field, 0 if NVML said NOT_SUPPORTED or "
+    "FUNCTION_NOT_FOUND (asked once per initialisation, never again).",
+    (*GPU_LABELS, "field"),
+    "every NVML value call",
+    unit="0/1",
 )
 CHOOSE_REQUESTS = MetricSpec(
     "gpu_exporter_choose_requests_total",
@@ -216,6 +551,7 @@ CHOOSE_REQUESTS = MetricSpec(
     "/choose requests by result: ok, or the error code (not_enough_gpus, invalid_parameter…).",
     ("result",),
     "the exporter",
+    unit="requests",
 )
 LEASES_DROPPED = MetricSpec(
     "gpu_exporter_lease_gpus_released_total",
@@ -223,6 +559,7 @@ LEASES_DROPPED = MetricSpec(
     "GPUs released from leases before expiry: arrived (the job showed up), down, gone.",
     ("reason",),
     "the lease table",
+    unit="GPUs",
 )
 REQUESTS_REJECTED = MetricSpec(
     "gpu_exporter_requests_rejected_total",
@@ -231,6 +568,7 @@ REQUESTS_REJECTED = MetricSpec(
     "too_many_waiters (--max-waiters), uri_too_long.",
     ("reason",),
     "the exporter",
+    unit="requests",
 )
 WEB_CONFIG_RELOADS = MetricSpec(
     "gpu_exporter_web_config_reloads_total",
@@ -239,6 +577,8 @@ WEB_CONFIG_RELOADS = MetricSpec(
     "configuration stays in force). Absent without --web-config-file.",
     ("result",),
     "the exporter",
+    unit="reloads",
+    default="with --web-config-file",
 )
 WEB_CONFIG_OK = MetricSpec(
     "gpu_exporter_web_config_last_reload_successful",
@@ -247,6 +587,8 @@ WEB_CONFIG_OK = MetricSpec(
     "is broken and an older configuration is in force. Absent without --web-config-file.",
     (),
     "the exporter",
+    unit="0/1",
+    default="with --web-config-file",
 )
 EXPORTER_METRICS = (
     BUILD_INFO,
@@ -254,6 +596,7 @@ EXPORTER_METRICS = (
     LAST_SAMPLE,
     SAMPLE_DURATION,
     NVML_ERRORS,
+    FIELD_SUPPORTED,
     CHOOSE_REQUESTS,
     LEASES_DROPPED,
     REQUESTS_REJECTED,
@@ -266,9 +609,15 @@ METRICS: tuple[MetricSpec, ...] = (
     GPU_DOWN_REASON,
     GPU_LAST_SEEN,
     *GPU_VALUES,
+    GPU_MIG_INFO,
+    PROCESS_MEMORY,
+    XID_ERRORS,
+    LAST_XID,
+    PCIE_THROUGHPUT,
     GPU_LEASED,
     *EXPORTER_METRICS,
 )
+DEFAULT_PROCESS_SERIES_LIMIT = 64
 
 
 class RequestCounter:
@@ -287,17 +636,27 @@ class RequestCounter:
             return dict(self._counts)
 
 
-def _family(spec: MetricSpec) -> GaugeMetricFamily | CounterMetricFamily:
+def _family(
+    spec: MetricSpec, labels: tuple[str, ...] | None = None
+) -> GaugeMetricFamily | CounterMetricFamily:
     cls = CounterMetricFamily if spec.type == "counter" else GaugeMetricFamily
-    return cls(spec.family_name, spec.help, labels=spec.labels)
+    return cls(spec.family_name, spec.help, labels=spec.labels if labels is None else labels)
 
 
-def gpu_families(snapshot: Snapshot) -> Iterator[Metric]:
-    """Per-GPU families. A value the GPU did not report this sample has no series at all."""
+def gpu_families(
+    snapshot: Snapshot, process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT
+) -> Iterator[Metric]:
+    """Per-GPU families, with MIG devices as extra series (gpu = the parent's index).
+
+    A value the GPU did not report this sample has no series at all.
+    """
     info, up = _family(GPU_INFO), _family(GPU_UP)
     down, seen = _family(GPU_DOWN_REASON), _family(GPU_LAST_SEEN)
     values = [_family(spec) for spec in GPU_VALUES]
-    for gpu in snapshot.gpus:
+    mig_info = _family(GPU_MIG_INFO)
+    proc_labels = (*GPU_LABELS, "pid", *snapshot.process_labels)
+    procs = _family(PROCESS_MEMORY, proc_labels)
+    for gpu in all_devices(snapshot.gpus):
         ids = [str(gpu.index), gpu.uuid]
         info.add_metric(
             [
@@ -314,24 +673,88 @@ def gpu_families(snapshot: Snapshot) -> Iterator[Metric]:
             down.add_metric([*ids, gpu.down_reason], 1)
         if gpu.last_seen_seconds is not None:
             seen.add_metric(ids, gpu.last_seen_seconds)
+        if gpu.is_mig_device:
+            mig_info.add_metric(
+                [
+                    *ids,
+                    gpu.parent_uuid or "",
+                    _text(gpu.gpu_instance_id),
+                    _text(gpu.compute_instance_id),
+                    gpu.mig_profile or "",
+                ],
+                1,
+            )
         for spec, family in zip(GPU_VALUES, values, strict=True):
-            _add_values(spec, family, ids, gpu)
+            if spec.mig or not gpu.is_mig_device:
+                _add_values(spec, family, ids, gpu)
+        if gpu.processes and not (gpu.mig_devices and not gpu.is_mig_device):
+            # A GPU in MIG mode has its processes under its MIG devices, not twice.
+            _add_processes(procs, ids, gpu, snapshot.process_labels, process_series_limit)
     yield info
     yield up
     yield down
     yield seen
     yield from values
+    yield mig_info
+    yield procs
+
+
+def _text(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _add_processes(
+    family: Metric, ids: list[str], gpu: GpuSample, labels: tuple[str, ...], limit: int
+) -> None:
+    """The ``limit`` largest processes of one device (unknown memory has no series)."""
+    known = [p for p in gpu.processes or () if p.used_memory_bytes is not None]
+    known.sort(key=lambda p: (-(p.used_memory_bytes or 0), p.pid))
+    for p in known[:limit]:
+        family.add_metric(  # type: ignore[attr-defined]
+            [*ids, str(p.pid), *(p.label(name) for name in labels)], p.used_memory_bytes
+        )
 
 
 def _add_values(spec: MetricSpec, family: Metric, ids: list[str], gpu: GpuSample) -> None:
     if spec.field is not None:
         value = getattr(gpu, spec.field)
         if value is not None:
-            family.add_metric(ids, value)  # type: ignore[attr-defined]
+            family.add_metric(ids, float(value))  # type: ignore[attr-defined]
     for label_value, field in spec.per_label:
         value = getattr(gpu, field)
         if value is not None:
-            family.add_metric([*ids, label_value], value)  # type: ignore[attr-defined]
+            family.add_metric([*ids, label_value], float(value))  # type: ignore[attr-defined]
+    if spec.values is not None:
+        for extra, value in spec.values(gpu):
+            family.add_metric([*ids, *extra], value)  # type: ignore[attr-defined]
+
+
+def field_families(snapshot: Snapshot) -> Iterator[Metric]:
+    supported = _family(FIELD_SUPPORTED)
+    for gpu in all_devices(snapshot.gpus):
+        for field, ok in gpu.fields_supported:
+            supported.add_metric([str(gpu.index), gpu.uuid, field], 1 if ok else 0)
+    yield supported
+
+
+def xid_families(xids: XidCounter) -> Iterator[Metric]:
+    errors = _family(XID_ERRORS)
+    for c in xids.counts():
+        errors.add_metric([str(c.index), c.uuid, str(c.xid)], c.count)
+    yield errors
+    last = _family(LAST_XID)
+    for x in xids.last():
+        last.add_metric([str(x.index), x.uuid], x.at_seconds)
+    yield last
+
+
+def pcie_families(pcie: PcieRates) -> Iterator[Metric]:
+    family = _family(PCIE_THROUGHPUT)
+    for r in pcie.rates():
+        for direction, value in (("tx", r.tx_bytes_per_second), ("rx", r.rx_bytes_per_second)):
+            if value is not None:
+                family.add_metric([str(r.index), r.uuid, direction], value)
+    yield family
 
 
 def exporter_families(snapshot: Snapshot, version: str = __version__) -> Iterator[Metric]:
@@ -359,7 +782,7 @@ def lease_families(
 ) -> Iterator[Metric]:
     held = leases.holders(snapshot)
     leased = _family(GPU_LEASED)
-    for gpu in snapshot.gpus:
+    for gpu in all_devices(snapshot.gpus):
         leased.add_metric([str(gpu.index), gpu.uuid], 1 if gpu.uuid in held else 0)
     yield leased
     yield _counts(CHOOSE_REQUESTS, requests)
@@ -387,12 +810,18 @@ class GpuCollector(Collector):
         leases: LeaseTable | None = None,
         requests: RequestCounter | None = None,
         rejections: RequestCounter | None = None,
+        xids: XidCounter | None = None,
+        pcie: PcieRates | None = None,
+        process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
     ) -> None:
         self._cache = cache
         self._version = version
         self._leases = leases
         self._requests = requests or RequestCounter()
         self._rejections = rejections
+        self._xids = xids
+        self._pcie = pcie
+        self._process_series_limit = process_series_limit
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._cache.get()  # one snapshot for the whole scrape
@@ -405,11 +834,17 @@ class GpuCollector(Collector):
         :mod:`gpu_exporter.exposition` renders these once per snapshot and serves the bytes,
         so nothing here may read anything that changes between samples.
         """
-        yield from gpu_families(snapshot)
+        yield from gpu_families(snapshot, self._process_series_limit)
         yield from exporter_families(snapshot, self._version)
+        yield from field_families(snapshot)
 
     def live_families(self, snapshot: Snapshot) -> Iterator[Metric]:
-        """Families that can change between samples (leases, request counters)."""
+        """Families that can change between samples: leases, request counters, and the Xid
+        and PCIe figures, which their own threads update."""
+        if self._xids is not None:
+            yield from xid_families(self._xids)
+        if self._pcie is not None:
+            yield from pcie_families(self._pcie)
         if self._leases is not None:
             yield from lease_families(snapshot, self._leases, self._requests)
         if self._rejections is not None:
@@ -436,13 +871,22 @@ class WebConfigCollector(Collector):
 def markdown_table() -> str:
     """The README's metric table."""
     rows = [
-        "| Metric | Type | Labels | Source | Description |",
-        "|---|---|---|---|---|",
+        "| Metric | Type | Unit | Labels | Source | Default | Description |",
+        "|---|---|---|---|---|---|---|",
     ]
     for spec in METRICS:
         help_text = spec.help.removesuffix(SAMPLED).replace("|", "\\|")
         labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
-        rows.append(f"| `{spec.name}` | {spec.type} | {labels} | {spec.source} | {help_text} |")
+        if spec is PROCESS_MEMORY:
+            labels = (
+                "`gpu`, `uuid`, `pid` (+ opt-in "
+                + ", ".join(f"`{label}`" for label in PROCESS_LABELS)
+                + ")"
+            )
+        rows.append(
+            f"| `{spec.name}` | {spec.type} | {spec.unit} | {labels} | {spec.source} "
+            f"| {spec.default} | {help_text} |"
+        )
     return "\n".join(rows) + "\n"
 
 

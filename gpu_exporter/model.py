@@ -10,6 +10,51 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CLOCKS = ("graphics", "sm", "memory", "video")
+TEMPERATURE_THRESHOLDS = ("slowdown", "shutdown", "gpu_max", "memory_max")
+# The label values of gpu_clocks_event_reasons, in the order they are exported.
+CLOCKS_EVENT_REASONS = (
+    "sw_power_cap",
+    "hw_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake",
+    "sw_thermal_slowdown",
+    "sync_boost",
+    "gpu_idle",
+    "applications_clocks_setting",
+    "display_clocks_setting",
+)
+ECC_ERRORS = ("corrected", "uncorrected")
+ECC_COUNTERS = ("volatile", "aggregate")
+RETIREMENT_CAUSES = ("multiple_single_bit", "double_bit")
+PCIE_LINKS = ("current", "max")
+# Opt-in process attribution (--process-labels), in label order.
+PROCESS_LABELS = ("user", "command", "container", "slurm_job", "pod")
+VISIBILITIES = ("full", "partial", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSample:
+    """A compute process on one GPU or MIG device.
+
+    The attribution fields are filled only when enabled with ``--process-labels`` (they say
+    who runs what on a shared host); otherwise, or when ``/proc`` does not show the process
+    (another PID namespace), they are None.
+    """
+
+    pid: int
+    used_memory_bytes: int | None  # None where the driver cannot say (WDDM, some vGPU)
+    user: str | None = None
+    command: str | None = None  # argv[0], base name only
+    container: str | None = None  # 64-hex container id from /proc/<pid>/cgroup
+    slurm_job: str | None = None
+    pod: str | None = None  # Kubernetes pod UID
+
+    def label(self, name: str) -> str:
+        value: str | None = getattr(self, name)
+        return value or ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +87,114 @@ class GpuSample:
     clock_video_hz: float | None = None
     compute_processes: int | None = None  # None when the process list is unsupported
 
+    # Health. Counters are NVML's own (they only reset with the driver or a GPU reset).
+    clocks_event_reasons: tuple[str, ...] | None = None  # active reasons; () = none
+    clock_max_graphics_hz: float | None = None
+    clock_max_sm_hz: float | None = None
+    clock_max_memory_hz: float | None = None
+    clock_max_video_hz: float | None = None
+    temperature_slowdown_celsius: float | None = None
+    temperature_shutdown_celsius: float | None = None
+    temperature_gpu_max_celsius: float | None = None
+    temperature_memory_max_celsius: float | None = None
+    performance_state: int | None = None  # P0 (fastest) … P15
+    persistence_mode_enabled: bool | None = None
+    compute_mode: str | None = None  # default, exclusive_process, prohibited
+    ecc_mode_enabled: bool | None = None
+    ecc_errors_corrected_volatile: int | None = None
+    ecc_errors_corrected_aggregate: int | None = None
+    ecc_errors_uncorrected_volatile: int | None = None
+    ecc_errors_uncorrected_aggregate: int | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failed: bool | None = None
+    retired_pages_multiple_single_bit: int | None = None
+    retired_pages_double_bit: int | None = None
+    retired_pages_pending: bool | None = None
+    pcie_link_generation_current: int | None = None
+    pcie_link_generation_max: int | None = None
+    pcie_link_width_current: int | None = None
+    pcie_link_width_max: int | None = None
+    pcie_replay_errors: int | None = None
+    power_limit_default_watts: float | None = None
+    power_limit_min_watts: float | None = None
+    power_limit_max_watts: float | None = None
+    encoder_utilization_ratio: float | None = None
+    decoder_utilization_ratio: float | None = None
+
+    # MIG. On a parent GPU: its mode and its MIG devices. A MIG device is a GpuSample too,
+    # with the parent's index, its own "MIG-…" uuid, and parent_uuid set.
+    mig_mode_enabled: bool | None = None
+    mig_devices: tuple[GpuSample, ...] = ()
+    parent_uuid: str | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    mig_profile: str | None = None  # "3g.40gb"
+
+    # Processes. None when the driver cannot list them.
+    processes: tuple[ProcessSample, ...] | None = None
+    # "full": the listed processes account for the memory in use; "partial": some memory
+    # has no visible owner; "none": memory is in use and no process is visible (PID
+    # namespaces: another container). None when unknown.
+    process_visibility: str | None = None
+
+    # (field, supported) for every field asked of this GPU; unsupported ones are not asked
+    # again until NVML is re-initialised.
+    fields_supported: tuple[tuple[str, bool], ...] = ()
+
+    @property
+    def is_mig_device(self) -> bool:
+        return self.parent_uuid is not None
+
     def clock_hz(self, clock: str) -> float | None:
         value: float | None = getattr(self, f"clock_{clock}_hz")
         return value
 
+    def devices(self) -> tuple[GpuSample, ...]:
+        """This GPU followed by its MIG devices."""
+        return (self, *self.mig_devices)
+
     def to_json(self) -> dict[str, Any]:
-        """Every field, absent values as ``null``."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        """Every field, absent values as ``null`` (which fields are supported is in
+        /metrics, as gpu_exporter_field_supported, not repeated here)."""
+        out: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            if name == "fields_supported":
+                continue
+            value = getattr(self, name)
+            if name == "mig_devices":
+                value = [d.to_json() for d in value]
+            elif name == "processes" and value is not None:
+                value = [p.to_json() for p in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[name] = value
+        return out
+
+
+def all_devices(gpus: tuple[GpuSample, ...]) -> tuple[GpuSample, ...]:
+    """Every GPU and, after each, its MIG devices."""
+    return tuple(d for g in gpus for d in g.devices())
+
+
+def process_visibility(
+    memory_used_bytes: int | None,
+    processes: tuple[ProcessSample, ...] | None,
+    slack_bytes: int = 64 * 2**20,
+) -> str | None:
+    """How much of the memory in use the visible processes account for.
+
+    >>> p = (ProcessSample(1, 900),)
+    >>> [process_visibility(u, ps) for u, ps in ((900, p), (5 * 2**30, p), (5 * 2**30, ()))]
+    ['full', 'partial', 'none']
+    """
+    if processes is None or memory_used_bytes is None:
+        return None
+    owned = sum(p.used_memory_bytes or 0 for p in processes)
+    if memory_used_bytes - owned <= slack_bytes:
+        return "full"
+    return "partial" if processes else "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +213,8 @@ class Snapshot:
     # Failed NVML calls since start, by (function, error name); copied in at sample time.
     nvml_errors: tuple[tuple[str, str, int], ...] = field(default=())
     sequence: int = 0  # increases by one with every published snapshot
+    # The opt-in attribution fields filled in ProcessSample (--process-labels).
+    process_labels: tuple[str, ...] = ()
 
     def age_seconds(self, monotonic_now: float) -> float:
         return max(0.0, monotonic_now - self.monotonic_seconds)

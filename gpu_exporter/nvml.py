@@ -17,6 +17,7 @@ functions, which is how :mod:`gpu_exporter.simulate` drives this same code witho
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -65,6 +66,52 @@ CLOCK_TYPES: dict[str, int] = {
 TEMPERATURE_GPU: int = pynvml.NVML_TEMPERATURE_GPU
 MEMORY_V2: int = pynvml.nvmlMemory_v2
 
+# nvmlClocksEventReason* bits (called nvmlClocksThrottleReason* before driver 535), by the
+# name used in the ``reason`` label of gpu_clocks_event_reasons.
+CLOCKS_EVENT_REASONS: dict[str, int] = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake": 0x80,
+    "display_clocks_setting": 0x100,
+}
+TEMPERATURE_THRESHOLDS: dict[str, int] = {
+    "shutdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN,
+    "slowdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,
+    "memory_max": pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX,
+    "gpu_max": pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX,
+}
+COMPUTE_MODES: dict[int, str] = {
+    pynvml.NVML_COMPUTEMODE_DEFAULT: "default",
+    pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD: "exclusive_thread",
+    pynvml.NVML_COMPUTEMODE_PROHIBITED: "prohibited",
+    pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "exclusive_process",
+}
+ECC_ERROR_TYPES: dict[str, int] = {
+    "corrected": pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+    "uncorrected": pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+}
+ECC_COUNTERS: dict[str, int] = {
+    "volatile": pynvml.NVML_VOLATILE_ECC,
+    "aggregate": pynvml.NVML_AGGREGATE_ECC,
+}
+PAGE_RETIREMENT_CAUSES: dict[str, int] = {
+    "multiple_single_bit": pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+    "double_bit": pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+}
+PCIE_COUNTERS: dict[str, int] = {
+    "tx": pynvml.NVML_PCIE_UTIL_TX_BYTES,
+    "rx": pynvml.NVML_PCIE_UTIL_RX_BYTES,
+}
+PSTATE_UNKNOWN: int = pynvml.NVML_PSTATE_UNKNOWN
+EVENT_TYPE_XID: int = pynvml.nvmlEventTypeXidCriticalError
+# gpuInstanceId / computeInstanceId when a process or event is not inside a MIG instance.
+NO_INSTANCE = 0xFFFFFFFF
+
 
 def error_code(name: str) -> int:
     """The NVML return code for a name such as ``"GPU_IS_LOST"`` (``NVML_ERROR_`` optional).
@@ -110,6 +157,11 @@ class NvmlUnavailable(NvmlError):
     """NVML itself is unusable: no driver, a version mismatch, not initialised."""
 
 
+_NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
+_TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
+_FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+
+
 def _classify(function: str, exc: Exception) -> NvmlError:
     code = int(getattr(exc, "value", pynvml.NVML_ERROR_UNKNOWN))
     message = str(exc)
@@ -139,14 +191,54 @@ class MemoryInfo:
 class ProcessInfo:
     pid: int
     used_memory_bytes: int | None
+    # The MIG instance the process runs in (None outside MIG, or on bindings without it).
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemappedRows:
+    correctable: int
+    uncorrectable: int
+    pending: bool
+    failed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One NVML event (``nvmlEventSetWait_v2``): ``data`` is the Xid for Xid events."""
+
+    device_key: int  # :func:`handle_key` of the device it happened on
+    event_type: int
+    data: int
+    gpu_instance_id: int | None
+    compute_instance_id: int | None
+
+
+def handle_key(handle: Any) -> int:
+    """A stable number for a device handle, to match events to the GPU they came from.
+
+    Real handles are ctypes pointers, whose equality is by object; the address they point to
+    is what identifies the device. Anything else (the simulator's objects) is its identity.
+    """
+    if isinstance(handle, ctypes._Pointer):
+        return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)
+    return id(handle)
+
+
+def _instance(value: Any) -> int | None:
+    if value is None or int(value) == NO_INSTANCE:
+        return None
+    return int(value)
 
 
 class Nvml:
     """A thin, typed session over pynvml (or anything with the same functions).
 
     The sampler calls it from one worker thread per GPU (so a hung call blocks only that
-    GPU), one GPU after another; it remembers which function each thread is inside, so a
-    call that does not return can be named in errors and counted.
+    GPU), one GPU after another; the Xid listener and the PCIe thread call it from their own
+    threads. It remembers which function each thread is inside, so a call that does not
+    return can be named in errors and counted.
     """
 
     def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:
@@ -155,11 +247,21 @@ class Nvml:
         self._errors: Counter[tuple[str, str]] = Counter()
         self._errors_lock = threading.Lock()
         self._memory_v2 = True
+        self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
         self._in_flight: dict[int, str] = {}  # thread id → NVML function it is inside
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, function: str, *args: Any, **kwargs: Any) -> Any:
-        fn: Callable[..., Any] = getattr(self._lib, function)
+        return self._call_expecting(function, frozenset(), *args, **kwargs)
+
+    def _call_expecting(
+        self, function: str, expected: frozenset[int], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Call ``function``; errors whose code is in ``expected`` are answers, not failures,
+        and are not counted (``NOT_FOUND`` for an empty MIG slot, ``TIMEOUT`` of a wait)."""
+        fn: Callable[..., Any] | None = getattr(self._lib, function, None)
+        if fn is None:  # bindings older than this function: same as a driver without it
+            raise Unsupported(function, _FUNCTION_NOT_FOUND, "not in these NVML bindings")
         thread = threading.get_ident()
         self._in_flight[thread] = function
         try:
@@ -168,7 +270,7 @@ class Nvml:
             if not hasattr(exc, "value"):  # not an NVMLError: a bug, let it surface
                 raise
             error = _classify(function, exc)
-            if not isinstance(error, Unsupported):
+            if not isinstance(error, Unsupported) and error.code not in expected:
                 self._count(function, error.error)
             raise error from exc
         finally:
@@ -201,6 +303,7 @@ class Nvml:
                 raise
             raise NvmlUnavailable(exc.function, exc.code, str(exc)) from exc
         self._memory_v2 = True
+        self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
 
     def shutdown(self) -> None:
         with contextlib.suppress(NvmlError):
@@ -232,15 +335,20 @@ class Nvml:
         return _text(self._call("nvmlDeviceGetPciInfo", handle).busId)
 
     # -- values, in base units -----------------------------------------------------------
-    def memory(self, handle: Any) -> MemoryInfo:
-        """Frame-buffer memory. ``used`` follows nvidia-smi ≥ 510: reserved memory excluded."""
+    def memory(self, handle: Any, *, whole_gpu: bool = True) -> MemoryInfo:
+        """Frame-buffer memory. ``used`` follows nvidia-smi ≥ 510: reserved memory excluded.
+
+        ``whole_gpu`` False (a MIG device): a v2 refusal falls back to v1 for this call only,
+        instead of concluding that the driver has no v2 at all.
+        """
         if self._memory_v2:
             try:
                 m = self._call("nvmlDeviceGetMemoryInfo", handle, version=MEMORY_V2)
                 return MemoryInfo(int(m.total), int(m.used), int(m.free), int(m.reserved))
             except Unsupported:
                 # Driver older than 510: only v1 exists, and its "used" includes reserved.
-                self._memory_v2 = False
+                if whole_gpu:
+                    self._memory_v2 = False
         m = self._call("nvmlDeviceGetMemoryInfo", handle)
         return MemoryInfo(int(m.total), int(m.used), int(m.free), None)
 
@@ -269,8 +377,180 @@ class Nvml:
         return int(self._call("nvmlDeviceGetClockInfo", handle, CLOCK_TYPES[clock])) * 1e6
 
     def compute_processes(self, handle: Any) -> tuple[ProcessInfo, ...]:
+        """Compute processes with their memory and MIG instance ids (the v3 struct).
+
+        Only processes in this process's PID namespace are listed (a driver rule).
+        """
         procs = self._call("nvmlDeviceGetComputeRunningProcesses", handle)
         return tuple(
-            ProcessInfo(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory))
+            ProcessInfo(
+                int(p.pid),
+                None if p.usedGpuMemory is None else int(p.usedGpuMemory),
+                _instance(getattr(p, "gpuInstanceId", None)),
+                _instance(getattr(p, "computeInstanceId", None)),
+            )
             for p in procs
+        )
+
+    # -- health ----------------------------------------------------------------------------
+    def clocks_event_reasons(self, handle: Any) -> int:
+        """The bitmask of why clocks are held down (see :data:`CLOCKS_EVENT_REASONS`).
+
+        Drivers before 535 only have the older name of the same call.
+        """
+        if self._clocks_event_reasons_fn == "nvmlDeviceGetCurrentClocksEventReasons":
+            try:
+                return int(self._call(self._clocks_event_reasons_fn, handle))
+            except Unsupported as exc:
+                if exc.code != _FUNCTION_NOT_FOUND:
+                    raise
+                # A missing symbol is missing for every GPU: use the old name from now on.
+                self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksThrottleReasons"
+        return int(self._call(self._clocks_event_reasons_fn, handle))
+
+    def max_clock_hz(self, handle: Any, clock: str) -> float:
+        return int(self._call("nvmlDeviceGetMaxClockInfo", handle, CLOCK_TYPES[clock])) * 1e6
+
+    def temperature_threshold_celsius(self, handle: Any, threshold: str) -> float:
+        t = TEMPERATURE_THRESHOLDS[threshold]
+        return float(self._call("nvmlDeviceGetTemperatureThreshold", handle, t))
+
+    def performance_state(self, handle: Any) -> int:
+        """P-state 0 (fastest) to 15; ``Unsupported`` when the driver says "unknown"."""
+        state = int(self._call("nvmlDeviceGetPerformanceState", handle))
+        if state == PSTATE_UNKNOWN:
+            raise Unsupported(
+                "nvmlDeviceGetPerformanceState", pynvml.NVML_ERROR_NOT_SUPPORTED, "unknown"
+            )
+        return state
+
+    def persistence_mode_enabled(self, handle: Any) -> bool:
+        return int(self._call("nvmlDeviceGetPersistenceMode", handle)) == 1
+
+    def compute_mode(self, handle: Any) -> str:
+        mode = int(self._call("nvmlDeviceGetComputeMode", handle))
+        return COMPUTE_MODES.get(mode, str(mode))
+
+    def ecc_mode_enabled(self, handle: Any) -> bool:
+        current, _pending = self._call("nvmlDeviceGetEccMode", handle)
+        return int(current) == 1
+
+    def ecc_errors(self, handle: Any, error: str, counter: str) -> int:
+        return int(
+            self._call(
+                "nvmlDeviceGetTotalEccErrors",
+                handle,
+                ECC_ERROR_TYPES[error],
+                ECC_COUNTERS[counter],
+            )
+        )
+
+    def remapped_rows(self, handle: Any) -> RemappedRows:
+        corr, unc, pending, failure = self._call("nvmlDeviceGetRemappedRows", handle)
+        return RemappedRows(int(corr), int(unc), bool(pending), bool(failure))
+
+    def retired_pages(self, handle: Any, cause: str) -> int:
+        return len(self._call("nvmlDeviceGetRetiredPages", handle, PAGE_RETIREMENT_CAUSES[cause]))
+
+    def retired_pages_pending(self, handle: Any) -> bool:
+        return int(self._call("nvmlDeviceGetRetiredPagesPendingStatus", handle)) == 1
+
+    # -- PCIe ------------------------------------------------------------------------------
+    def pcie_link_generation(self, handle: Any, link: str) -> int:
+        fn = (
+            "nvmlDeviceGetCurrPcieLinkGeneration"
+            if link == "current"
+            else ("nvmlDeviceGetMaxPcieLinkGeneration")
+        )
+        return int(self._call(fn, handle))
+
+    def pcie_link_width(self, handle: Any, link: str) -> int:
+        fn = (
+            "nvmlDeviceGetCurrPcieLinkWidth"
+            if link == "current"
+            else ("nvmlDeviceGetMaxPcieLinkWidth")
+        )
+        return int(self._call(fn, handle))
+
+    def pcie_replay_errors(self, handle: Any) -> int:
+        return int(self._call("nvmlDeviceGetPcieReplayCounter", handle))
+
+    def pcie_throughput_bytes_per_second(self, handle: Any, direction: str) -> float:
+        """PCIe traffic over NVML's 20 ms sample window: the call blocks for about that long.
+
+        NVML reports KB/s (1 KB = 1024 bytes).
+        """
+        kb = int(self._call("nvmlDeviceGetPcieThroughput", handle, PCIE_COUNTERS[direction]))
+        return kb * 1024.0
+
+    # -- power and engines -----------------------------------------------------------------
+    def power_limit_default_watts(self, handle: Any) -> float:
+        return int(self._call("nvmlDeviceGetPowerManagementDefaultLimit", handle)) / 1000.0
+
+    def power_limit_constraints_watts(self, handle: Any) -> tuple[float, float]:
+        low, high = self._call("nvmlDeviceGetPowerManagementLimitConstraints", handle)
+        return int(low) / 1000.0, int(high) / 1000.0
+
+    def encoder_utilization_ratio(self, handle: Any) -> float:
+        util, _period_us = self._call("nvmlDeviceGetEncoderUtilization", handle)
+        return int(util) / 100.0
+
+    def decoder_utilization_ratio(self, handle: Any) -> float:
+        util, _period_us = self._call("nvmlDeviceGetDecoderUtilization", handle)
+        return int(util) / 100.0
+
+    # -- MIG -------------------------------------------------------------------------------
+    def mig_mode_enabled(self, handle: Any) -> bool:
+        current, _pending = self._call("nvmlDeviceGetMigMode", handle)
+        return int(current) == 1
+
+    def max_mig_device_count(self, handle: Any) -> int:
+        return int(self._call("nvmlDeviceGetMaxMigDeviceCount", handle))
+
+    def mig_device_handle(self, handle: Any, index: int) -> Any | None:
+        """The MIG device in slot ``index`` of a parent GPU, or None if that slot is empty."""
+        try:
+            return self._call_expecting(
+                "nvmlDeviceGetMigDeviceHandleByIndex", frozenset({_NOT_FOUND}), handle, index
+            )
+        except NvmlError as exc:
+            if exc.code == _NOT_FOUND:
+                return None
+            raise
+
+    def gpu_instance_id(self, mig_handle: Any) -> int:
+        return int(self._call("nvmlDeviceGetGpuInstanceId", mig_handle))
+
+    def compute_instance_id(self, mig_handle: Any) -> int:
+        return int(self._call("nvmlDeviceGetComputeInstanceId", mig_handle))
+
+    # -- events ----------------------------------------------------------------------------
+    def event_set_create(self) -> Any:
+        return self._call("nvmlEventSetCreate")
+
+    def event_set_free(self, event_set: Any) -> None:
+        self._call("nvmlEventSetFree", event_set)
+
+    def supported_event_types(self, handle: Any) -> int:
+        return int(self._call("nvmlDeviceGetSupportedEventTypes", handle))
+
+    def register_events(self, handle: Any, event_types: int, event_set: Any) -> None:
+        self._call("nvmlDeviceRegisterEvents", handle, event_types, event_set)
+
+    def event_wait(self, event_set: Any, timeout_ms: int) -> Event | None:
+        """The next event, or None when ``timeout_ms`` passed without one."""
+        try:
+            data = self._call_expecting(
+                "nvmlEventSetWait_v2", frozenset({_TIMEOUT}), event_set, timeout_ms
+            )
+        except NvmlError as exc:
+            if exc.code == _TIMEOUT:
+                return None
+            raise
+        return Event(
+            handle_key(data.device),
+            int(data.eventType),
+            int(data.eventData),
+            _instance(getattr(data, "gpuInstanceId", None)),
+            _instance(getattr(data, "computeInstanceId", None)),
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_exporter import __version__
-from gpu_exporter.choose import SORTS
+from gpu_exporter.choose import MIG_MODES, SORTS
 
 _DURATION = {"type": "string", "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*(ms|s|m|h)?\s*$"}
 _SIZE = {"type": "string", "examples": ["8GiB", "500MB", "1073741824"]}
@@ -39,10 +39,15 @@ _CHOOSE_PARAMETERS: dict[str, tuple[str, dict[str, Any]]] = {
     "model": ("The GPU name contains this (case-insensitive).", {"type": "string"}),
     "include": ("Only these GPUs: indices, UUIDs or prefixes, PCI bus ids.", _SELECTORS),
     "exclude": ("Never these GPUs: indices, UUIDs or prefixes, PCI bus ids.", _SELECTORS),
+    "mig": (
+        "MIG devices: deny (default, whole cards only), allow (whole cards and MIG devices) or "
+        "only (MIG devices only). A MIG device is returned as its MIG-… UUID.",
+        {"type": "string", "enum": list(MIG_MODES)},
+    ),
 }
 
 _CLUSTER_PARAMETERS: dict[str, tuple[str, dict[str, Any]]] = {
-    **_CHOOSE_PARAMETERS,
+    **{k: v for k, v in _CHOOSE_PARAMETERS.items() if k != "mig"},  # whole cards only
     "format": (
         "uuid (default): 'HOST GPU-a,GPU-b' per host; index: 'HOST 0,1'; env: an export line "
         "with GPU_HOST and GPU_EXPORTER_URL (one host only); json.",
@@ -106,6 +111,20 @@ _GPU = {
         "name": {"type": ["string", "null"]},
         "memory_free_bytes": {"type": ["integer", "null"]},
         "utilization_ratio": {"type": ["number", "null"]},
+        "parent_uuid": {"type": ["string", "null"], "description": "Set on MIG devices."},
+        "mig_devices": {"type": "array", "items": {"type": "object"}},
+        "processes": {
+            "type": ["array", "null"],
+            "items": {
+                "type": "object",
+                "required": ["pid", "used_memory_bytes"],
+                "properties": {
+                    "pid": {"type": "integer"},
+                    "used_memory_bytes": {"type": ["integer", "null"]},
+                },
+            },
+        },
+        "process_visibility": {"enum": ["full", "partial", "none", None]},
     },
 }
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
-from gpu_exporter.choose import SORTS, Filters
+from gpu_exporter.choose import MIG_MODES, SORTS, Filters
 from gpu_exporter.units import parse_bytes, parse_duration, parse_ratio
 
 MAX_N = 1024
@@ -29,11 +29,12 @@ DEFAULT_LEASE_SECONDS = 60.0
 CHOOSE_PARAMS = (
     "n", "format", "lease", "owner", "wait", "idle_for", "sort",
     "min_free", "min_total", "max_util", "max_mem_util", "max_procs", "model", "include", "exclude",
+    "mig",
 )  # fmt: skip
 CHOOSE_FORMATS = ("uuid", "index", "env", "json")
-# /cluster/choose: every /choose parameter, plus where the GPUs may be and how old the
-# fleet's figures may be.
-CLUSTER_PARAMS = (*CHOOSE_PARAMS, "spread", "max_age")
+# /cluster/choose: every /choose parameter but mig (it hands out whole cards only), plus where
+# the GPUs may be and how old the fleet's figures may be.
+CLUSTER_PARAMS = (*(p for p in CHOOSE_PARAMS if p != "mig"), "spread", "max_age")
 DEFAULT_FLEET_MAX_AGE_SECONDS = 60.0  # four missed scrapes at Prometheus' usual 15 s
 MAX_FLEET_MAX_AGE_SECONDS = 3600.0
 # Filters a host's /choose checks again, on its own fresh sample, when a cluster choice claims.
@@ -149,6 +150,15 @@ def parse_choose_args(
     model = args.get("model")
     if model is not None and not model.strip():
         bad("model", "model must not be empty")
+    mig = args.get("mig", "deny")
+    if mig not in MIG_MODES:
+        bad("mig", f"mig must be one of {', '.join(MIG_MODES)}, got {mig!r}")
+    if mig != "deny" and fmt == "index":
+        bad(
+            "format",
+            "format=index cannot name MIG devices (CUDA takes their MIG-… UUID); "
+            "use format=uuid or env",
+        )
     lease = parsed(args, "lease", parse_duration)
     filters = Filters(
         min_free_bytes=parsed(args, "min_free", parse_bytes),
@@ -159,6 +169,7 @@ def parse_choose_args(
         max_procs=None if raw_procs is None else int(raw_procs),
         model=model,
         include=_selectors(args, "include"),
+        mig=mig,
     )
     return ChooseRequest(
         n=int(raw_n),

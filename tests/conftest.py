@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from flask import Flask
@@ -11,11 +12,13 @@ from flask.testing import FlaskClient
 from prometheus_client import CollectorRegistry
 
 from gpu_exporter.app import create_app
+from gpu_exporter.counters import PcieRates, XidCounter
 from gpu_exporter.exposition import Exposition
 from gpu_exporter.leases import LeaseTable
 from gpu_exporter.metrics import GpuCollector, RequestCounter
 from gpu_exporter.model import Snapshot
 from gpu_exporter.nvml import Nvml
+from gpu_exporter.procinfo import ProcInfoCache
 from gpu_exporter.sampler import Sampler, SnapshotCache, new_cache
 from gpu_exporter.simulate import SimGpu, SimulatedNvml
 
@@ -51,6 +54,8 @@ class Stack:
     app: Flask
     leases: LeaseTable
     exposition: Exposition
+    xids: XidCounter
+    pcie: PcieRates | None = None
 
     @property
     def client(self) -> FlaskClient:
@@ -71,6 +76,9 @@ def build_stack(
     max_age: float = 10.0,
     clock: FakeClock | None = None,
     leases: LeaseTable | None = None,
+    procinfo: ProcInfoCache | None = None,
+    pcie: bool = False,
+    process_series_limit: int = 64,
     nvml_timeout: float = 5.0,
 ) -> Stack:
     clock = clock or FakeClock()
@@ -78,13 +86,27 @@ def build_stack(
     nvml = Nvml(sim, simulated=True)
     cache = new_cache(nvml, clock)
     sampler = Sampler(
-        nvml, cache, interval_seconds=1.0, nvml_timeout_seconds=nvml_timeout, clock=clock
+        nvml,
+        cache,
+        interval_seconds=1.0,
+        nvml_timeout_seconds=nvml_timeout,
+        clock=clock,
+        procinfo=procinfo,
     )
     table = leases or LeaseTable(clock)
     requests, rejections = RequestCounter(), RequestCounter()
+    xids = XidCounter()
+    rates = PcieRates() if pcie else None
     registry = CollectorRegistry()
     collector = GpuCollector(
-        cache, version="test", leases=table, requests=requests, rejections=rejections
+        cache,
+        version="test",
+        leases=table,
+        requests=requests,
+        rejections=rejections,
+        xids=xids,
+        pcie=rates,
+        process_series_limit=process_series_limit,
     )
     registry.register(collector)
     exposition = Exposition(cache, collector)
@@ -97,8 +119,9 @@ def build_stack(
         requests=requests,
         rejections=rejections,
         exposition=exposition,
+        xids=xids,
     )
-    return Stack(clock, sim, nvml, cache, sampler, registry, app, table, exposition)
+    return Stack(clock, sim, nvml, cache, sampler, registry, app, table, exposition, xids, rates)
 
 
 @pytest.fixture
@@ -117,3 +140,20 @@ def stack() -> Stack:
 def sim_of(*gpus: SimGpu, **kwargs: object) -> Callable[[FakeClock], SimulatedNvml]:
     """A factory for build_stack from explicit simulated GPUs."""
     return lambda clock: SimulatedNvml(list(gpus), clock=clock.monotonic, **kwargs)  # type: ignore[arg-type]
+
+
+# A container id as Docker writes it (64 hex digits).
+CID = "3f4e8a1b2c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f7"
+
+
+def fake_proc(root: Path, pid: int, *, uid: int, cmdline: bytes, cgroup: str, start: int) -> None:
+    """A /proc/<pid> directory with the files gpu_exporter.procinfo reads."""
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    (d / "status").write_text(f"Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+    (d / "cmdline").write_bytes(cmdline)
+    (d / "comm").write_text("kworker\n")
+    (d / "cgroup").write_text(cgroup)
+    # Field 2 with spaces and parentheses, as a process can name itself.
+    fields = ["S"] + ["0"] * 18 + [str(start)] + ["0"] * 30
+    (d / "stat").write_text(f"{pid} (my (odd) name) " + " ".join(fields) + "\n")

@@ -45,7 +45,9 @@ def test_requests_cannot_reach_nvml() -> None:
         assert "gpu_exporter.nvml" not in imports_of(PACKAGE / module), module
 
 
-@pytest.mark.parametrize("module", ["units", "choose", "nvml", "cli", "params", "cluster"])
+@pytest.mark.parametrize(
+    "module", ["units", "choose", "nvml", "cli", "params", "cluster", "procinfo", "model"]
+)
 def test_doctests(module: str) -> None:
     result = doctest.testmod(importlib.import_module(f"gpu_exporter.{module}"))
     assert result.attempted > 0

@@ -42,18 +42,18 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     assert latency["sequential_gzip"]["body_bytes"] < latency["sequential"]["body_bytes"] / 3
     # 2. sampling: exactly the supported fields of every device, and nothing else
     sampling = report["sampling"]["gpu-exporter"]
-    assert sampling["nvml_calls_per_sample"] == sampling["expected_calls_per_sample"] == 105
+    assert sampling["nvml_calls_per_sample"] == sampling["expected_calls_per_sample"] == 121
     assert set(sampling["nvml_calls_by_function"]) >= {"nvmlDeviceGetMemoryInfo_v2"}
     assert "nvmlDeviceGetUUID" not in sampling["nvml_calls_by_function"]  # read once only
     # 3. /choose against the no-op baseline
     for route in ("choose", "healthz"):
         assert report["choose"][route]["requests"] > 0, route
         assert report["choose"][route]["errors"] == 0, route
-    # 4. scaling: calls grow linearly with devices (1 + 13 per GPU), 2 calls for a process list
+    # 4. scaling: calls grow linearly with devices (1 + 15 per GPU), 2 calls for a process list
     points = {(p["devices"], p["processes"]): p for p in report["scaling"]}
-    assert points[(1, 0)]["nvml_calls_per_sample"] == 1 + 13
-    assert points[(64, 0)]["nvml_calls_per_sample"] == 1 + 64 * 13
-    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 14
+    assert points[(1, 0)]["nvml_calls_per_sample"] == 1 + 15
+    assert points[(64, 0)]["nvml_calls_per_sample"] == 1 + 64 * 15
+    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 16
     # 5. RSS
     assert 10 < report["rss"]["after_start_mib"] < 500
     assert report["rss"]["requests"] > 1000

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +118,8 @@ def test_environment_variables_configure_flags() -> None:
         (["--listen-address", "9400"], "--listen-address: expected HOST:PORT"),
         (["--interval", "0"], "expected 0.05 to 3600 seconds"),
         (["--log-level", "loud"], "invalid choice: 'loud'"),
+        (["--process-labels", "user,email"], "--process-labels: unknown process labels email"),
+        (["--process-series-limit", "-1"], "--process-series-limit must be 0 or more"),
     ],
 )
 def test_bad_flags_are_one_clear_message(args: list[str], message: str) -> None:
@@ -151,3 +154,55 @@ def test_listen_address_parsing() -> None:
     for bad in ("9400", "host:", "host:99999", ":http"):
         with pytest.raises(ValueError, match="HOST:PORT"):
             parse_listen_address(bad)
+
+
+def test_health_mig_xids_pcie_and_process_labels_end_to_end(tmp_path: Path) -> None:
+    scenario = tmp_path / "host.toml"
+    scenario.write_text(
+        "[[gpus]]\n"
+        'model = "NVIDIA A100-SXM4-80GB"\n'
+        'load = "busy"\n'
+        'mig = ["3g.40gb", "1g.10gb"]\n'
+        "[[gpus]]\n"
+        'model = "NVIDIA GeForce GTX 1080"\n'
+        "[[xid_events]]\n"
+        "gpu = 0\n"
+        "xid = 79\n"
+        "every_seconds = 0.2\n"
+    )
+    port = free_port()
+    proc = start(
+        "serve",
+        "--simulate",
+        str(scenario),
+        "--listen-address",
+        f"127.0.0.1:{port}",
+        "--interval",
+        "0.1",
+        "--process-labels",
+        "user,command",
+        env={"GPU_EXPORTER_COLLECT_PCIE_THROUGHPUT": "true"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        deadline = time.monotonic() + 15
+        text = ""
+        while time.monotonic() < deadline:
+            text = get(base + "/metrics")[1]
+            if "gpu_xid_errors_total{" in text and "gpu_pcie_throughput_bytes_per_second{" in text:
+                break
+            time.sleep(0.1)
+        assert 'gpu_xid_errors_total{gpu="0",uuid="GPU-' in text and 'xid="79"' in text
+        assert 'direction="tx"' in text
+        assert text.count("gpu_mig_info{") == 2
+        assert 'profile="3g.40gb"' in text
+        # Process series carry the opt-in labels (the simulated pids are not in this /proc).
+        line = next(x for x in text.splitlines() if x.startswith("gpu_process_memory_used_bytes{"))
+        assert 'command=""' in line and 'user=""' in line and 'container="' not in line
+        status, body = get(base + "/choose?n=1&mig=only&lease=0")
+        assert status == 200 and body.startswith("MIG-")
+    finally:
+        err = stop(proc)
+    assert "Traceback" not in err
+    assert "listening for Xid errors on 1 GPUs" in err

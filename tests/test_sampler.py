@@ -109,8 +109,12 @@ def test_nvml_calls_per_sample_are_exactly_the_supported_fields() -> None:
     s.sample()
     per_sample = sum(s.sim.calls.values()) - before
     # count + per GPU: handle, memory, utilization, power, limit, energy, temperature,
-    # 4 clocks, processes = 12 (fan is unsupported and not retried)
-    assert per_sample == 1 + 3 * 12
+    # 4 clocks, processes = 12 (fan is unsupported and not retried), plus the health fields:
+    # MIG mode, clocks event reasons, P-state, persistence, compute mode, ECC mode,
+    # 4 ECC counters, remapped rows, current PCIe generation and width, PCIe replays,
+    # encoder, decoder = 16. Not again: retired pages (unsupported on Ampere), and the
+    # static ones (max clocks, thresholds, power constraints, max PCIe link) read once.
+    assert per_sample == 1 + 3 * (12 + 16)
 
 
 def test_nvml_missing_at_start_then_appearing() -> None:
