@@ -27,6 +27,7 @@ from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.openapi import document as openapi_document
 from gpu_exporter.sampler import Clock, SnapshotCache, SystemClock
+from gpu_exporter.status import status_view
 from gpu_exporter.units import format_bytes, parse_bytes, parse_duration, parse_ratio
 
 log = logging.getLogger(__name__)
@@ -266,10 +267,16 @@ def create_app(
 
     @app.get("/")
     def index() -> str:
-        snapshot, _ = current()
-        return render_template(
-            "index.html", snapshot=snapshot, version=__version__, fmt=format_bytes
+        snapshot, now = current()
+        problem = snapshot_problem(snapshot, now, max_age_seconds)
+        view = status_view(
+            snapshot,
+            table.active(snapshot),
+            wall_now=clock.time(),
+            age_seconds=snapshot.age_seconds(now),
+            problem=problem.message if problem else None,
         )
+        return render_template("index.html", view=view, version=__version__, fmt=format_bytes)
 
     @app.get("/openapi.json")
     def openapi() -> Response:
