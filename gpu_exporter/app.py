@@ -12,6 +12,7 @@ Errors are never tracebacks or HTML debug pages: a JSON body
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -22,7 +23,9 @@ from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
 from gpu_exporter import __version__
 from gpu_exporter.choose import SORTS, Choice, Filters, NotEnoughGpus, Rejected, Window, score
+from gpu_exporter.errors import error_response
 from gpu_exporter.leases import Lease, LeaseError, LeaseTable
+from gpu_exporter.limits import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAITERS, RequestLimits, Waiters
 from gpu_exporter.metrics import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.openapi import document as openapi_document
@@ -55,21 +58,9 @@ def _bad(param: str, message: str) -> NoReturn:
     raise ApiError(400, "invalid_parameter", message, param)
 
 
-def _wants_json() -> bool:
-    if request.args.get("format") == "json" or request.path.startswith(("/gpus", "/leases")):
-        return True
-    best = request.accept_mimetypes.best_match(["text/plain", "application/json"])
-    return best == "application/json" and request.accept_mimetypes[best] > 0
-
-
 def _error_response(status: int, code: str, message: str, param: str | None = None) -> Response:
-    if _wants_json():
-        resp = jsonify({"error": {"code": code, "message": message, "param": param}})
-    else:
-        resp = Response(f"error: {message}\n", mimetype="text/plain")
-    resp.status_code = status
-    resp.headers["Cache-Control"] = "no-store"
-    return resp
+    resp = error_response(request, status, code, message, param)
+    return Response(resp.get_data(), resp.status_code, resp.headers)
 
 
 def snapshot_problem(
@@ -230,16 +221,23 @@ def create_app(
     max_age_seconds: float = 10.0,
     leases: LeaseTable | None = None,
     requests: RequestCounter | None = None,
+    rejections: RequestCounter | None = None,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    waiters: Waiters | None = None,
+    stopping: threading.Event | None = None,
 ) -> Flask:
     """Build the app. Everything it reads comes in through the arguments.
 
-    Pass the same ``leases`` and ``requests`` to the metrics collector to export them.
+    Pass the same ``leases``, ``requests`` and ``rejections`` to the metrics collector to
+    export them. ``stopping``, once set, makes waiting ``/choose`` requests give up at once.
     """
     app = Flask(__name__)
     app.json.sort_keys = False  # type: ignore[attr-defined]
     clock = clock or SystemClock()
     table = leases if leases is not None else LeaseTable(clock)
     counter = requests if requests is not None else RequestCounter()
+    waiters = waiters if waiters is not None else Waiters(DEFAULT_MAX_WAITERS)
+    stopping = stopping or threading.Event()
 
     def current() -> tuple[Snapshot, float]:
         return cache.get(), clock.monotonic()
@@ -296,6 +294,7 @@ def create_app(
 
     @app.get("/gpus")
     def gpus() -> Response:
+        check_params(request.args, (), "/gpus")
         snapshot, now = current()
         return jsonify(
             {
@@ -315,6 +314,7 @@ def create_app(
         deadline = clock.monotonic() + req.wait_seconds
         requester = request.remote_addr or "unknown"
         ticket = table.enqueue()
+        waiting = False  # holds one of the --max-waiters slots
         try:
             while True:
                 snapshot, now = current()
@@ -352,9 +352,25 @@ def create_app(
                     )
                 if failure is not None and clock.monotonic() >= deadline:
                     raise failure
+                if stopping.is_set():
+                    raise ApiError(503, "shutting_down", "the exporter is shutting down")
+                if not waiting:
+                    if not waiters.try_enter():
+                        if rejections is not None:
+                            rejections.inc("too_many_waiters")
+                        raise ApiError(
+                            503,
+                            "too_many_waiters",
+                            f"{waiters.limit} requests are already waiting for GPUs "
+                            "(--max-waiters); retry later",
+                            "wait",
+                        )
+                    waiting = True
                 with table.changed:
                     table.changed.wait(WAIT_POLL_SECONDS)
         finally:
+            if waiting:
+                waiters.leave()
             table.dequeue(ticket)
 
     @app.route("/choose", methods=["GET", "POST"])
@@ -411,5 +427,9 @@ def create_app(
         return jsonify(lease.to_json())
 
     metrics_app = make_wsgi_app(registry)
-    app.wsgi_app = DispatcherMiddleware(app.wsgi_app, {"/metrics": metrics_app})  # type: ignore[method-assign]
+    app.wsgi_app = RequestLimits(  # type: ignore[method-assign]
+        DispatcherMiddleware(app.wsgi_app, {"/metrics": metrics_app}),
+        max_in_flight=max_in_flight,
+        rejections=rejections,
+    )
     return app

@@ -32,6 +32,9 @@ class ServeConfig:
     state_dir: str | None = None  # None: leases are not kept across restarts
     max_lease_seconds: float = 3600.0
     max_gpus_per_requester: int = 0  # 0: no limit
+    nvml_timeout_seconds: float = 5.0
+    max_requests_in_flight: int = 32
+    max_waiters: int = 8
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -108,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="use N simulated GPUs, or a scenario file, instead of the NVIDIA driver",
     )
     serve.add_argument(
+        "--nvml-timeout",
+        type=_positive_seconds,
+        default=_env("nvml-timeout", "5"),
+        metavar="SECONDS",
+        help="deadline for one GPU's NVML calls in a sample; a GPU whose call does not return "
+        "in time is reported down (gpu_down_reason timeout) until it does (default %(default)s)",
+    )
+    serve.add_argument(
         "--max-age",
         type=_positive_seconds,
         default=_env("max-age", None),
@@ -135,6 +146,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("max-gpus-per-requester", "0"),
         metavar="N",
         help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
+    )
+    serve.add_argument(
+        "--max-requests-in-flight",
+        type=int,
+        default=_env("max-requests-in-flight", "32"),
+        metavar="N",
+        help="requests handled at once; more are answered 503 with Retry-After at once "
+        "(/healthz and /readyz are exempt and always get a thread) (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-waiters",
+        type=int,
+        default=_env("max-waiters", "8"),
+        metavar="N",
+        help="/choose?wait= requests that may wait for GPUs at once; more are answered 503 "
+        "too_many_waiters; 0 disables waiting (default %(default)s)",
     )
     serve.add_argument(
         "--log-level",
@@ -168,6 +195,10 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
     if args.max_gpus_per_requester < 0:
         parser.error("--max-gpus-per-requester must be 0 (no limit) or more")
+    if not 1 <= args.max_requests_in_flight <= 1024:
+        parser.error("--max-requests-in-flight must be from 1 to 1024")
+    if not 0 <= args.max_waiters < args.max_requests_in_flight:
+        parser.error("--max-waiters must be from 0 to less than --max-requests-in-flight")
     return ServeConfig(
         host,
         port,
@@ -178,6 +209,9 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or _default_state_dir(),
         max_lease_seconds=float(args.max_lease),
         max_gpus_per_requester=int(args.max_gpus_per_requester),
+        nvml_timeout_seconds=float(args.nvml_timeout),
+        max_requests_in_flight=int(args.max_requests_in_flight),
+        max_waiters=int(args.max_waiters),
     )
 
 
@@ -202,6 +236,7 @@ def serve(config: ServeConfig) -> int:
 
     from gpu_exporter.app import create_app
     from gpu_exporter.leases import LeaseTable
+    from gpu_exporter.limits import PROBE_THREADS, Waiters
     from gpu_exporter.metrics import GpuCollector, RequestCounter
     from gpu_exporter.nvml import Nvml
     from gpu_exporter.sampler import Sampler, SystemClock, new_cache
@@ -232,10 +267,11 @@ def serve(config: ServeConfig) -> int:
         max_ttl_seconds=config.max_lease_seconds,
         max_gpus_per_requester=config.max_gpus_per_requester,
     )
-    requests = RequestCounter()
+    requests, rejections = RequestCounter(), RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, leases=leases, requests=requests))
+    registry.register(GpuCollector(cache, leases=leases, requests=requests, rejections=rejections))
     ProcessCollector(registry=registry)
+    stopping = threading.Event()
     app = create_app(
         cache,
         registry,
@@ -243,9 +279,16 @@ def serve(config: ServeConfig) -> int:
         max_age_seconds=config.max_age_seconds,
         leases=leases,
         requests=requests,
+        rejections=rejections,
+        max_in_flight=config.max_requests_in_flight,
+        waiters=Waiters(config.max_waiters),
+        stopping=stopping,
     )
 
-    server = Server(app, config.host, config.port)
+    # A few threads beyond the request limit, so that probes always find one free.
+    server = Server(
+        app, config.host, config.port, threads=config.max_requests_in_flight + PROBE_THREADS
+    )
     try:
         server.bind()  # before NVML: a busy port fails fast, without touching the driver
     except ListenError as exc:
@@ -253,10 +296,14 @@ def serve(config: ServeConfig) -> int:
         return 1
 
     # NVML is initialised on the sampler thread of this (serving) process — never before a fork.
-    sampler = Sampler(nvml, cache, interval_seconds=config.interval_seconds, clock=clock)
+    sampler = Sampler(
+        nvml,
+        cache,
+        interval_seconds=config.interval_seconds,
+        nvml_timeout_seconds=config.nvml_timeout_seconds,
+        clock=clock,
+    )
     sampler.start()
-
-    stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if not stopping.is_set():

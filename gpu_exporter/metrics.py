@@ -67,6 +67,22 @@ GPU_UP = MetricSpec(
     GPU_LABELS,
     "nvmlDeviceGetHandleByIndex and every value call",
 )
+GPU_LAST_SEEN = MetricSpec(
+    "gpu_last_seen_timestamp_seconds",
+    "gauge",
+    "Unix time of the last sample in which the GPU answered; kept while it is down, so "
+    "time() - this is how long it has been gone." + SAMPLED,
+    GPU_LABELS,
+    "the exporter",
+)
+GPU_DOWN_REASON = MetricSpec(
+    "gpu_down_reason",
+    "gauge",
+    "1 while gpu_up is 0, with why: lost (fell off the bus, needs a reset), timeout (an NVML "
+    "call for it has not returned within --nvml-timeout) or error." + SAMPLED,
+    (*GPU_LABELS, "reason"),
+    "nvmlDeviceGetHandleByIndex and every value call",
+)
 GPU_VALUES: tuple[MetricSpec, ...] = (
     _gpu(
         "gpu_memory_total_bytes",
@@ -207,6 +223,14 @@ LEASES_DROPPED = MetricSpec(
     ("reason",),
     "the lease table",
 )
+REQUESTS_REJECTED = MetricSpec(
+    "gpu_exporter_requests_rejected_total",
+    "counter",
+    "Requests refused by the request limits: too_many_requests (--max-requests-in-flight), "
+    "too_many_waiters (--max-waiters), uri_too_long.",
+    ("reason",),
+    "the exporter",
+)
 EXPORTER_METRICS = (
     BUILD_INFO,
     NVML_UP,
@@ -215,12 +239,21 @@ EXPORTER_METRICS = (
     NVML_ERRORS,
     CHOOSE_REQUESTS,
     LEASES_DROPPED,
+    REQUESTS_REJECTED,
 )
-METRICS: tuple[MetricSpec, ...] = (GPU_INFO, GPU_UP, *GPU_VALUES, GPU_LEASED, *EXPORTER_METRICS)
+METRICS: tuple[MetricSpec, ...] = (
+    GPU_INFO,
+    GPU_UP,
+    GPU_DOWN_REASON,
+    GPU_LAST_SEEN,
+    *GPU_VALUES,
+    GPU_LEASED,
+    *EXPORTER_METRICS,
+)
 
 
 class RequestCounter:
-    """Thread-safe counts of /choose results."""
+    """Thread-safe counts by one label value (/choose results, rejected requests)."""
 
     def __init__(self) -> None:
         self._counts: Counter[str] = Counter()
@@ -243,6 +276,7 @@ def _family(spec: MetricSpec) -> GaugeMetricFamily | CounterMetricFamily:
 def gpu_families(snapshot: Snapshot) -> Iterator[Metric]:
     """Per-GPU families. A value the GPU did not report this sample has no series at all."""
     info, up = _family(GPU_INFO), _family(GPU_UP)
+    down, seen = _family(GPU_DOWN_REASON), _family(GPU_LAST_SEEN)
     values = [_family(spec) for spec in GPU_VALUES]
     for gpu in snapshot.gpus:
         ids = [str(gpu.index), gpu.uuid]
@@ -257,10 +291,16 @@ def gpu_families(snapshot: Snapshot) -> Iterator[Metric]:
             1,
         )
         up.add_metric(ids, 1 if gpu.up else 0)
+        if not gpu.up and gpu.down_reason is not None:
+            down.add_metric([*ids, gpu.down_reason], 1)
+        if gpu.last_seen_seconds is not None:
+            seen.add_metric(ids, gpu.last_seen_seconds)
         for spec, family in zip(GPU_VALUES, values, strict=True):
             _add_values(spec, family, ids, gpu)
     yield info
     yield up
+    yield down
+    yield seen
     yield from values
 
 
@@ -303,14 +343,18 @@ def lease_families(
     for gpu in snapshot.gpus:
         leased.add_metric([str(gpu.index), gpu.uuid], 1 if gpu.uuid in held else 0)
     yield leased
-    results = _family(CHOOSE_REQUESTS)
-    for result, count in sorted(requests.counts().items()):
-        results.add_metric([result], count)
-    yield results
+    yield _counts(CHOOSE_REQUESTS, requests)
     dropped = _family(LEASES_DROPPED)
     for reason, count in sorted(leases.dropped.items()):
         dropped.add_metric([reason], count)
     yield dropped
+
+
+def _counts(spec: MetricSpec, counter: RequestCounter) -> Metric:
+    family = _family(spec)
+    for label, count in sorted(counter.counts().items()):
+        family.add_metric([label], count)
+    return family
 
 
 class GpuCollector(Collector):
@@ -323,11 +367,13 @@ class GpuCollector(Collector):
         *,
         leases: LeaseTable | None = None,
         requests: RequestCounter | None = None,
+        rejections: RequestCounter | None = None,
     ) -> None:
         self._cache = cache
         self._version = version
         self._leases = leases
         self._requests = requests or RequestCounter()
+        self._rejections = rejections
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._cache.get()  # one snapshot for the whole scrape
@@ -335,6 +381,8 @@ class GpuCollector(Collector):
         if self._leases is not None:
             yield from lease_families(snapshot, self._leases, self._requests)
         yield from exporter_families(snapshot, self._version)
+        if self._rejections is not None:
+            yield _counts(REQUESTS_REJECTED, self._rejections)
 
 
 def markdown_table() -> str:

@@ -22,6 +22,8 @@ class GpuSample:
     name: str | None = None
     pci_bus_id: str | None = None
     error: str | None = None  # why up is False, or the last failed field this sample
+    down_reason: str | None = None  # when up is False: "lost", "timeout" or "error"
+    last_seen_seconds: float | None = None  # wall clock of the last sample it answered
 
     memory_total_bytes: int | None = None
     memory_used_bytes: int | None = None  # excludes reserved, as nvidia-smi ≥ 510

@@ -32,6 +32,8 @@ ERROR_NAMES: dict[int, str] = {
     if name.startswith("NVML_ERROR_")
 }
 _CODES_BY_NAME = {name: code for code, name in ERROR_NAMES.items()}
+# Not an NVML code: the ``error`` label for a call that did not return within the deadline.
+TIMEOUT = "TIMEOUT"
 
 _UNSUPPORTED_CODES = frozenset(
     {pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}
@@ -142,8 +144,9 @@ class ProcessInfo:
 class Nvml:
     """A thin, typed session over pynvml (or anything with the same functions).
 
-    Not thread-safe by design: one sampler thread owns it, so NVML never sees two
-    concurrent callers from this process.
+    The sampler calls it from one worker thread per GPU (so a hung call blocks only that
+    GPU), one GPU after another; it remembers which function each thread is inside, so a
+    call that does not return can be named in errors and counted.
     """
 
     def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:
@@ -152,10 +155,13 @@ class Nvml:
         self._errors: Counter[tuple[str, str]] = Counter()
         self._errors_lock = threading.Lock()
         self._memory_v2 = True
+        self._in_flight: dict[int, str] = {}  # thread id → NVML function it is inside
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, function: str, *args: Any, **kwargs: Any) -> Any:
         fn: Callable[..., Any] = getattr(self._lib, function)
+        thread = threading.get_ident()
+        self._in_flight[thread] = function
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
@@ -163,9 +169,22 @@ class Nvml:
                 raise
             error = _classify(function, exc)
             if not isinstance(error, Unsupported):
-                with self._errors_lock:
-                    self._errors[(function, error.error)] += 1
+                self._count(function, error.error)
             raise error from exc
+        finally:
+            self._in_flight.pop(thread, None)
+
+    def _count(self, function: str, error: str) -> None:
+        with self._errors_lock:
+            self._errors[(function, error)] += 1
+
+    def in_flight(self, thread_id: int) -> str | None:
+        """The NVML function thread ``thread_id`` is inside right now, if any."""
+        return self._in_flight.get(thread_id)
+
+    def count_timeout(self, function: str) -> None:
+        """Record a call that did not return within the sampler's deadline (once per hang)."""
+        self._count(function, TIMEOUT)
 
     def error_counts(self) -> dict[tuple[str, str], int]:
         """Failed calls so far, by (NVML function, error name). Unsupported is not failure."""

@@ -88,7 +88,11 @@ def _errors(*statuses: int) -> dict[str, Any]:
         400: "Invalid or unknown parameter.",
         404: "No such lease.",
         429: "Over a lease limit.",
-        503: "Not enough GPUs qualify, NVML is unavailable, or the sample is stale.",
+        414: "The query string is longer than 4096 bytes (uri_too_long).",
+        503: "Not enough GPUs qualify (not_enough_gpus), NVML is unavailable "
+        "(nvml_unavailable), the sample is stale (snapshot_stale), the server is at its "
+        "request or waiter limit (too_many_requests with Retry-After, too_many_waiters), or "
+        "it is shutting down (shutting_down).",
     }
     return {
         str(s): {
@@ -126,7 +130,7 @@ def document() -> dict[str, Any]:
     choose_op = {
         "summary": "Choose the freest GPUs and claim them with a lease",
         "parameters": choose_params,
-        "responses": {"200": choose_ok, **_errors(400, 429, 503)},
+        "responses": {"200": choose_ok, **_errors(400, 414, 429, 503)},
     }
     lease_id = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
     lease_ref = {"$ref": "#/components/schemas/Lease"}

@@ -26,15 +26,21 @@ Scenario files are TOML::
     [[faults]]
     function = "nvmlDeviceGetPowerUsage"   # "*" = every call for that GPU (or every call)
     gpu = 2                                # omit for library-wide faults (nvmlInit…)
-    error = "GPU_IS_LOST"                  # any NVML_ERROR_* name
+    error = "GPU_IS_LOST"                  # any NVML_ERROR_* name, or "HANG"
+    hang_seconds = 30                      # HANG only: the call blocks this long (real time)
     after_seconds = 60                     # optional, default 0
     for_seconds = 30                       # optional, default forever
+
+A ``HANG`` fault blocks the calling thread for ``hang_seconds`` of real time (like a driver
+call stuck in the kernel), then the call goes on normally; every matching call made while
+the fault is active hangs. :meth:`SimulatedNvml.release_hangs` ends them early.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +54,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+HANG = "HANG"  # a fault that blocks the call instead of failing it
 GIB = 1024**3
 MIB = 1024**2
 
@@ -128,10 +135,11 @@ class Load:
 @dataclass(frozen=True, slots=True)
 class Fault:
     function: str  # an NVML function name, or "*"
-    error: str  # NVML error name, e.g. "GPU_IS_LOST"
+    error: str  # NVML error name, e.g. "GPU_IS_LOST", or HANG
     gpu: int | None = None  # None: not tied to one GPU
     after_seconds: float = 0.0
     for_seconds: float = math.inf
+    hang_seconds: float = 0.0  # HANG only: how long each matching call blocks
 
     def active(self, t: float) -> bool:
         return self.after_seconds <= t < self.after_seconds + self.for_seconds
@@ -208,6 +216,9 @@ class SimulatedNvml:
         self.cuda_driver_version = cuda_driver_version
         self.initialised = False
         self.calls: dict[str, int] = {}
+        # Calls come from one worker thread per GPU; counting must not lose increments.
+        self._calls_lock = threading.Lock()
+        self._release = threading.Event()
 
     # -- building --------------------------------------------------------------------------
     @classmethod
@@ -241,7 +252,11 @@ class SimulatedNvml:
                 gpus.append(SimGpu(len(gpus), model, load, unsupported))
         faults = []
         for f in data.get("faults", []):
-            nvml.error_code(f["error"])  # reject unknown names now, not at sample time
+            if f["error"] == HANG:
+                if float(f.get("hang_seconds", 0)) <= 0:
+                    raise ValueError("a HANG fault needs hang_seconds > 0")
+            else:
+                nvml.error_code(f["error"])  # reject unknown names now, not at sample time
             faults.append(
                 Fault(
                     f.get("function", "*"),
@@ -249,6 +264,7 @@ class SimulatedNvml:
                     f.get("gpu"),
                     float(f.get("after_seconds", 0.0)),
                     float(f.get("for_seconds", math.inf)),
+                    float(f.get("hang_seconds", 0.0)),
                 )
             )
         return cls(
@@ -323,12 +339,20 @@ class SimulatedNvml:
         return int(gpu.energy_mj)
 
     # -- plumbing ------------------------------------------------------------------------------
+    def release_hangs(self) -> None:
+        """End every current and future HANG fault (tests call it before stopping)."""
+        self._release.set()
+
     def _check(self, function: str, gpu: SimGpu | None = None) -> None:
-        self.calls[function] = self.calls.get(function, 0) + 1
+        with self._calls_lock:
+            self.calls[function] = self.calls.get(function, 0) + 1
         t = self.elapsed()
         index = gpu.index if gpu is not None else None
         for fault in self.faults:
             if fault.active(t) and fault.matches(function, index):
+                if fault.error == HANG:
+                    self._release.wait(fault.hang_seconds)
+                    continue
                 raise nvml.make_error(nvml.error_code(fault.error))
         if function != "nvmlInit" and not self.initialised:
             raise nvml.make_error(nvml.error_code("UNINITIALIZED"))

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from gpu_exporter.app import create_app
 from gpu_exporter.leases import LeaseTable
 from gpu_exporter.metrics import GpuCollector, RequestCounter
+from gpu_exporter.model import Snapshot
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.sampler import Sampler, SnapshotCache, new_cache
 from gpu_exporter.simulate import SimGpu, SimulatedNvml
@@ -53,8 +54,8 @@ class Stack:
     def client(self) -> FlaskClient:
         return self.app.test_client()
 
-    def sample(self) -> None:
-        self.sampler.sample_once()
+    def sample(self) -> Snapshot:
+        return self.sampler.sample_once()
 
     def value(self, name: str, gpu: int | None = None, **labels: str) -> float | None:
         if gpu is not None:
@@ -68,18 +69,29 @@ def build_stack(
     max_age: float = 10.0,
     clock: FakeClock | None = None,
     leases: LeaseTable | None = None,
+    nvml_timeout: float = 5.0,
 ) -> Stack:
     clock = clock or FakeClock()
     sim = sim_factory(clock)
     nvml = Nvml(sim, simulated=True)
     cache = new_cache(nvml, clock)
-    sampler = Sampler(nvml, cache, interval_seconds=1.0, clock=clock)
+    sampler = Sampler(
+        nvml, cache, interval_seconds=1.0, nvml_timeout_seconds=nvml_timeout, clock=clock
+    )
     table = leases or LeaseTable(clock)
-    requests = RequestCounter()
+    requests, rejections = RequestCounter(), RequestCounter()
     registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, version="test", leases=table, requests=requests))
+    registry.register(
+        GpuCollector(cache, version="test", leases=table, requests=requests, rejections=rejections)
+    )
     app = create_app(
-        cache, registry, clock=clock, max_age_seconds=max_age, leases=table, requests=requests
+        cache,
+        registry,
+        clock=clock,
+        max_age_seconds=max_age,
+        leases=table,
+        requests=requests,
+        rejections=rejections,
     )
     return Stack(clock, sim, nvml, cache, sampler, registry, app, table)
 

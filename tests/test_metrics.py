@@ -84,7 +84,17 @@ def test_lost_gpu_exports_up_zero_and_no_values() -> None:
     uuid = s.sim.gpus[2].uuid
     text = generate_latest(s.registry).decode()
     lines = [line for line in text.splitlines() if uuid in line and not line.startswith("#")]
-    assert sorted(line.split("{")[0] for line in lines) == ["gpu_info", "gpu_leased", "gpu_up"]
+    assert sorted(line.split("{")[0] for line in lines) == [
+        "gpu_down_reason",
+        "gpu_info",
+        "gpu_last_seen_timestamp_seconds",
+        "gpu_leased",
+        "gpu_up",
+    ]
+    assert s.value("gpu_down_reason", 2, reason="lost") == 1
+    # Lost 10 s ago: the last sample it answered stays visible while it is down.
+    assert s.value("gpu_last_seen_timestamp_seconds", 2) == s.clock.time() - 10
+    assert s.value("gpu_last_seen_timestamp_seconds", 0) == s.clock.time()
     assert s.value("gpu_memory_used_bytes", 0) is not None  # the others stay
 
 

@@ -1,0 +1,157 @@
+"""Request limits: a burst of clients or long-polling waiters never takes the whole server."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from conftest import FakeClock
+from gpu_exporter.app import create_app
+from gpu_exporter.leases import LeaseTable
+from gpu_exporter.limits import MAX_QUERY_BYTES, PROBE_THREADS, Waiters
+from gpu_exporter.metrics import GpuCollector, RequestCounter
+from gpu_exporter.nvml import Nvml
+from gpu_exporter.sampler import Sampler, SystemClock, new_cache
+from gpu_exporter.server import Server
+from gpu_exporter.simulate import SimulatedNvml
+
+
+class Running:
+    """One simulated GPU behind the real cheroot server, with the given limits."""
+
+    def __init__(self, *, max_in_flight: int, max_waiters: int) -> None:
+        clock = SystemClock()
+        nvml = Nvml(SimulatedNvml.with_gpus(1, clock=clock.monotonic), simulated=True)
+        cache = new_cache(nvml, clock)
+        Sampler(nvml, cache, clock=clock).sample_once()
+        self.rejections = RequestCounter()
+        self.registry = CollectorRegistry()
+        self.registry.register(GpuCollector(cache, rejections=self.rejections))
+        self.stopping = threading.Event()
+        self.waiters = Waiters(max_waiters)
+        app = create_app(
+            cache,
+            self.registry,
+            clock=clock,
+            leases=LeaseTable(clock),
+            rejections=self.rejections,
+            max_in_flight=max_in_flight,
+            waiters=self.waiters,
+            stopping=self.stopping,
+        )
+        self.server = Server(app, "127.0.0.1", 0, threads=max_in_flight + PROBE_THREADS)
+        self.server.bind()
+        threading.Thread(target=self.server.serve, daemon=True).start()
+        self.base = f"http://127.0.0.1:{self.server.port}"
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, str, dict]:
+        req = urllib.request.Request(self.base + path, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read().decode(), dict(resp.headers)
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(), dict(exc.headers)
+
+    def in_background(self, path: str) -> tuple[threading.Thread, list]:
+        out: list = []
+        thread = threading.Thread(target=lambda: out.append(self.get(path)))
+        thread.start()
+        return thread, out
+
+
+@pytest.fixture
+def running() -> Iterator[Running]:
+    r = Running(max_in_flight=2, max_waiters=2)
+    try:
+        yield r
+    finally:
+        r.stopping.set()
+        r.server.stop()
+
+
+def wait_for_waiters(r: Running, count: int) -> None:
+    """Until ``count`` /choose requests are inside their wait loop."""
+    deadline = time.monotonic() + 10
+    while r.waiters.active < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_beyond_the_in_flight_limit_answers_503_at_once_but_probes_pass(running: Running) -> None:
+    r = running
+    # Two requests wait for 2 GPUs on a 1-GPU host: both slots are taken for a while.
+    waiters = [r.in_background("/choose?n=2&wait=3s&lease=0") for _ in range(2)]
+    wait_for_waiters(r, 2)
+
+    started = time.monotonic()
+    status, body, headers = r.get("/metrics")
+    assert status == 503 and time.monotonic() - started < 2
+    assert body == "error: 2 requests are already being handled; retry in a second\n"
+    assert headers["Retry-After"] == "1"
+    status, body, _ = r.get("/gpus")  # a JSON endpoint gets the JSON error body
+    assert status == 503 and '"code": "too_many_requests"' in body
+
+    # Liveness and readiness are exempt and have threads of their own.
+    assert r.get("/healthz")[0] == 200
+    assert r.get("/readyz")[0] == 200
+
+    for thread, out in waiters:
+        thread.join()
+        assert out[0][0] == 503  # the waiters gave up after 3 s: still not 2 GPUs
+    assert r.get("/metrics")[0] == 200  # slots are free again
+    rejected = r.registry.get_sample_value(
+        "gpu_exporter_requests_rejected_total", {"reason": "too_many_requests"}
+    )
+    assert rejected == 2
+
+
+def test_waiters_have_their_own_smaller_cap() -> None:
+    r = Running(max_in_flight=8, max_waiters=1)
+    try:
+        thread, _ = r.in_background("/choose?n=2&wait=2s&lease=0")
+        wait_for_waiters(r, 1)
+        started = time.monotonic()
+        status, body, _ = r.get("/choose?n=2&wait=2s&lease=0", {"Accept": "application/json"})
+        assert status == 503 and time.monotonic() - started < 1.5
+        assert '"code": "too_many_waiters"' in body and '"param": "wait"' in body
+        # Everything else is unaffected.
+        assert r.get("/metrics")[0] == 200
+        assert r.get("/gpus")[0] == 200
+        thread.join()
+        assert r.rejections.counts() == {"too_many_waiters": 1}
+    finally:
+        r.server.stop()
+
+
+def test_shutdown_ends_waiting_requests_at_once(running: Running) -> None:
+    r = running
+    thread, out = r.in_background("/choose?n=2&wait=60s&lease=0")
+    wait_for_waiters(r, 1)
+    started = time.monotonic()
+    r.stopping.set()
+    thread.join(timeout=5)
+    assert time.monotonic() - started < 2
+    assert out[0][0] == 503 and out[0][1] == "error: the exporter is shutting down\n"
+
+
+def test_a_long_query_string_is_414(running: Running) -> None:
+    status, body, _ = running.get("/choose?owner=" + "x" * MAX_QUERY_BYTES)
+    assert status == 414
+    assert body == f"error: the query string is {MAX_QUERY_BYTES + 6} bytes; at most 4096\n"
+
+
+def test_unknown_parameters_are_rejected_everywhere() -> None:
+    clock = FakeClock()
+    nvml = Nvml(SimulatedNvml.with_gpus(1, clock=clock.monotonic), simulated=True)
+    app = create_app(new_cache(nvml, clock), CollectorRegistry(), clock=clock)
+    client = app.test_client()
+    for path in ("/gpus?verbose=1", "/leases?all=1", "/choose?gpus=2"):
+        resp = client.get(path, headers={"Accept": "application/json"})
+        assert resp.status_code == 400, path
+        assert resp.json["error"]["code"] == "unknown_parameter"
