@@ -20,6 +20,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy/prometheus/gpu-exporter.rules.yml"
@@ -170,8 +171,20 @@ def _variables(dash, *, instance_multi: bool, gpu: bool):  # type: ignore[no-unt
 
 
 def _stat(title: str, q: Q, unit: str, description: str, steps=None):  # type: ignore[no-untyped-def]
+    from grafana_foundation_sdk.builders.common import ReduceDataOptions
+    from grafana_foundation_sdk.models.common import BigValueGraphMode
+
     _, _, _, stat, *_ = _builders()
-    panel = stat.Panel().title(title).description(description).unit(unit).height(4).span(3)
+    panel = (
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .unit(unit)
+        .height(4)
+        .span(3)
+        .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .graph_mode(BigValueGraphMode.AREA)
+    )
     if steps:
         panel = panel.thresholds(_thresholds(steps))
     return _targets(panel, [q])
@@ -180,21 +193,74 @@ def _stat(title: str, q: Q, unit: str, description: str, steps=None):  # type: i
 def _timeseries(  # type: ignore[no-untyped-def]
     title: str, queries: list[Q], unit: str, description: str, *, span: int = 12, max_=None
 ):
+    from grafana_foundation_sdk.builders.common import VizLegendOptions, VizTooltipOptions
+    from grafana_foundation_sdk.models.common import (
+        LegendDisplayMode,
+        LegendPlacement,
+        SortOrder,
+        TooltipDisplayMode,
+    )
+
     *_, timeseries = _builders()
-    panel = timeseries.Panel().title(title).description(description).unit(unit).height(8).span(span)
-    panel = panel.min(0)
+    legend = (
+        VizLegendOptions()
+        .display_mode(LegendDisplayMode.TABLE)
+        .placement(LegendPlacement.RIGHT if span >= 24 else LegendPlacement.BOTTOM)
+        .show_legend(True)
+        .calcs(["lastNotNull", "max"])
+    )
+    panel = (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .unit(unit)
+        .height(8)
+        .span(span)
+        .legend(legend)
+        .tooltip(VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING))
+        .min(0)
+    )
     if max_ is not None:
         panel = panel.max(max_)
     return _targets(panel, queries)
 
 
-def _table(title: str, queries: list[Q], description: str, *, span: int = 24):  # type: ignore[no-untyped-def]
-    from grafana_foundation_sdk.models.dashboard import DataTransformerConfig
+def _table(title: str, columns: list[tuple[Any, ...]], description: str, *, span: int = 24):  # type: ignore[no-untyped-def]
+    """Instant queries merged into one row per series. ``columns``: (query, name[, unit]);
+    each value column is renamed, or hidden when the name is None (a query such as gpu_info
+    that only contributes its labels)."""
+    from grafana_foundation_sdk.models.dashboard import DataTransformerConfig, DynamicConfigValue
 
     *_, table, _ = _builders()
-    panel = table.Panel().title(title).description(description).height(8).span(span)
-    panel = panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
-    return _targets(panel, [Q(q.expr, q.legend, instant=True, table=True) for q in queries])
+    exclude = {"Time": True, "__name__": True, "job": True}
+    rename = {}
+    units = {}
+    for i, (_, name, *unit) in enumerate(columns):
+        value = f"Value #{chr(ord('A') + i)}" if len(columns) > 1 else "Value"
+        if name is None:
+            exclude[value] = True
+        else:
+            rename[value] = name
+        if unit:
+            units[name] = unit[0]
+    panel = (
+        table.Panel()
+        .title(title)
+        .description(description)
+        .height(8)
+        .span(span)
+        .show_header(True)
+        .with_transformation(DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(
+            DataTransformerConfig(
+                id_val="organize", options={"excludeByName": exclude, "renameByName": rename}
+            )
+        )
+    )
+    for name, unit in units.items():
+        panel = panel.override_by_name(name, [DynamicConfigValue(id_val="unit", value=unit)])
+    queries = [Q(q.expr, q.legend, instant=True, table=True) for q, *_ in columns]
+    return _targets(panel, queries)
 
 
 def _status_history(title: str, q: Q, unit: str, description: str, steps):  # type: ignore[no-untyped-def]
@@ -213,8 +279,21 @@ def _status_history(title: str, q: Q, unit: str, description: str, steps):  # ty
 
 
 def _bargauge(title: str, q: Q, unit: str, description: str):  # type: ignore[no-untyped-def]
+    from grafana_foundation_sdk.builders.common import ReduceDataOptions
+    from grafana_foundation_sdk.models.common import BarGaugeDisplayMode, VizOrientation
+
     bargauge, *_ = _builders()
-    panel = bargauge.Panel().title(title).description(description).unit(unit).height(8).span(8)
+    panel = (
+        bargauge.Panel()
+        .title(title)
+        .description(description)
+        .unit(unit)
+        .height(8)
+        .span(8)
+        .orientation(VizOrientation.HORIZONTAL)
+        .display_mode(BarGaugeDisplayMode.GRADIENT)
+        .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+    )
     return _targets(panel, [Q(q.expr, q.legend, instant=True)])
 
 
@@ -326,16 +405,19 @@ def fleet_dashboard():  # type: ignore[no-untyped-def]
         _table(
             "GPUs now",
             [
-                Q(f"gpu_info{{{inst}}} {WHOLE}"),
-                Q(f"gpu_up{{{inst}}} {WHOLE}"),
-                Q(f"gpu_utilization_ratio{{{inst}}} {WHOLE}"),
-                Q(f"gpu_memory_used_bytes{{{inst}}} / gpu_memory_total_bytes {WHOLE}"),
-                Q(f"gpu_temperature_celsius{{{inst}}} {WHOLE}"),
-                Q(f"gpu_power_draw_watts{{{inst}}} {WHOLE}"),
-                Q(f"gpu_leased{{{inst}}} {WHOLE}"),
+                (Q(f"gpu_info{{{inst}}} {WHOLE}"), None),
+                (Q(f"gpu_up{{{inst}}} {WHOLE}"), "Up"),
+                (Q(f"gpu_utilization_ratio{{{inst}}} {WHOLE}"), "Utilization", "percentunit"),
+                (
+                    Q(f"gpu_memory_used_bytes{{{inst}}} / gpu_memory_total_bytes {WHOLE}"),
+                    "Memory used",
+                    "percentunit",
+                ),
+                (Q(f"gpu_temperature_celsius{{{inst}}} {WHOLE}"), "Temperature", "celsius"),
+                (Q(f"gpu_power_draw_watts{{{inst}}} {WHOLE}"), "Power", "watt"),
+                (Q(f"gpu_leased{{{inst}}} {WHOLE}"), "Leased"),
             ],
-            "One row per GPU. Value #B up, #C utilization, #D memory used, #E °C, #F watts, "
-            "#G leased.",
+            "One row per GPU, as of the end of the time range.",
         )
     )
     dash = dash.with_row(dashboard.Row("Per host"))
@@ -463,13 +545,13 @@ def host_dashboard():  # type: ignore[no-untyped-def]
         _table(
             "GPUs",
             [
-                Q(f"gpu_info{{{sel}}}"),
-                Q(f"gpu_up{{{sel}}}"),
-                Q(f"gpu_leased{{{sel}}}"),
-                Q(f"gpu_compute_processes{{{sel}}}"),
+                (Q(f"gpu_info{{{sel}}}"), None),
+                (Q(f"gpu_up{{{sel}}}"), "Up"),
+                (Q(f"gpu_leased{{{sel}}}"), "Leased"),
+                (Q(f"gpu_compute_processes{{{sel}}}"), "Processes"),
             ],
-            "Model, UUID, PCI bus and driver of each GPU; Value #B up, #C leased, "
-            "#D compute processes.",
+            "Model, UUID, PCI bus and driver of each GPU, whether it is up and leased, and its "
+            "compute processes.",
         )
     )
     dash = dash.with_row(dashboard.Row("Load"))
@@ -581,7 +663,10 @@ def host_dashboard():  # type: ignore[no-untyped-def]
     dash = dash.with_panel(
         _table(
             "Xid errors",
-            [Q(f"gpu_xid_errors_total{{{sel}}}"), Q(f"gpu_last_xid_timestamp_seconds{{{sel}}}")],
+            [
+                (Q(f"gpu_xid_errors_total{{{sel}}}"), "Count"),
+                (Q(f"gpu_last_xid_timestamp_seconds{{{sel}}} * 1000"), "Last", "dateTimeAsIso"),
+            ],
             "Xid errors counted since the exporter started, by Xid; also shown as annotations.",
             span=12,
         )
@@ -590,10 +675,10 @@ def host_dashboard():  # type: ignore[no-untyped-def]
         _table(
             "ECC and row remapping",
             [
-                Q(f'gpu_ecc_errors_total{{{sel}, counter="volatile"}}'),
-                Q(f"gpu_remapped_rows_total{{{sel}}}"),
-                Q(f"gpu_remapped_rows_pending{{{sel}}}"),
-                Q(f"gpu_remapped_rows_failed{{{sel}}}"),
+                (Q(f'gpu_ecc_errors_total{{{sel}, counter="volatile"}}'), "ECC errors"),
+                (Q(f"gpu_remapped_rows_total{{{sel}}}"), "Remapped rows"),
+                (Q(f"gpu_remapped_rows_pending{{{sel}}}"), "Remap pending"),
+                (Q(f"gpu_remapped_rows_failed{{{sel}}}"), "Remap failed"),
             ],
             "ECC errors since the driver loaded and remapped memory rows; pending means a reset "
             "is needed, failed means the card should be replaced.",
@@ -604,7 +689,7 @@ def host_dashboard():  # type: ignore[no-untyped-def]
     dash = dash.with_panel(
         _table(
             "Processes",
-            [Q(f"gpu_process_memory_used_bytes{{{sel}}}")],
+            [(Q(f"gpu_process_memory_used_bytes{{{sel}}}"), "Memory", "bytes")],
             "GPU memory by process (per-process metrics are opt-in in the exporter).",
             span=12,
         )
