@@ -549,9 +549,10 @@ def host_dashboard():  # type: ignore[no-untyped-def]
                 (Q(f"gpu_up{{{sel}}}"), "Up"),
                 (Q(f"gpu_leased{{{sel}}}"), "Leased"),
                 (Q(f"gpu_compute_processes{{{sel}}}"), "Processes"),
+                (Q(f"gpu_down_reason{{{sel}}}"), None),  # its `reason` label: why down
             ],
-            "Model, UUID, PCI bus and driver of each GPU, whether it is up and leased, and its "
-            "compute processes.",
+            "Model, UUID, PCI bus and driver of each GPU, whether it is up (and if not, why) "
+            "and leased, and its compute processes.",
         )
     )
     dash = dash.with_row(dashboard.Row("Load"))
