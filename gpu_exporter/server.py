@@ -22,6 +22,9 @@ THREADS = 16  # request threads; scrapes and /choose take well under a milliseco
 # Connections the kernel queues before accept(): cheroot's default of 5 made a burst of 32
 # job scripts wait up to ~2 s (bench/servers.py, docs/server-choice.md).
 LISTEN_BACKLOG = 1024
+# Nothing here needs more: cheroot answers 413 beyond these instead of buffering them.
+MAX_HEADER_BYTES = 16 * 1024
+MAX_BODY_BYTES = 64 * 1024
 
 
 class ListenError(Exception):
@@ -58,6 +61,8 @@ class Server:
                 request_queue_size=LISTEN_BACKLOG,
             )
             server.server_name = "gpu-exporter"
+            server.max_request_header_size = MAX_HEADER_BYTES
+            server.max_request_body_size = MAX_BODY_BYTES
             try:
                 server.prepare()
             except OSError as exc:

@@ -1,26 +1,25 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: .venv with the test extras, the Debian packages
-# prometheus and chromium (installed when running as root), then ruff, mypy and pytest.
+# the tests use (installed when running as root), then ruff, mypy and pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh test
 
-# System packages some tests need: promtool and prometheus (Debian "prometheus"; the rules
-# tests and the real-Prometheus integration tests) and chromium (the status page test).
-# Installed when running as root; otherwise, or if apt fails, those tests skip and say why.
-missing=()
-command -v promtool >/dev/null || missing+=(prometheus)
-command -v chromium >/dev/null || missing+=(chromium)
-if [ "${#missing[@]}" -gt 0 ]; then
+# System tools the tests use (each test skips with the reason where one is missing):
+# promtool and prometheus (Debian package prometheus), wrk (load test), chromium (the status
+# page in a headless browser).
+need=()
+command -v promtool >/dev/null && command -v prometheus >/dev/null || need+=(prometheus)
+command -v wrk >/dev/null || need+=(wrk)
+command -v chromium >/dev/null || need+=(chromium)
+if [ "${#need[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "installing ${missing[*]} (Debian packages)" >&2
-        apt-get update -qq || true
-        for pkg in "${missing[@]}"; do
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null \
-                || echo "could not install $pkg: the tests that need it will be skipped (see the skip reasons)" >&2
-        done
+        echo "installing Debian packages: ${need[*]}" >&2
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null \
+            || echo "could not install ${need[*]}: the tests that need them will be skipped (see the skip reasons)" >&2
     else
-        echo "${missing[*]} not found and cannot install: the tests that need them will be skipped" >&2
+        echo "missing ${need[*]} and cannot install them: the tests that need them will be skipped" >&2
     fi
 fi
 

@@ -65,17 +65,22 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 
 
 def wait_ready(base: str, proc: subprocess.Popen[str], timeout: float = 15.0) -> None:
+    """Until the exporter at ``base`` answers /readyz with 200."""
+    _wait_ok(base + "/readyz", proc, timeout)
+
+
+def _wait_ok(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+            raise AssertionError(f"{proc.args[0]} exited: {stop(proc)}")
         try:
-            if get(base + "/readyz", timeout=1)[0] == 200:
+            if get(url, timeout=1)[0] == 200:
                 return
         except OSError:
             pass
         time.sleep(0.05)
-    raise AssertionError("server did not become ready")
+    raise AssertionError(f"{url} did not answer 200 within {timeout:.0f} s")
 
 
 @dataclass
@@ -205,18 +210,7 @@ def prometheus(
         )
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                if proc.poll() is not None:
-                    raise AssertionError(f"prometheus exited: {stop(proc)}")
-                try:
-                    if get(base + "/-/ready", timeout=1)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError("prometheus did not become ready in 30 s")
-                time.sleep(0.1)
+            _wait_ok(base + "/-/ready", proc, timeout=30)
             yield Prometheus(base, proc)
         finally:
             stop(proc)

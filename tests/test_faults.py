@@ -8,9 +8,11 @@ calls ``release_hangs()``.
 from __future__ import annotations
 
 import http.client
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -23,6 +25,7 @@ from gpu_exporter.nvml import Nvml
 from gpu_exporter.sampler import Sampler, SystemClock, new_cache
 from gpu_exporter.server import Server
 from gpu_exporter.simulate import HANG, Fault, Load, SimGpu, SimulatedNvml
+from harness import exporter, get
 
 A100 = "NVIDIA A100-SXM4-80GB"
 DEADLINE = 0.3  # --nvml-timeout for these tests, real seconds
@@ -149,6 +152,35 @@ def test_a_hung_library_call_marks_nvml_down_and_recovers() -> None:
         s.clock.advance(1)
         snap = s.sample()
         assert snap.nvml_up and len(snap.gpus) == 1 and snap.gpus[0].up
+    finally:
+        s.sim.release_hangs()
+        s.sampler.stop(timeout_seconds=2)
+
+
+def test_everything_hanging_from_the_start_leaves_the_process_responsive() -> None:
+    s = build_stack(
+        sim_of(
+            SimGpu(0, A100, Load("idle")),
+            faults=[Fault("*", HANG, for_seconds=1, hang_seconds=60)],  # nvmlInit included
+        ),
+        nvml_timeout=DEADLINE,
+    )
+    try:
+        snap = s.sample()
+        assert not snap.nvml_up and snap.nvml_error == "nvmlInit has not returned for 0 s"
+        assert s.client.get("/healthz").status_code == 200
+        assert s.client.get("/readyz").status_code == 503
+        started = time.monotonic()
+        resp = s.client.get("/choose", headers={"Accept": "application/json"})
+        assert time.monotonic() - started < 0.1
+        assert resp.status_code == 503 and resp.json["error"]["code"] == "nvml_unavailable"
+        s.clock.advance(2)  # the hang window is over, but nvmlInit is still stuck
+        assert not s.sample().nvml_up
+        s.sim.release_hangs()
+        wait_until(lambda: not s.sampler._library.busy)
+        s.clock.advance(1)
+        snap = s.sample()
+        assert snap.nvml_up and snap.gpus[0].up
     finally:
         s.sim.release_hangs()
         s.sampler.stop(timeout_seconds=2)
@@ -281,3 +313,25 @@ def _sample(text: str, prefix: str) -> float | None:
         if line.startswith(prefix):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_stuck_call_exits_cleanly_and_promptly(tmp_path: Path) -> None:
+    scenario = tmp_path / "stuck.toml"
+    scenario.write_text(
+        "[[gpus]]\ncount = 2\n\n"
+        '[[faults]]\nfunction = "nvmlDeviceGetPowerUsage"\ngpu = 1\nerror = "HANG"\n'
+        "hang_seconds = 600\n"
+    )
+    with exporter(
+        "--simulate", str(scenario), "--interval", "0.2", "--nvml-timeout", "0.5"
+    ) as running:
+        deadline = time.monotonic() + 15
+        while 'gpu_down_reason{gpu="1"' not in get(running.base + "/metrics")[1]:
+            assert time.monotonic() < deadline, "GPU 1 never reported down"
+            time.sleep(0.1)
+        started = time.monotonic()
+        running.proc.send_signal(signal.SIGTERM)
+        running.proc.wait(timeout=20)
+        assert running.proc.returncode == 0
+        assert time.monotonic() - started < 12  # server (5 s) + sampler (5 s) bounds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import threading
 import time
 import urllib.error
@@ -18,7 +19,7 @@ from gpu_exporter.limits import MAX_QUERY_BYTES, PROBE_THREADS, Waiters
 from gpu_exporter.metrics import GpuCollector, RequestCounter
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.sampler import Sampler, SystemClock, new_cache
-from gpu_exporter.server import Server
+from gpu_exporter.server import MAX_BODY_BYTES, MAX_HEADER_BYTES, Server
 from gpu_exporter.simulate import SimulatedNvml
 
 
@@ -155,3 +156,18 @@ def test_unknown_parameters_are_rejected_everywhere() -> None:
         resp = client.get(path, headers={"Accept": "application/json"})
         assert resp.status_code == 400, path
         assert resp.json["error"]["code"] == "unknown_parameter"
+
+
+def test_oversized_headers_and_bodies_are_413_one_line(running: Running) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", running.server.port, timeout=10)
+    conn.request("GET", "/gpus", headers={"X-Padding": "a" * MAX_HEADER_BYTES})
+    resp = conn.getresponse()
+    assert resp.status == 413
+    assert resp.read() == b"The headers sent with the request exceed the maximum allowed bytes."
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", running.server.port, timeout=10)
+    conn.request("POST", "/choose", body=b"n=1&" * MAX_BODY_BYTES)
+    resp = conn.getresponse()
+    assert resp.status == 413
+    assert b"\n" not in resp.read()
+    conn.close()
