@@ -108,3 +108,12 @@ def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -
             assert {float(r["value"][1]) for r in counts} == {8.0}
             up = prom.query("instance:gpu_up:sum")
             assert {float(r["value"][1]) for r in up} == {7.0}
+            # GPU 4 is split into two MIG devices: extra series, but no extra whole cards, and
+            # not a free card. On host b the only free whole card is the idle GPU 2.
+            mig = prom.query("gpu_mig_info")
+            assert sorted((r["metric"]["instance"], r["metric"]["gpu"]) for r in mig) == sorted(
+                [(a.address, "4"), (a.address, "4"), (b.address, "4"), (b.address, "4")]
+            )
+            assert len(prom.query(f'gpu_up{{instance="{b.address}"}}')) == 10  # 8 cards + 2 MIG
+            free = prom.query(f'instance:gpu_free:sum{{instance="{b.address}"}}')
+            assert float(free[0]["value"][1]) == 1.0
