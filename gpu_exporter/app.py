@@ -47,6 +47,7 @@ from gpu_exporter.params import (
 from gpu_exporter.params import bad as _bad
 from gpu_exporter.params import parsed as _parsed
 from gpu_exporter.sampler import Clock, SnapshotCache, SystemClock
+from gpu_exporter.status import status_view
 from gpu_exporter.units import format_bytes, parse_duration
 
 log = logging.getLogger(__name__)
@@ -181,10 +182,16 @@ def create_app(
 
     @app.get("/")
     def index() -> str:
-        snapshot, _ = current()
-        return render_template(
-            "index.html", snapshot=snapshot, version=__version__, fmt=format_bytes
+        snapshot, now = current()
+        problem = snapshot_problem(snapshot, now, max_age_seconds)
+        view = status_view(
+            snapshot,
+            table.active(snapshot),
+            wall_now=clock.time(),
+            age_seconds=snapshot.age_seconds(now),
+            problem=problem.message if problem else None,
         )
+        return render_template("index.html", view=view, version=__version__, fmt=format_bytes)
 
     @app.get("/openapi.json")
     def openapi() -> Response:

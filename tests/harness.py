@@ -168,11 +168,13 @@ def prometheus(
     rule_files: Sequence[Path] = (),
     evaluation_interval: str = "1s",
     extra_scrape_config: str = "",
+    job: str = "gpu",
 ) -> Iterator[Prometheus]:
     """A real Prometheus on loopback scraping ``targets`` (``host:port``), stopped after.
 
     ``extra_scrape_config`` is YAML appended to the one scrape job (indented by the caller
-    to sit under ``- job_name:``), e.g. relabelling rules.
+    to sit under ``- job_name:``), e.g. relabelling rules. ``job`` names the scrape job
+    (the shipped rules expect ``gpu-exporter``).
     """
     binary = require_prometheus()
     port = free_port()
@@ -188,7 +190,7 @@ def prometheus(
             lines += [f"  - {Path(f).resolve()}" for f in rule_files]
         lines += [
             "scrape_configs:",
-            "  - job_name: gpu",
+            f"  - job_name: {job}",
             "    static_configs:",
             f"      - targets: {json.dumps(list(targets))}",
         ]

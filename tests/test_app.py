@@ -204,7 +204,7 @@ def test_landing_page_links_and_labels_simulation(stack: Stack) -> None:
     ):
         assert link in html
     assert "Simulated GPUs" in html
-    assert html.count('<tr class="gpu">') == 4
+    assert html.count('<tr class="gpu"') == 4
 
 
 def test_metrics_endpoint(stack: Stack) -> None:

@@ -1,0 +1,119 @@
+"""The dashboards and rules against a real Prometheus scraping two simulated exporters.
+
+Both exporters serve gpu_exporter/scenarios/fleet.toml (a saturated GPU, a throttled one, a GPU
+that falls off the bus, ECC errors, Xids, idle and changing cards, a failing NVML call);
+Prometheus loads the shipped rules.
+Every panel, annotation and template-variable query must return data, and the alert
+expressions must select exactly the simulated GPUs they are about.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import promql
+from harness import Prometheus, exporter, get, prometheus
+
+pytestmark = pytest.mark.slow
+
+
+def substitute(expr: str, instance: str) -> str:
+    """What Grafana sends: variables filled in as for "All" (or the one host)."""
+    return (
+        expr.replace("$instance", instance)
+        .replace("$gpu", ".*")
+        .replace("$__rate_interval", "1m")
+        .replace("$__range", "5m")
+        .replace("$__interval", "15s")
+    )
+
+
+def wait_all(prom: Prometheus, exprs: dict[str, str], timeout: float) -> dict[str, str]:
+    """Poll every expression until it returns data; {where: expr} of those that never did."""
+    pending = dict(exprs)
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        pending = {where: e for where, e in pending.items() if not prom.query(e)}
+        if pending:
+            time.sleep(0.5)
+    return pending
+
+
+def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -> None:
+    scenario = str(promql.FLEET_SCENARIO)
+    with (
+        exporter("--simulate", scenario, "--interval", "0.5") as a,
+        exporter("--simulate", scenario, "--interval", "0.5") as b,
+    ):
+        # A lease (gpu_leased 1, /choose counted) on one host; not on GPU 7, which is lost
+        # two seconds after start (and its lease released with it).
+        status, body = get(a.base + "/choose?n=1&lease=10m&owner=dash&format=index&exclude=7")
+        assert status == 200, body
+        leased_gpu = body.strip()
+        with prometheus(
+            [a.address, b.address], rule_files=[promql.RULES], job="gpu-exporter"
+        ) as prom:
+            prom.wait_for_targets_up(2)
+
+            # -- template variables: label_values(selector, label) ----------------------------
+            for board, name, selector, label in promql.variable_queries():
+                values = prom.api(
+                    f"label/{label}/values", **{"match[]": substitute(selector, ".*")}
+                )
+                if label == "instance":
+                    assert set(values) >= {a.address, b.address}, (board, name, values)
+                else:
+                    values = prom.api(
+                        f"label/{label}/values", **{"match[]": substitute(selector, a.address)}
+                    )
+                    assert sorted(values, key=int) == [str(i) for i in range(8)], (board, name)
+
+            # -- every panel and annotation query ----------------------------------------------
+            queries = {}
+            for q in [*promql.panel_queries(), *promql.annotation_queries()]:
+                host = a.address if q.where.startswith("gpu-host.json") else ".*"
+                queries[q.where] = substitute(q.expr, host)
+            no_data = wait_all(prom, queries, timeout=45)
+            assert no_data == {}, "queries without data:\n" + "\n".join(
+                f"  {where}: {expr}" for where, expr in no_data.items()
+            )
+
+            # -- alert expressions select exactly the GPUs they are about ---------------------
+            alerts = promql.alerts()
+
+            def selected(alert: str) -> set[tuple[str, str]]:
+                result = prom.wait_for(alerts[alert]["expr"], timeout=20)
+                return {(r["metric"]["instance"], r["metric"]["gpu"]) for r in result}
+
+            saturated = {(a.address, "0"), (b.address, "0")}
+            assert selected("GpuMemorySaturated") == saturated
+            assert selected("GpuUtilizationSaturated") == saturated
+            assert selected("GpuDown") == {(a.address, "7"), (b.address, "7")}
+            down = prom.query(alerts["GpuDown"]["expr"])
+            assert {r["metric"].get("reason") for r in down} == {"lost"}
+            for quiet in ("GpuExporterNvmlDown", "GpuExporterStale", "GpuExporterTargetDown"):
+                assert prom.query(alerts[quiet]["expr"]) == [], quiet
+            # The rules are loaded and evaluated: the saturation alert is pending (for: 10m).
+            pending = prom.wait_for('ALERTS{alertname="GpuMemorySaturated"}', timeout=20)
+            assert {(r["metric"]["instance"], r["metric"]["gpu"]) for r in pending} == saturated
+            assert {r["metric"]["alertstate"] for r in pending} == {"pending"}
+
+            # -- recording rules agree with the simulator ----------------------------------------
+            leased = prom.wait_for(f'instance:gpu_leased:sum{{instance="{a.address}"}}')
+            assert float(leased[0]["value"][1]) == 1.0
+            assert prom.query(f'gpu_leased{{instance="{a.address}", gpu="{leased_gpu}"}} == 1')
+            counts = prom.query("instance:gpu_count:sum")
+            assert {float(r["value"][1]) for r in counts} == {8.0}
+            up = prom.query("instance:gpu_up:sum")
+            assert {float(r["value"][1]) for r in up} == {7.0}
+            # GPU 4 is split into two MIG devices: extra series, but no extra whole cards, and
+            # not a free card. On host b the only free whole card is the idle GPU 2.
+            mig = prom.query("gpu_mig_info")
+            assert sorted((r["metric"]["instance"], r["metric"]["gpu"]) for r in mig) == sorted(
+                [(a.address, "4"), (a.address, "4"), (b.address, "4"), (b.address, "4")]
+            )
+            assert len(prom.query(f'gpu_up{{instance="{b.address}"}}')) == 10  # 8 cards + 2 MIG
+            free = prom.query(f'instance:gpu_free:sum{{instance="{b.address}"}}')
+            assert float(free[0]["value"][1]) == 1.0
