@@ -2,16 +2,25 @@
 
     .venv/bin/python bench/load.py [--seconds 60] [--min-requests 100000] [--gpus 8]
 
-Starts the exporter (simulated GPUs) on loopback, warms it up, then drives it with ``wrk``
+Starts the exporter (simulated GPUs) on loopback, warms it up (15 s of the same mix, so that
+every request thread and allocator arena is in use), then drives it with ``wrk``
 (Debian package ``wrk``; bench/load.lua mixes /metrics, /choose advice, /gpus and /readyz
 over 16 connections) for ``--seconds``, and keeps going until ``--min-requests`` were served.
 Reports requests, requests/s, non-200 answers and socket errors, and the exporter's RSS
 after warm-up and at the end. Writes bench/results/load.json unless ``--no-write``.
+
+    .venv/bin/python bench/load.py --throughput
+
+measures instead requests/s and p50/p99 of /healthz (the no-op baseline), /choose advice and
+/metrics with wrk's 32 connections, 10 s each, into bench/results/throughput.json. wrk is a
+C load generator, so it leaves the server most of the two cores that bench/run.py's Python
+clients share with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -22,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -82,44 +92,11 @@ def free_port() -> int:
 
 
 def run(
-    seconds: float = 60.0, min_requests: int = 100_000, gpus: int = 8, warmup: float = 5.0
+    seconds: float = 60.0, min_requests: int = 100_000, gpus: int = 8, warmup: float = 15.0
 ) -> LoadResult:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    # stderr to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
-    with tempfile.TemporaryFile(mode="w+") as log:
-        return _drive(base, log, seconds, min_requests, gpus, warmup)
-
-
-def _drive(
-    base: str, log: Any, seconds: float, min_requests: int, gpus: int, warmup: float
-) -> LoadResult:
-    port = base.rsplit(":", 1)[1]
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "gpu_exporter", "serve", "--simulate", str(gpus)),
-            *("--listen-address", f"127.0.0.1:{port}", "--log-level", "warning"),
-        ],
-        env={**os.environ, "GPU_EXPORTER_STATE_DIR": tempfile.mkdtemp()},
-        cwd=ROOT,
-        stderr=log,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/readyz", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"exporter did not start: {proc.stderr.read() if proc.stderr else ''}"
-                )
-            time.sleep(0.1)
+    with exporter(gpus) as (base, pid):
         wrk(base, warmup)
-        rss_start = rss_bytes(proc.pid)
+        rss_start = rss_bytes(pid)
         started = time.monotonic()
         total = non200 = errors = 0
         remaining = seconds
@@ -139,11 +116,90 @@ def _drive(
             non200,
             errors,
             rss_start,
-            rss_bytes(proc.pid),
+            rss_bytes(pid),
         )
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+
+
+THROUGHPUT_PATHS = ("/healthz", "/choose?n=1&lease=0", "/metrics")
+
+
+def throughput(
+    seconds: float = 10.0, connections: int = 32, gpus: int = 8
+) -> dict[str, dict[str, float]]:
+    """Requests/s and latency percentiles per route, wrk with ``connections`` connections."""
+    binary = shutil.which("wrk")
+    if binary is None:
+        raise RuntimeError("wrk not installed (Debian package 'wrk')")
+    results = {}
+    with exporter(gpus) as (base, _):
+        for path in THROUGHPUT_PATHS:
+            out = subprocess.run(
+                [
+                    binary,
+                    "-t2",
+                    f"-c{connections}",
+                    f"-d{round(seconds)}s",
+                    "--latency",
+                    base + path,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=seconds + 60,
+            ).stdout
+            rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
+            p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)", out)
+            p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
+            non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+            results[path] = {
+                "requests_per_second": float(rate.group(1)) if rate else 0.0,
+                "p50_ms": _ms(p50),
+                "p99_ms": _ms(p99),
+                "non_200": int(non2xx.group(1)) if non2xx else 0,
+            }
+    return results
+
+
+def _ms(match: re.Match[str] | None) -> float:
+    if match is None:
+        return float("nan")
+    scale = {"us": 0.001, "ms": 1.0, "s": 1000.0}[match.group(2)]
+    return round(float(match.group(1)) * scale, 3)
+
+
+@contextlib.contextmanager
+def exporter(gpus: int) -> Iterator[tuple[str, int]]:
+    """``gpu-exporter serve --simulate GPUS`` on a free loopback port: (base URL, pid)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    # stderr to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "gpu_exporter", "serve", "--simulate", str(gpus)),
+                *("--listen-address", f"127.0.0.1:{port}", "--log-level", "warning"),
+            ],
+            env={**os.environ, "GPU_EXPORTER_STATE_DIR": tempfile.mkdtemp()},
+            cwd=ROOT,
+            stderr=log,
+        )
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    with urllib.request.urlopen(base + "/readyz", timeout=1) as resp:
+                        if resp.status == 200:
+                            break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"exporter did not start: {log.read()}")
+                time.sleep(0.1)
+            yield base, proc.pid
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
 
 
 def main() -> int:
@@ -152,22 +208,48 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=100_000)
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--throughput",
+        action="store_true",
+        help="instead: requests/s and p50/p99 of /healthz, /choose and /metrics, 32 connections",
+    )
     args = parser.parse_args()
+    if args.throughput:
+        rates = throughput(gpus=args.gpus)
+        report: dict[str, Any] = {
+            "routes": rates,
+            "choose_p50_over_healthz_p50": round(
+                rates["/choose?n=1&lease=0"]["p50_ms"] / rates["/healthz"]["p50_ms"], 2
+            ),
+            **_machine(args.gpus),
+        }
+        _write("throughput.json", report, args.no_write)
+        return 0
     result = run(args.seconds, args.min_requests, args.gpus)
     report = {
         **asdict(result),
         "rss_growth_bytes": result.rss_growth_bytes,
-        "gpus": args.gpus,
+        **_machine(args.gpus),
+    }
+    _write("load.json", report, args.no_write)
+    return 0 if result.non_200 == 0 and result.socket_errors == 0 else 1
+
+
+def _machine(gpus: int) -> dict[str, Any]:
+    return {
+        "gpus": gpus,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def _write(name: str, report: dict[str, Any], no_write: bool) -> None:
     print(json.dumps(report, indent=2))
-    if not args.no_write:
-        out = ROOT / "bench" / "results" / "load.json"
+    if not no_write:
+        out = ROOT / "bench" / "results" / name
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if result.non_200 == 0 and result.socket_errors == 0 else 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -18,6 +19,8 @@ from gpu_exporter import __version__
 log = logging.getLogger("gpu_exporter")
 
 DEFAULT_LISTEN = ":9400"
+M_ARENA_MAX = -8  # glibc mallopt() parameter
+MALLOC_ARENAS = 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -378,7 +381,24 @@ def _state_file(state_dir: str | None) -> Path | None:
     return path / "leases.json"
 
 
+def _limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
+    """Cap glibc's per-thread malloc arenas (``MALLOC_ARENA_MAX``) unless the user set it.
+
+    Each of the server's ~36 threads would otherwise get an arena of its own on first use,
+    and RSS grows by several MB under a burst of concurrent requests and stays there. The
+    request threads allocate little and briefly, so two arenas cost no measurable speed.
+    """
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):  # not glibc: nothing to cap
+        pass
+
+
 def serve(config: ServeConfig) -> int:
+    _limit_malloc_arenas()
     # Imported here so that `gpu-exporter --help` stays fast and needs no Flask.
     from prometheus_client import CollectorRegistry, ProcessCollector
     from prometheus_client.registry import Collector
