@@ -168,12 +168,13 @@ def test_run_forwards_signals_to_the_command(exporter: Exporter, signum: signal.
 def test_run_renews_the_lease_while_the_command_runs(exporter: Exporter) -> None:
     check = (
         "import os, time; from gpu_exporter.client import leases\n"
-        "time.sleep(0.6)  # twice the TTL\n"
+        "time.sleep(3)  # three times the TTL\n"
         "print([l.id for l in leases()] == [os.environ['GPU_LEASE']])\n"
     )
-    status, out, err = run("run", "--lease", "300ms", "--", sys.executable, "-c", check)
+    # A 1 s lease renewed every 1/3 s tolerates a 2/3 s hiccup on a busy CI machine.
+    status, out, err = run("run", "--lease", "1s", "--", sys.executable, "-c", check)
     assert (status, out) == (0, "True\n"), err
-    assert "renewed every 0.1 s" in err
+    assert "renewed every 0.333 s" in err
     assert exporter.lease_ids() == set()
 
 
