@@ -214,8 +214,13 @@ def document() -> dict[str, Any]:
         "info": {
             "title": "gpu-exporter",
             "version": __version__,
-            "description": "NVML metrics for Prometheus and a race-free free-GPU picker.",
+            "description": "NVML metrics for Prometheus and a race-free free-GPU picker. "
+            "With basic_auth_users in --web-config-file, requests without valid credentials "
+            "get 401 and WWW-Authenticate (all of them, or with --auth-scope writes only those "
+            "that take leases; /healthz and /readyz never need credentials).",
         },
+        # No credentials, or HTTP basic auth when the exporter is configured for it.
+        "security": [{}, {"basicAuth": []}],
         "paths": {
             "/choose": {"get": choose_op, "post": {**choose_op, "operationId": "choosePost"}},
             "/cluster/choose": {"get": cluster_op},
@@ -295,6 +300,7 @@ def document() -> dict[str, Any]:
             },
         },
         "components": {
+            "securitySchemes": {"basicAuth": {"type": "http", "scheme": "basic"}},
             "schemas": {
                 "Error": _ERROR,
                 "Lease": _LEASE,
@@ -370,6 +376,6 @@ def document() -> dict[str, Any]:
                         "gpus": {"type": "array", "items": {"$ref": "#/components/schemas/Gpu"}},
                     },
                 },
-            }
+            },
         },
     }
