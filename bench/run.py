@@ -46,7 +46,6 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -215,13 +214,7 @@ class Exporter:
         return servers._rss_mib(self.proc.pid)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        servers.stop_process(self.proc)
         self._log.close()
 
 

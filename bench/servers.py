@@ -383,15 +383,19 @@ class ServerProcess:
         raise RuntimeError(f"{self.name} not ready after {timeout:g} s:\n{self.output()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                # The server's own session: it and anything it started, such as a worker.
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
+
+
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then after 5 s SIGKILL to the server's own session (it and its workers)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @contextlib.contextmanager

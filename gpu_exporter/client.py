@@ -366,7 +366,8 @@ def _choose_params(
     return params
 
 
-def _is_loopback(host: str | None) -> bool:
+def is_loopback(host: str | None) -> bool:
+    """``127.0.0.1``, ``::1``, ``localhost``: yes; every interface ("", None) and names: no."""
     if not host:
         return False
     if host == "localhost":
@@ -410,7 +411,7 @@ def _request(
         },
     )
     handlers: list[urllib.request.BaseHandler] = []
-    if _is_loopback(urllib.parse.urlsplit(base).hostname):
+    if is_loopback(urllib.parse.urlsplit(base).hostname):
         handlers.append(urllib.request.ProxyHandler({}))  # never send localhost to a proxy
     opener = urllib.request.build_opener(*handlers)
     try:

@@ -505,7 +505,7 @@ def http_get_json(url: str, timeout: float) -> Any:
     """The default :data:`Fetch`: urllib, never through a proxy for loopback addresses."""
     split = urllib.parse.urlsplit(url)
     handlers: list[urllib.request.BaseHandler] = []
-    if client._is_loopback(split.hostname):
+    if client.is_loopback(split.hostname):
         handlers.append(urllib.request.ProxyHandler({}))
     opener = urllib.request.build_opener(*handlers)
     req = urllib.request.Request(

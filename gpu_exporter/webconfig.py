@@ -42,7 +42,6 @@ import binascii
 import collections
 import getpass
 import hmac
-import ipaddress
 import logging
 import re
 import secrets
@@ -59,6 +58,8 @@ from urllib.parse import parse_qs
 
 import bcrypt
 import yaml
+
+from gpu_exporter.client import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -802,16 +803,6 @@ def secure(app: Any, watcher: WebConfigWatcher, scope: str = "all") -> WsgiApp:
 
 
 # ------------------------------------------------------------------------ start-up checks
-
-
-def is_loopback(host: str) -> bool:
-    """``127.0.0.1``, ``::1`` and ``localhost`` are; every interface ("") and names are not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def exposure_warnings(host: str, config: WebConfig | None, euid: int) -> list[str]:
