@@ -965,6 +965,21 @@ def cuda_initialised_by() -> list[str]:
 _ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPU_LEASE")
 
 
+def replaced_visible_devices(choice: Choice) -> str | None:
+    """A warning when ``choice`` would replace a different CUDA_VISIBLE_DEVICES already set.
+
+    Slurm and the Kubernetes device plugin set it to the GPUs they allocated; replacing it
+    silently would put a job on cards the scheduler gave someone else.
+    """
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not previous or previous == choice.cuda_visible_devices:
+        return None
+    return (
+        f"replacing CUDA_VISIBLE_DEVICES={previous} with the chosen GPUs; if a scheduler "
+        "(Slurm, Kubernetes) set it, choose among its GPUs with include= (or don't choose)"
+    )
+
+
 class GpuSession:
     """What :func:`use_gpus` returns: a context manager; ``with … as gpus`` gives the Choice."""
 
@@ -1011,9 +1026,9 @@ class GpuSession:
         try:
             if choice.lease_id is not None:
                 self.keeper = LeaseKeeper(choice, timeout=self._timeout).start()
-            previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if previous is not None and previous != choice.cuda_visible_devices:
-                log.info("replacing CUDA_VISIBLE_DEVICES=%s for this block", previous)
+            replacing = replaced_visible_devices(choice)
+            if replacing is not None:
+                warnings.warn(replacing, GpuExporterWarning, stacklevel=2)
             self._saved = {key: os.environ.get(key) for key in _ENV_KEYS}
             for key in _ENV_KEYS:
                 os.environ.pop(key, None)

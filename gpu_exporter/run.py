@@ -404,6 +404,9 @@ def run_main(args: argparse.Namespace) -> int:
                 keeper = LeaseKeeper(choice).start()
             if not args.quiet:
                 print(f"{prefix}{_describe(choice, keeper)}", file=sys.stderr)
+            replacing = client.replaced_visible_devices(choice)
+            if replacing is not None:
+                print(f"{prefix}warning: {replacing}", file=sys.stderr)
             env = {**os.environ, **choice.env()}
             if choice.lease_id is None:
                 env.pop("GPU_LEASE", None)

@@ -358,11 +358,16 @@ def test_use_gpus_sets_and_restores_the_environment_and_releases(
 ) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
     monkeypatch.setenv(client.URL_ENV, exporter.url)
-    with use_gpus(2) as gpus:
+    block = use_gpus(2)
+    with pytest.warns(GpuExporterWarning, match="replacing CUDA_VISIBLE_DEVICES=7 with the"):
+        gpus = block.__enter__()
+    try:
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(gpus.uuids)
         assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert os.environ["GPU_LEASE"] == gpus.lease_id
         assert gpus.lease_id in exporter.lease_ids()
+    finally:
+        block.__exit__(None, None, None)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "7"
     assert "CUDA_DEVICE_ORDER" not in os.environ and "GPU_LEASE" not in os.environ
     assert gpus.lease_id not in exporter.lease_ids()

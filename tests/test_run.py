@@ -192,6 +192,18 @@ def test_run_reports_a_missing_command(exporter: Exporter) -> None:
     assert exporter.lease_ids() == set()
 
 
+def test_run_warns_before_replacing_a_schedulers_cuda_visible_devices(
+    exporter: Exporter,
+) -> None:
+    proc = cli(
+        "run", "--", sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])",
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"},
+    )  # fmt: skip
+    status, out, err = finish(proc)
+    assert status == 0 and out.startswith("GPU-")
+    assert "warning: replacing CUDA_VISIBLE_DEVICES=0,1 with the chosen GPUs" in err
+
+
 def test_run_needs_a_command() -> None:
     status, _, err = run("run", "-n", "1")
     assert status == 2 and "no command given" in err
