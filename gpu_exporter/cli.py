@@ -273,10 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="default %(default)s",
     )
 
-    from gpu_exporter.run import add_choose_parser, add_run_parser
+    from gpu_exporter.run import add_choose_parser, add_release_parser, add_run_parser
 
     add_choose_parser(sub)
     add_run_parser(sub)
+    add_release_parser(sub)
     hash_password = sub.add_parser(
         "hash-password",
         help="print a bcrypt hash for basic_auth_users",
@@ -588,6 +589,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpu_exporter.run import run_main
 
         return run_main(args)
+    if args.command == "release":
+        from gpu_exporter.run import release_main
+
+        return release_main(args)
     if args.command == "hash-password":
         from gpu_exporter.webconfig import hash_password_main
 

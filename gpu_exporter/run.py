@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_NO_GPUS = 3
+EXIT_NO_LEASE = 4
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # Flag, metavar, help; the query parameter is the flag without dashes, "-" as "_".
@@ -279,6 +280,44 @@ def choose_main(args: argparse.Namespace) -> int:
         return 128 + signal.SIGINT
     sys.stdout.write(answer.body)
     sys.stdout.flush()
+    return 0
+
+
+def add_release_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "release",
+        help="give leased GPUs back now",
+        description="Release a lease before it expires, e.g. at the end of a job script that "
+        'ran eval "$(gpu-exporter choose --format env)".',
+        epilog="Exit status: 0 released, 4 no such lease (expired, released, or let go once "
+        "the job's work showed on its GPUs), 1 otherwise.",
+    )
+    parser.add_argument(
+        "lease",
+        nargs="?",
+        default=os.environ.get("GPU_LEASE"),
+        metavar="LEASE",
+        help="the lease id (default $GPU_LEASE)",
+    )
+    parser.add_argument(
+        "--url",
+        default=None,
+        help=f"the gpu-exporter that granted it (default ${URL_ENV}, else {client.DEFAULT_URL})",
+    )
+
+
+def release_main(args: argparse.Namespace) -> int:
+    """``gpu-exporter release``: DELETE /leases/<id>."""
+    if not args.lease:
+        print("error: no lease given and GPU_LEASE is not set", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        client.release(args.lease, args.url)
+    except LeaseNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_NO_LEASE
+    except GpuExporterError as exc:
+        return _fail(exc)
     return 0
 
 

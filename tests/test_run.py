@@ -449,3 +449,25 @@ def test_run_against_the_real_server(tmp_path: Path) -> None:
         assert real.proc is not None
         real.proc.terminate()
         real.proc.communicate(timeout=10)
+
+
+# -- release -----------------------------------------------------------------------------
+
+
+def test_release_gives_back_the_lease_in_gpu_lease(exporter: Exporter) -> None:
+    status, out, _ = run("choose", "--format", "env")
+    lease = ENV_LINE.fullmatch(out).group("lease")  # type: ignore[union-attr]
+    assert lease in exporter.lease_ids()
+    proc = cli("release", env={**os.environ, "GPU_LEASE": lease})
+    assert finish(proc) == (0, "", "")
+    assert lease not in exporter.lease_ids()
+    # Twice: the lease is gone, which is its own exit status and one line.
+    status, out, err = run("release", lease)
+    assert status == 4 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_release_without_a_lease_is_a_usage_error(exporter: Exporter) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GPU_LEASE"}
+    status, _, err = finish(cli("release", env=env))
+    assert status == 2 and err == "error: no lease given and GPU_LEASE is not set\n"
