@@ -43,7 +43,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,7 +56,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import servers  # noqa: E402  (bench/servers.py: ports, readiness)
 
 from gpu_exporter.choose import Filters  # noqa: E402
 from gpu_exporter.cluster import (  # noqa: E402
@@ -307,9 +308,7 @@ def real_prometheus(answers: dict[str, dict[str, Any]], at: float) -> Iterator[s
             capture_output=True,
         )
         source.unlink()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = servers.free_port()
         config = Path(tmp, "prometheus.yml")
         config.write_text("global:\n  scrape_interval: 15s\n")
         proc = subprocess.Popen(
@@ -325,17 +324,10 @@ def real_prometheus(answers: dict[str, dict[str, Any]], at: float) -> Iterator[s
         )
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    with urllib.request.urlopen(base + "/-/ready", timeout=2) as resp:
-                        if resp.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit("prometheus did not become ready")
-                time.sleep(0.2)
+            try:
+                servers.wait_until_ok(base + "/-/ready", proc, 120, "prometheus")
+            except RuntimeError as exc:
+                raise SystemExit(str(exc)) from None
             yield base
         finally:
             proc.terminate()

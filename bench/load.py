@@ -30,13 +30,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import servers  # noqa: E402  (bench/servers.py: ports, readiness, /proc helpers)
+
 LUA = Path(__file__).with_name("load.lua")
 
 
@@ -82,13 +84,6 @@ def wrk(url: str, seconds: float, connections: int = 16) -> tuple[int, int, int]
         int(non2xx.group(1)) if non2xx else 0,
         sum(int(x) for x in errors.groups()) if errors else 0,
     )
-
-
-def free_port() -> int:
-    sys.path.insert(0, str(ROOT))
-    from gpu_exporter.server import free_port as free
-
-    return free()
 
 
 def run(
@@ -170,7 +165,7 @@ def _ms(match: re.Match[str] | None) -> float:
 @contextlib.contextmanager
 def exporter(gpus: int) -> Iterator[tuple[str, int]]:
     """``gpu-exporter serve --simulate GPUS`` on a free loopback port: (base URL, pid)."""
-    port = free_port()
+    port = servers.free_port()
     base = f"http://127.0.0.1:{port}"
     # stderr to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
     with tempfile.TemporaryFile(mode="w+") as log:
@@ -184,18 +179,11 @@ def exporter(gpus: int) -> Iterator[tuple[str, int]]:
             stderr=log,
         )
         try:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    with urllib.request.urlopen(base + "/readyz", timeout=1) as resp:
-                        if resp.status == 200:
-                            break
-                except OSError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"exporter did not start: {log.read()}")
-                time.sleep(0.1)
+            try:
+                servers.wait_until_ok(base + "/readyz", proc, 20, "the exporter")
+            except RuntimeError as exc:
+                log.seek(0)
+                raise RuntimeError(f"{exc}: {log.read()}") from None
             yield base, proc.pid
         finally:
             proc.terminate()

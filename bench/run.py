@@ -150,7 +150,7 @@ class Exporter:
 
     def __init__(self, kind: str, lib: Path, gpus: list[FakeGpu], work: Path) -> None:
         self.kind = kind
-        self.port = servers._free_port()
+        self.port = servers.free_port()
         self.config = work / f"{kind}-{self.port}.conf"
         self.stats = work / f"{kind}-{self.port}.stats"
         fakenvml.write_config(self.config, gpus)

@@ -76,6 +76,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -291,11 +292,23 @@ SERVE = {
 # -- process bookkeeping -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def wait_until_ok(url: str, proc: subprocess.Popen[Any], timeout: float, what: str) -> None:
+    """Poll ``url`` until it answers 200; RuntimeError if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
+            if resp.status == 200:
+                return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become ready ({url})")
+        time.sleep(0.1)
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -400,7 +413,7 @@ def stop_process(proc: subprocess.Popen[Any]) -> None:
 
 @contextlib.contextmanager
 def running(name: str, deps: str) -> Iterator[ServerProcess]:
-    server = ServerProcess(name, _free_port(), deps)
+    server = ServerProcess(name, free_port(), deps)
     try:
         yield server
     finally:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, cast
 
 from flask import Flask, Response, jsonify, render_template, request
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -56,8 +56,8 @@ WAIT_POLL_SECONDS = 0.1  # waiters also wake at once on lease changes
 
 
 def _error_response(status: int, code: str, message: str, param: str | None = None) -> Response:
-    resp = error_response(request, status, code, message, param)
-    return Response(resp.get_data(), resp.status_code, resp.headers)
+    resp = error_response(request, status, code, message, param, response_class=Response)
+    return cast(Response, resp)  # built as Flask's Response class
 
 
 def snapshot_problem(

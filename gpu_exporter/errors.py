@@ -22,12 +22,19 @@ def wants_json(req: Request) -> bool:
 
 
 def error_response(
-    req: Request, status: int, code: str, message: str, param: str | None = None
+    req: Request,
+    status: int,
+    code: str,
+    message: str,
+    param: str | None = None,
+    *,
+    response_class: type[Response] = Response,
 ) -> Response:
+    """The error as ``response_class`` (Flask's own, inside the app)."""
     if wants_json(req):
         body = json.dumps({"error": {"code": code, "message": message, "param": param}})
-        resp = Response(body + "\n", status, mimetype="application/json")
+        resp = response_class(body + "\n", status, mimetype="application/json")
     else:
-        resp = Response(f"error: {message}\n", status, mimetype="text/plain")
+        resp = response_class(f"error: {message}\n", status, mimetype="text/plain")
     resp.headers["Cache-Control"] = "no-store"
     return resp
