@@ -6,7 +6,7 @@ Run from the repository root::
     .venv/bin/python bench/cluster.py --quick    # 50 hosts, a smoke run of a second or two
 
 The Prometheus answers are synthetic but shaped exactly as Prometheus' ``/api/v1/query``
-returns them: the series :func:`gpu_exporter.cluster.fleet_queries` asks for, with the
+returns them: the series :func:`gpu_exporter.client.fleet.fleet_queries` asks for, with the
 labels real targets carry (``instance``, ``job``, ``gpu``, ``uuid``; ``gpu_info`` with name,
 PCI bus id and driver versions). Loads are mixed: a third of the GPUs idle, the rest busy or
 partly used, 5 % leased, 1 % down, 1 % more targets down, a few hosts stale. Measured, each
@@ -14,10 +14,10 @@ as the median of ``--repeat`` runs:
 
 * **size** of each answer (bytes of JSON), and the series count;
 * **fetch**: the answers served over loopback HTTP by a tiny server and read through the same
-  :func:`~gpu_exporter.cluster.query_prometheus` the chooser uses (transfer + JSON decoding;
+  :func:`~gpu_exporter.client.fleet.query_prometheus` the chooser uses (transfer + JSON decoding;
   Prometheus' own evaluation is not in it — see docs/cluster.md);
-* **parse**: :func:`~gpu_exporter.cluster.parse_fleet` (series → per-host GpuSamples);
-* **rank**: :func:`~gpu_exporter.cluster.rank_fleet` for ``n=1``, ``n=2`` with filters, and
+* **parse**: :func:`~gpu_exporter.client.fleet.parse_fleet` (series → per-host GpuSamples);
+* **rank**: :func:`~gpu_exporter.client.fleet.rank_fleet` for ``n=1``, ``n=2`` with filters, and
   ``spread``. Target: ≤ 50 ms for 10,000 GPUs.
 
 With ``--prometheus`` (needs the ``prometheus`` and ``promtool`` binaries, e.g. the Debian
@@ -60,8 +60,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import servers  # noqa: E402  (bench/servers.py: ports, readiness)
 
-from gpu_exporter.choose import Filters  # noqa: E402
-from gpu_exporter.cluster import (  # noqa: E402
+from gpu_exporter.choose.rank import Filters  # noqa: E402
+from gpu_exporter.client.fleet import (  # noqa: E402
     fleet_queries,
     http_get_json,
     needed_metrics,
@@ -179,21 +179,14 @@ def median_ms(fn: Callable[[], Any], repeat: int, label: str = "") -> tuple[floa
 
 def exporter_series_count(gpus: int = GPUS_PER_HOST) -> dict[str, int]:
     """Series one ``gpu-exporter serve --simulate N`` exposes (the real collector)."""
-    from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+    from prometheus_client import generate_latest
 
-    from gpu_exporter.leases import LeaseTable
-    from gpu_exporter.metrics import GpuCollector, RequestCounter
-    from gpu_exporter.nvml import Nvml
-    from gpu_exporter.sampler import Sampler, SystemClock, new_cache
-    from gpu_exporter.simulate import SimulatedNvml
+    from gpu_exporter.config import ServeConfig
+    from gpu_exporter.daemon import build
 
-    clock = SystemClock()
-    nvml = Nvml(SimulatedNvml.with_gpus(gpus, clock=clock.monotonic), simulated=True)
-    cache = new_cache(nvml, clock)
-    Sampler(nvml, cache, interval_seconds=1.0, clock=clock).sample_once()
-    registry = CollectorRegistry()
-    registry.register(GpuCollector(cache, leases=LeaseTable(clock), requests=RequestCounter()))
-    ProcessCollector(registry=registry)
+    daemon = build(ServeConfig(simulate=str(gpus), state_dir=None))
+    daemon.sampler.sample_once()
+    registry = daemon.registry
     lines = [
         line for line in generate_latest(registry).decode().splitlines() if not line.startswith("#")
     ]

@@ -18,7 +18,7 @@ Each server runs the real app — 8 simulated GPUs, a sampler thread every secon
 table, ``GpuCollector`` and ``ProcessCollector``, wired as ``gpu-exporter serve --simulate 8``
 wires them — in a subprocess of its own on a free 127.0.0.1 port:
 
-* ``cheroot``: ``gpu_exporter.server.Server``, the production wrapper (16 threads);
+* ``cheroot``: ``gpu_exporter.web.server.Server``, the production wrapper (16 threads);
 * ``waitress``: ``create_server(app, threads=16)``;
 * ``gunicorn``: one worker, ``-k gthread --threads 16 -w 1``; the app and its sampler are
   built in the worker, after the fork;
@@ -154,72 +154,52 @@ QUICK_SIZE = Size(
 
 
 def _build_app() -> tuple[Any, Any]:
-    """The app as ``gpu-exporter serve --simulate 8`` builds it, and its (unstarted) sampler."""
-    from prometheus_client import CollectorRegistry, ProcessCollector
+    """The app exactly as ``gpu-exporter serve --simulate 8`` builds it (daemon.build, no
+    --state-dir), and the daemon whose threads to start after binding."""
+    from gpu_exporter.config import ServeConfig
+    from gpu_exporter.daemon import build
 
-    from gpu_exporter.app import create_app
-    from gpu_exporter.exposition import Exposition
-    from gpu_exporter.leases import LeaseTable
-    from gpu_exporter.metrics import GpuCollector, RequestCounter
-    from gpu_exporter.nvml import Nvml
-    from gpu_exporter.sampler import Sampler, SystemClock, new_cache
-    from gpu_exporter.simulate import SimulatedNvml
-
-    clock = SystemClock()
-    nvml = Nvml(SimulatedNvml.with_gpus(GPUS, clock=clock.monotonic), simulated=True)
-    cache = new_cache(nvml, clock)
-    leases = LeaseTable(clock)  # in memory only, as without --state-dir
-    requests = RequestCounter()
-    registry = CollectorRegistry()
-    gpu_collector = GpuCollector(cache, leases=leases, requests=requests)
-    registry.register(gpu_collector)
-    process_collector = ProcessCollector(registry=registry)
-    max_age = max(10.0, 5 * SAMPLE_INTERVAL_SECONDS)
-    app = create_app(
-        cache,
-        registry,
-        clock=clock,
-        max_age_seconds=max_age,
-        leases=leases,
-        requests=requests,
-        exposition=Exposition(cache, gpu_collector, (process_collector,)),
+    config = ServeConfig(
+        simulate=str(GPUS),
+        interval_seconds=SAMPLE_INTERVAL_SECONDS,
+        max_age_seconds=max(10.0, 5 * SAMPLE_INTERVAL_SECONDS),
     )
-    sampler = Sampler(nvml, cache, interval_seconds=SAMPLE_INTERVAL_SECONDS, clock=clock)
-    return app, sampler
+    daemon = build(config)
+    return daemon.wsgi, daemon
 
 
-def _serve_until_sigterm(server: Any, sampler: Any) -> int:
-    """Start the sampler, serve, and stop on SIGTERM (cheroot's stop() must not block it)."""
+def _serve_until_sigterm(server: Any, daemon: Any) -> int:
+    """Start the daemon's threads, serve, stop on SIGTERM (cheroot's stop() must not block it)."""
 
     def on_term(signum: int, frame: object) -> None:
         threading.Thread(target=server.stop, daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_term)
-    sampler.start()  # after binding, as `gpu-exporter serve` does
+    daemon.start()  # after binding, as `gpu-exporter serve` does
     try:
         server.serve()
     finally:
-        sampler.stop()
+        daemon.stop()
     return 0
 
 
 def _serve_cheroot(port: int) -> int:
-    from gpu_exporter.server import ListenError, Server
+    from gpu_exporter.web.server import ListenError, Server
 
-    app, sampler = _build_app()
+    app, daemon = _build_app()
     server = Server(app, HOST, port, threads=SERVER_THREADS)
     try:
         server.bind()
     except ListenError as exc:
         print(f"cheroot: {exc}", file=sys.stderr)
         return 1
-    return _serve_until_sigterm(server, sampler)
+    return _serve_until_sigterm(server, daemon)
 
 
 def _serve_cheroot_backlog(port: int) -> int:
     from cheroot import wsgi
 
-    app, sampler = _build_app()
+    app, daemon = _build_app()
     server = wsgi.Server((HOST, port), app, numthreads=SERVER_THREADS, request_queue_size=BACKLOG)
     server.server_name = "gpu-exporter"
     try:
@@ -227,19 +207,19 @@ def _serve_cheroot_backlog(port: int) -> int:
     except OSError as exc:
         print(f"cheroot: cannot listen on {HOST}:{port}: {exc}", file=sys.stderr)
         return 1
-    return _serve_until_sigterm(server, sampler)
+    return _serve_until_sigterm(server, daemon)
 
 
 def _serve_waitress(port: int) -> int:
     from waitress import create_server
 
-    app, sampler = _build_app()
+    app, daemon = _build_app()
     try:
         server = create_server(app, host=HOST, port=port, threads=SERVER_THREADS)
     except OSError as exc:
         print(f"waitress: cannot listen on {HOST}:{port}: {exc}", file=sys.stderr)
         return 1
-    sampler.start()
+    daemon.start()
 
     def on_term(signum: int, frame: object) -> None:
         raise SystemExit(0)
@@ -248,7 +228,7 @@ def _serve_waitress(port: int) -> int:
     try:
         server.run()
     finally:
-        sampler.stop()
+        daemon.stop()
     return 0
 
 
@@ -272,9 +252,9 @@ def _serve_gunicorn(port: int) -> int:
                     self.cfg.set(key, value)
 
         def load(self) -> Any:
-            # Called in the worker, after the fork: the sampler (the NVML owner) starts here.
-            app, sampler = _build_app()
-            sampler.start()
+            # Called in the worker, after the fork: the daemon (the NVML owner) starts here.
+            app, daemon = _build_app()
+            daemon.start()
             return app
 
     Application().run()

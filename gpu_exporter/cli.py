@@ -1,66 +1,25 @@
-"""Command line: ``gpu-exporter serve``. Every flag can also be set as ``GPU_EXPORTER_<FLAG>``."""
+"""Command line: argparse only. ``serve``'s flags become a :class:`~gpu_exporter.config.ServeConfig`
+for :func:`gpu_exporter.daemon.serve`; ``choose``, ``run`` and ``release`` are the client's
+(:mod:`gpu_exporter.client.cli`). Every ``serve`` flag can also be set as ``GPU_EXPORTER_<FLAG>``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType
 
 from gpu_exporter import __version__
-
-log = logging.getLogger("gpu_exporter")
-
-DEFAULT_LISTEN = ":9400"
-M_ARENA_MAX = -8  # glibc mallopt() parameter
-MALLOC_ARENAS = 2
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    host: str  # "" means every interface
-    port: int
-    interval_seconds: float
-    simulate: str | None
-    log_level: str
-    max_age_seconds: float
-    state_dir: str | None = None  # None: leases are not kept across restarts
-    max_lease_seconds: float = 3600.0
-    max_gpus_per_requester: int = 0  # 0: no limit
-    process_labels: tuple[str, ...] = ()  # opt-in attribution of GPU processes
-    process_series_limit: int = 64
-    proc_root: str = "/proc"
-    pcie_throughput: bool = False
-    xid_events: bool = True
-    nvml_timeout_seconds: float = 5.0
-    max_requests_in_flight: int = 32
-    max_waiters: int = 8
-    prometheus_url: str | None = None  # serves /cluster/choose from this Prometheus
-    prometheus_selector: str = ""  # label matchers narrowing /cluster/choose's fleet
-    web_config_file: str | None = None  # TLS, basic auth, headers (exporter-toolkit format)
-    auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
-
-
-def parse_listen_address(text: str) -> tuple[str, int]:
-    """``":9400"``, ``"127.0.0.1:9400"``, ``"[::1]:9400"`` → (host, port); host "" = all.
-
-    >>> parse_listen_address(":9400"), parse_listen_address("[::1]:80")
-    (('', 9400), ('::1', 80))
-    """
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT such as :9400 or 127.0.0.1:9400, got {text!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
+from gpu_exporter.config import (
+    DEFAULT_LISTEN,
+    LOG_LEVELS,
+    ServeConfig,
+    default_state_dir,
+    parse_listen_address,
+    parse_process_labels,
+)
 
 
 def _env(flag: str, default: str | None) -> str | None:
@@ -71,24 +30,6 @@ def _env(flag: str, default: str | None) -> str | None:
 
 def _env_bool(flag: str) -> bool:
     return (_env(flag, "") or "").lower() in ("1", "true", "yes", "on")
-
-
-def parse_process_labels(text: str) -> tuple[str, ...]:
-    """``--process-labels``' value → the labels, in their fixed order.
-
-    >>> parse_process_labels("command,user")
-    ('user', 'command')
-    """
-    from gpu_exporter.model import PROCESS_LABELS
-
-    wanted = {part.strip() for part in text.split(",") if part.strip()}
-    unknown = wanted - set(PROCESS_LABELS)
-    if unknown:
-        raise ValueError(
-            f"unknown process labels {', '.join(sorted(unknown))}; "
-            f"choose from {', '.join(PROCESS_LABELS)}"
-        )
-    return tuple(label for label in PROCESS_LABELS if label in wanted)
 
 
 def _positive_seconds(text: str) -> float:
@@ -273,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default %(default)s",
     )
 
-    from gpu_exporter.run import add_choose_parser, add_release_parser, add_run_parser
+    from gpu_exporter.client.cli import add_choose_parser, add_release_parser, add_run_parser
 
     add_choose_parser(sub)
     add_run_parser(sub)
@@ -297,19 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _selector(text: str, parser: argparse.ArgumentParser) -> str:
-    from gpu_exporter.cluster import check_selector
+    from gpu_exporter.client.fleet import check_selector
 
     try:
         return check_selector(text)
     except ValueError as exc:
         parser.error(f"--prometheus-selector: {exc}")
-
-
-def _default_state_dir() -> str:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".local", "state"
-    )
-    return os.path.join(base, "gpu-exporter")
 
 
 def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
@@ -336,7 +270,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.auth_scope not in ("all", "writes"):  # from the environment
         parser.error("--auth-scope must be all or writes")
     if args.web_config_file is not None:
-        from gpu_exporter.webconfig import WebConfigError, load
+        from gpu_exporter.web.webconfig import WebConfigError, load
 
         try:
             load(args.web_config_file)  # refuse to start on a bad file, with one line
@@ -349,7 +283,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         args.simulate,
         args.log_level,
         max_age,
-        state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or _default_state_dir(),
+        state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or default_state_dir(),
         max_lease_seconds=float(args.max_lease),
         max_gpus_per_requester=int(args.max_gpus_per_requester),
         process_labels=process_labels,
@@ -367,209 +301,6 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     )
 
 
-def _state_file(state_dir: str | None) -> Path | None:
-    """``<state-dir>/leases.json``, or None (with a warning) when the directory is unusable."""
-    if state_dir is None:
-        return None
-    path = Path(state_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if not os.access(path, os.W_OK):
-            raise PermissionError(f"{path} is not writable")
-    except OSError as exc:
-        log.warning("leases will not survive a restart: cannot use --state-dir %s (%s)", path, exc)
-        return None
-    return path / "leases.json"
-
-
-def _limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
-    """Cap glibc's per-thread malloc arenas (``MALLOC_ARENA_MAX``) unless the user set it.
-
-    Each of the server's ~36 threads would otherwise get an arena of its own on first use,
-    and RSS grows by several MB under a burst of concurrent requests and stays there. The
-    request threads allocate little and briefly, so two arenas cost no measurable speed.
-    """
-    if "MALLOC_ARENA_MAX" in os.environ:
-        return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(M_ARENA_MAX, arenas)
-    except (OSError, AttributeError):  # not glibc: nothing to cap
-        pass
-
-
-def serve(config: ServeConfig) -> int:
-    _limit_malloc_arenas()
-    # Imported here so that `gpu-exporter --help` stays fast and needs no Flask.
-    from prometheus_client import CollectorRegistry, ProcessCollector
-    from prometheus_client.registry import Collector
-
-    from gpu_exporter.app import create_app
-    from gpu_exporter.background import NvmlThread
-    from gpu_exporter.counters import PcieRates, XidCounter
-    from gpu_exporter.events import XidListener
-    from gpu_exporter.exposition import Exposition
-    from gpu_exporter.leases import LeaseTable
-    from gpu_exporter.limits import PROBE_THREADS, Waiters
-    from gpu_exporter.metrics import GpuCollector, RequestCounter, WebConfigCollector
-    from gpu_exporter.nvml import Nvml
-    from gpu_exporter.pcie import PcieThroughputSampler
-    from gpu_exporter.procinfo import ProcInfoCache
-    from gpu_exporter.sampler import Sampler, SystemClock, new_cache
-    from gpu_exporter.server import ListenError, Server
-    from gpu_exporter.webconfig import WebConfigError, WebConfigWatcher, exposure_warnings, secure
-
-    watcher = None
-    if config.web_config_file is not None:
-        try:
-            watcher = WebConfigWatcher(config.web_config_file)
-        except WebConfigError as exc:
-            log.error("--web-config-file %s: %s", config.web_config_file, exc)
-            return 2
-
-    clock = SystemClock()
-    if config.simulate is not None:
-        from gpu_exporter.simulate import SimulatedNvml
-
-        try:
-            lib = SimulatedNvml.from_argument(config.simulate, clock=clock.monotonic)
-        except ValueError as exc:
-            log.error("%s", exc)
-            return 2
-        nvml = Nvml(lib, simulated=True)
-        log.warning(
-            "simulating %d GPUs (--simulate %s): no real device is read",
-            len(lib.gpus),
-            config.simulate,
-        )
-    else:
-        nvml = Nvml()
-
-    cache = new_cache(nvml, clock)
-    leases = LeaseTable(
-        clock,
-        state_file=_state_file(config.state_dir),
-        max_ttl_seconds=config.max_lease_seconds,
-        max_gpus_per_requester=config.max_gpus_per_requester,
-    )
-    requests, rejections = RequestCounter(), RequestCounter()
-    xids = XidCounter() if config.xid_events else None
-    pcie = PcieRates() if config.pcie_throughput else None
-    registry = CollectorRegistry()
-    gpu_collector = GpuCollector(
-        cache,
-        leases=leases,
-        requests=requests,
-        rejections=rejections,
-        xids=xids,
-        pcie=pcie,
-        process_series_limit=config.process_series_limit,
-    )
-    registry.register(gpu_collector)
-    # Collectors rendered on every scrape, after the cached GPU part; same order as registered.
-    live: list[Collector] = [ProcessCollector(registry=registry)]
-    if watcher is not None:
-        live.append(WebConfigCollector(watcher))
-        registry.register(live[-1])
-    exposition = Exposition(cache, gpu_collector, live)
-    stopping = threading.Event()
-    cluster = None
-    if config.prometheus_url:
-        from gpu_exporter.cluster import ClusterService
-
-        cluster = ClusterService(config.prometheus_url, config.prometheus_selector)
-    app = create_app(
-        cache,
-        registry,
-        clock=clock,
-        max_age_seconds=config.max_age_seconds,
-        leases=leases,
-        requests=requests,
-        rejections=rejections,
-        max_in_flight=config.max_requests_in_flight,
-        waiters=Waiters(config.max_waiters),
-        stopping=stopping,
-        xids=xids,
-        cluster=cluster,
-        exposition=exposition,
-    )
-
-    # A few threads beyond the request limit, so that probes always find one free.
-    threads = config.max_requests_in_flight + PROBE_THREADS
-    if watcher is not None:
-        tls = watcher.tls_context if watcher.active.context is not None else None
-        server = Server(
-            secure(app, watcher, config.auth_scope),
-            config.host,
-            config.port,
-            threads=threads,
-            tls=tls,
-        )
-    else:
-        server = Server(app, config.host, config.port, threads=threads)
-    try:
-        server.bind()  # before NVML: a busy port fails fast, without touching the driver
-    except ListenError as exc:
-        log.error("%s", exc)
-        return 1
-
-    # NVML is initialised on the sampler thread of this (serving) process — never before a fork.
-    procinfo = (
-        ProcInfoCache(config.process_labels, config.proc_root) if config.process_labels else None
-    )
-    sampler = Sampler(
-        nvml,
-        cache,
-        interval_seconds=config.interval_seconds,
-        nvml_timeout_seconds=config.nvml_timeout_seconds,
-        clock=clock,
-        procinfo=procinfo,
-    )
-    sampler.start()
-    # Off the main sampling path: each on its own thread, holding its own NVML reference.
-    background: list[NvmlThread] = []
-    if xids is not None:
-        background.append(XidListener(nvml, xids, clock=clock))
-    if pcie is not None:
-        background.append(
-            PcieThroughputSampler(nvml, pcie, interval_seconds=config.interval_seconds)
-        )
-    for thread in background:
-        thread.start()
-    if watcher is not None:
-        watcher.start()
-    for warning in exposure_warnings(
-        config.host, watcher.active.config if watcher else None, os.geteuid()
-    ):
-        log.warning("%s", warning)
-    exposition.start()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        if not stopping.is_set():
-            stopping.set()
-            log.info("received %s, shutting down", signal.Signals(signum).name)
-            threading.Thread(target=server.stop, name="shutdown", daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    log.info(
-        "listening on %s (%s), sampling every %g s",
-        server.address,
-        server.scheme,
-        config.interval_seconds,
-    )
-    try:
-        server.serve()
-    finally:
-        exposition.stop()
-        for thread in background:
-            thread.stop()
-        sampler.stop()
-        if watcher is not None:
-            watcher.stop()
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -580,21 +311,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             stream=sys.stderr,
         )
+        # Imported here so that `gpu-exporter --help` and the client commands need no Flask.
+        from gpu_exporter.daemon import serve
+
         return serve(config)
     if args.command == "choose":
-        from gpu_exporter.run import choose_main
+        from gpu_exporter.client.cli import choose_main
 
         return choose_main(args)
     if args.command == "run":
-        from gpu_exporter.run import run_main
+        from gpu_exporter.client.cli import run_main
 
         return run_main(args)
     if args.command == "release":
-        from gpu_exporter.run import release_main
+        from gpu_exporter.client.cli import release_main
 
         return release_main(args)
     if args.command == "hash-password":
-        from gpu_exporter.webconfig import hash_password_main
+        from gpu_exporter.web.webconfig import hash_password_main
 
         return hash_password_main(args)
     parser.error(f"unknown command {args.command!r}")

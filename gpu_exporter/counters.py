@@ -1,10 +1,10 @@
 """Stores that background NVML threads write and the collector reads, behind one lock each.
 
-* :class:`XidCounter` — Xid errors from the event listener (:mod:`gpu_exporter.events`):
+* :class:`XidCounter` — Xid errors from the event listener (:mod:`gpu_exporter.collect.xid`):
   counts per (GPU, Xid) that only ever grow while the process lives, and when the last one
   arrived.
 * :class:`PcieRates` — PCIe throughput from its own sampling thread
-  (:mod:`gpu_exporter.pcie`), kept off the main sampling path because NVML blocks ~20 ms per
+  (:mod:`gpu_exporter.collect.pcie`), kept off the main sampling path because NVML blocks ~20 ms per
   direction per GPU to measure it.
 
 Neither imports NVML; requests and the collector only read them.
@@ -90,3 +90,19 @@ class PcieRates:
     def rates(self) -> tuple[PcieRate, ...]:
         with self._lock:
             return tuple(sorted(self._rates.values(), key=lambda r: (r.index, r.uuid)))
+
+
+class RequestCounter:
+    """Thread-safe counts by one label value (/choose results, rejected requests)."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def inc(self, result: str) -> None:
+        with self._lock:
+            self._counts[result] += 1
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)

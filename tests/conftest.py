@@ -5,21 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from prometheus_client import CollectorRegistry
 
-from gpu_exporter.app import create_app
+from gpu_exporter.choose.leases import LeaseTable
+from gpu_exporter.collect.cache import SnapshotCache
+from gpu_exporter.collect.sampler import Sampler
+from gpu_exporter.config import ServeConfig
 from gpu_exporter.counters import PcieRates, XidCounter
-from gpu_exporter.exposition import Exposition
-from gpu_exporter.leases import LeaseTable
-from gpu_exporter.metrics import GpuCollector, RequestCounter
+from gpu_exporter.daemon import Daemon, build
+from gpu_exporter.export.exposition import Exposition
 from gpu_exporter.model import Snapshot
 from gpu_exporter.nvml import Nvml
-from gpu_exporter.procinfo import ProcInfoCache
-from gpu_exporter.sampler import Sampler, SnapshotCache, new_cache
 from gpu_exporter.simulate import SimGpu, SimulatedNvml
 
 
@@ -43,19 +44,45 @@ class FakeClock:
 
 @dataclass
 class Stack:
-    """Simulator → Nvml → Sampler → cache → collector/app, all on one fake clock."""
+    """Simulator → daemon.build() → app, all on one fake clock; sampled by hand."""
 
     clock: FakeClock
     sim: SimulatedNvml
-    nvml: Nvml
-    cache: SnapshotCache
-    sampler: Sampler
-    registry: CollectorRegistry
-    app: Flask
+    daemon: Daemon
     leases: LeaseTable
-    exposition: Exposition
-    xids: XidCounter
-    pcie: PcieRates | None = None
+
+    @property
+    def nvml(self) -> Nvml:
+        return self.daemon.nvml
+
+    @property
+    def cache(self) -> SnapshotCache:
+        return self.daemon.cache
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.daemon.sampler
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.daemon.registry
+
+    @property
+    def app(self) -> Flask:
+        return self.daemon.app
+
+    @property
+    def exposition(self) -> Exposition:
+        return self.daemon.exposition
+
+    @property
+    def xids(self) -> XidCounter:
+        assert self.daemon.xids is not None
+        return self.daemon.xids
+
+    @property
+    def pcie(self) -> PcieRates | None:
+        return self.daemon.pcie
 
     @property
     def client(self) -> FlaskClient:
@@ -73,55 +100,23 @@ class Stack:
 def build_stack(
     sim_factory: Callable[[FakeClock], SimulatedNvml],
     *,
-    max_age: float = 10.0,
     clock: FakeClock | None = None,
-    leases: LeaseTable | None = None,
-    procinfo: ProcInfoCache | None = None,
-    pcie: bool = False,
-    process_series_limit: int = 64,
-    nvml_timeout: float = 5.0,
+    **config: Any,
 ) -> Stack:
+    """The production wiring (:func:`gpu_exporter.daemon.build`) over a simulator.
+
+    ``config`` are :class:`~gpu_exporter.config.ServeConfig` fields; by default leases are
+    kept in memory only (no state directory).
+    """
     clock = clock or FakeClock()
     sim = sim_factory(clock)
-    nvml = Nvml(sim, simulated=True)
-    cache = new_cache(nvml, clock)
-    sampler = Sampler(
-        nvml,
-        cache,
-        interval_seconds=1.0,
-        nvml_timeout_seconds=nvml_timeout,
+    daemon = build(
+        ServeConfig(**{"state_dir": None, **config}),
+        nvml=Nvml(sim, simulated=True),
         clock=clock,
-        procinfo=procinfo,
-    )
-    table = leases or LeaseTable(clock)
-    requests, rejections = RequestCounter(), RequestCounter()
-    xids = XidCounter()
-    rates = PcieRates() if pcie else None
-    registry = CollectorRegistry()
-    collector = GpuCollector(
-        cache,
         version="test",
-        leases=table,
-        requests=requests,
-        rejections=rejections,
-        xids=xids,
-        pcie=rates,
-        process_series_limit=process_series_limit,
     )
-    registry.register(collector)
-    exposition = Exposition(cache, collector)
-    app = create_app(
-        cache,
-        registry,
-        clock=clock,
-        max_age_seconds=max_age,
-        leases=table,
-        requests=requests,
-        rejections=rejections,
-        exposition=exposition,
-        xids=xids,
-    )
-    return Stack(clock, sim, nvml, cache, sampler, registry, app, table, exposition, xids, rates)
+    return Stack(clock, sim, daemon, daemon.leases)
 
 
 @pytest.fixture
@@ -142,12 +137,22 @@ def sim_of(*gpus: SimGpu, **kwargs: object) -> Callable[[FakeClock], SimulatedNv
     return lambda clock: SimulatedNvml(list(gpus), clock=clock.monotonic, **kwargs)  # type: ignore[arg-type]
 
 
+def without_process_metrics(text: bytes) -> bytes:
+    """An exposition without prometheus_client's process_* families, whose values (CPU
+    seconds, RSS) change from one rendering to the next."""
+    return b"".join(
+        line
+        for line in text.splitlines(keepends=True)
+        if not line.startswith((b"process_", b"# HELP process_", b"# TYPE process_"))
+    )
+
+
 # A container id as Docker writes it (64 hex digits).
 CID = "3f4e8a1b2c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f7"
 
 
 def fake_proc(root: Path, pid: int, *, uid: int, cmdline: bytes, cgroup: str, start: int) -> None:
-    """A /proc/<pid> directory with the files gpu_exporter.procinfo reads."""
+    """A /proc/<pid> directory with the files gpu_exporter.collect.procinfo reads."""
     d = root / str(pid)
     d.mkdir(parents=True)
     (d / "status").write_text(f"Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")

@@ -402,7 +402,7 @@ class RemoteExporter:
 
 
 def _start_real(state_dir: Path) -> RemoteExporter:
-    from gpu_exporter.server import free_port
+    from gpu_exporter.web.server import free_port
 
     port = free_port()
     proc = subprocess.Popen(

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from gpu_exporter.server import free_port
+from gpu_exporter.web.server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

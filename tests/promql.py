@@ -18,7 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = ROOT / "grafana/dashboards"
 RULES = ROOT / "deploy/prometheus/gpu-exporter.rules.yml"
-FLEET_SCENARIO = ROOT / "gpu_exporter/scenarios/fleet.toml"
+FLEET_SCENARIO = ROOT / "gpu_exporter/simulate/scenarios/fleet.toml"
 
 
 @dataclass(frozen=True)

@@ -30,23 +30,33 @@ def test_only_the_nvml_module_imports_pynvml() -> None:
 
 
 def test_ranking_is_pure() -> None:
-    imported = imports_of(PACKAGE / "choose.py")
+    imported = imports_of(PACKAGE / "choose" / "rank.py")
     assert not imported & {
         "flask",
         "werkzeug",
         "pynvml",
         "gpu_exporter.nvml",
-        "gpu_exporter.sampler",
+        "gpu_exporter.collect.sampler",
     }
 
 
 def test_requests_cannot_reach_nvml() -> None:
-    for module in ("app.py", "metrics.py", "exposition.py"):
+    for module in ("web/app.py", "export/metrics.py", "export/exposition.py"):
         assert "gpu_exporter.nvml" not in imports_of(PACKAGE / module), module
 
 
 @pytest.mark.parametrize(
-    "module", ["units", "choose", "nvml", "cli", "params", "cluster", "procinfo", "model"]
+    "module",
+    [
+        "units",
+        "choose.rank",
+        "nvml",
+        "config",
+        "choose.params",
+        "client.fleet",
+        "collect.procinfo",
+        "model",
+    ],
 )
 def test_doctests(module: str) -> None:
     result = doctest.testmod(importlib.import_module(f"gpu_exporter.{module}"))

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from gpu_exporter.choose import Filters
-from gpu_exporter.cluster import parse_fleet, rank_fleet
+from gpu_exporter.choose.rank import Filters
+from gpu_exporter.client.fleet import parse_fleet, rank_fleet
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "cluster.py"
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_exporter.choose import (
+from gpu_exporter.choose.rank import (
     GIB,
     Filters,
     NotEnoughGpus,

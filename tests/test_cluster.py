@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from gpu_exporter import client
-from gpu_exporter.choose import Filters
+from gpu_exporter.choose.params import ApiError, parse_cluster_args
+from gpu_exporter.choose.rank import Filters
 from gpu_exporter.client import Choice, ServerUnreachable
-from gpu_exporter.cluster import (
+from gpu_exporter.client.fleet import (
     ClusterChoice,
     Fleet,
     Host,
@@ -23,7 +24,6 @@ from gpu_exporter.cluster import (
     place,
     rank_fleet,
 )
-from gpu_exporter.params import ApiError, parse_cluster_args
 
 NOW = 1_800_000_000.0
 GIB = 2**30
@@ -550,7 +550,7 @@ def test_the_command_line_refuses_contradictory_fleet_options(
 def test_the_json_answer_keeps_to_the_openapi_schema() -> None:
     import jsonschema
 
-    from gpu_exporter.openapi import document
+    from gpu_exporter.web.openapi import document
 
     results = host_results({"a:9400": gpu("a:9400", 0), "b:9400": gpu("b:9400", 0, util=0.5)})
     result = choose_fleet(

@@ -1,6 +1,6 @@
 """The dashboards and rules against a real Prometheus scraping two simulated exporters.
 
-Both exporters serve gpu_exporter/scenarios/fleet.toml (a saturated GPU, a throttled one, a GPU
+Both exporters serve gpu_exporter/simulate/scenarios/fleet.toml (a saturated GPU, a throttled one, a GPU
 that falls off the bus, ECC errors, Xids, idle and changing cards, a failing NVML call);
 Prometheus loads the shipped rules.
 Every panel, annotation and template-variable query must return data, and the alert

@@ -430,7 +430,7 @@ def test_compose_file_references_exist_and_wire_the_demo() -> None:
     command = services["gpu-exporter"]["command"]
     assert command[:2] == ["serve", "--simulate"]
     mounted = {v.split(":")[1]: v.split(":")[0] for v in services["gpu-exporter"]["volumes"]}
-    assert mounted[command[2]] == "./gpu_exporter/scenarios/fleet.toml"
+    assert mounted[command[2]] == "./gpu_exporter/simulate/scenarios/fleet.toml"
 
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     prom_mounts = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}

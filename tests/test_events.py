@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from conftest import FakeClock, Stack, build_stack, sim_of
-from gpu_exporter.events import XidListener
+from gpu_exporter.collect.xid import XidListener
 from gpu_exporter.simulate import Fault, Load, SimGpu, SimulatedNvml
 
 A100 = "NVIDIA A100-SXM4-80GB"

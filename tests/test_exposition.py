@@ -15,9 +15,10 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.choose import Filters
-from gpu_exporter.exposition import Exposition
-from gpu_exporter.metrics import GpuCollector, RequestCounter
+from gpu_exporter.choose.rank import Filters
+from gpu_exporter.counters import RequestCounter
+from gpu_exporter.export.exposition import Exposition
+from gpu_exporter.export.metrics import GpuCollector
 from gpu_exporter.simulate import Fault, Load, SimGpu
 
 A100 = "NVIDIA A100-SXM4-80GB"

@@ -15,15 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.app import create_app
-from gpu_exporter.leases import LeaseTable
-from gpu_exporter.metrics import GpuCollector
+from gpu_exporter.clock import SystemClock
+from gpu_exporter.config import ServeConfig
+from gpu_exporter.daemon import build
 from gpu_exporter.nvml import Nvml
-from gpu_exporter.sampler import Sampler, SystemClock, new_cache
-from gpu_exporter.server import Server
 from gpu_exporter.simulate import HANG, Fault, Load, SimGpu, SimulatedNvml
 from harness import exporter, get
 
@@ -55,7 +52,7 @@ def hung_gpu1() -> Iterator[Stack]:
                 )
             ],
         ),
-        nvml_timeout=DEADLINE,
+        nvml_timeout_seconds=DEADLINE,
     )
     try:
         yield s
@@ -126,7 +123,7 @@ def test_a_hung_library_call_marks_nvml_down_and_recovers() -> None:
                 Fault("nvmlDeviceGetCount", HANG, after_seconds=5, for_seconds=1, hang_seconds=60)
             ],
         ),
-        nvml_timeout=DEADLINE,
+        nvml_timeout_seconds=DEADLINE,
     )
     try:
         assert s.sample().nvml_up
@@ -163,7 +160,7 @@ def test_everything_hanging_from_the_start_leaves_the_process_responsive() -> No
             SimGpu(0, A100, Load("idle")),
             faults=[Fault("*", HANG, for_seconds=1, hang_seconds=60)],  # nvmlInit included
         ),
-        nvml_timeout=DEADLINE,
+        nvml_timeout_seconds=DEADLINE,
     )
     try:
         snap = s.sample()
@@ -253,16 +250,10 @@ def test_thirty_second_hang_through_the_real_server() -> None:
         clock=clock.monotonic,
     )
     hang_starts = clock.monotonic() - sim.elapsed() + 2  # no earlier than this
-    nvml = Nvml(sim, simulated=True)
-    cache = new_cache(nvml, clock)
-    registry = CollectorRegistry()
-    registry.register(GpuCollector(cache))
-    app = create_app(cache, registry, clock=clock, leases=LeaseTable(clock))
-    sampler = Sampler(
-        nvml, cache, interval_seconds=interval, nvml_timeout_seconds=deadline, clock=clock
-    )
-    server = Server(app, "127.0.0.1", 0)
-    server.bind()
+    config = ServeConfig(interval_seconds=interval, nvml_timeout_seconds=deadline)
+    daemon = build(config, nvml=Nvml(sim, simulated=True), clock=clock)
+    sampler = daemon.sampler
+    server = daemon.make_server("127.0.0.1", 0)
     threading.Thread(target=server.serve, daemon=True).start()
     sampler.start()
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)

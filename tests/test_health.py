@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from conftest import CID, Stack, build_stack, fake_proc, sim_of
-from gpu_exporter.metrics import METRICS
+from gpu_exporter.collect.procinfo import ProcInfoCache
+from gpu_exporter.export.metrics import METRICS
 from gpu_exporter.model import CLOCKS_EVENT_REASONS
-from gpu_exporter.procinfo import ProcInfoCache
 from gpu_exporter.simulate import Health, Load, SimGpu
 
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -224,8 +224,9 @@ def full_host(tmp_path: Path) -> Stack:
             SimGpu(2, A100, Load("busy"), mig=("3g.40gb", "2g.20gb", "1g.10gb")),
             SimGpu(3, A100, Load("hidden", memory_used_ratio=0.3), health=SICK),
         ),
-        procinfo=procinfo,
-        pcie=True,
+        process_labels=procinfo.fields,
+        proc_root=str(tmp_path),
+        pcie_throughput=True,
     )
     s.sample()
     s.xids.record(3, s.sim.gpus[3].uuid, 79, s.clock.time())
@@ -240,7 +241,8 @@ def full_host(tmp_path: Path) -> Stack:
 def test_full_output_has_every_metric(tmp_path: Path) -> None:
     s = full_host(tmp_path)
     text = generate_latest(s.registry).decode()
-    emitted = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    # The process_* families are prometheus_client's ProcessCollector, as in production.
+    emitted = {n for n in re.findall(r"^# TYPE (\S+) ", text, re.M) if not n.startswith("process_")}
     # Everything but the --web-config-file metrics (no web config here).
     assert emitted == {m.name for m in METRICS if "web_config" not in m.name}
     samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}

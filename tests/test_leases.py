@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import FakeClock, Stack, build_stack, sim_of
-from gpu_exporter.choose import Filters, NotEnoughGpus
-from gpu_exporter.leases import ARRIVAL_BYTES, LeaseError, LeaseTable
-from gpu_exporter.server import Server
+from gpu_exporter.choose.leases import ARRIVAL_BYTES, LeaseError, LeaseTable
+from gpu_exporter.choose.rank import Filters, NotEnoughGpus
 from gpu_exporter.simulate import Fault, Load, SimGpu
+from gpu_exporter.web.server import Server
 
 A100 = "NVIDIA A100-SXM4-80GB"
 
@@ -173,9 +173,7 @@ def test_lost_gpu_is_dropped_from_its_lease() -> None:
 
 def test_limits_are_429(tmp_path: Path) -> None:
     clock = FakeClock()
-    s = idle_box(
-        4, clock=clock, leases=LeaseTable(clock, max_ttl_seconds=600, max_gpus_per_requester=2)
-    )
+    s = idle_box(4, clock=clock, max_lease_seconds=600, max_gpus_per_requester=2)
     too_long = s.client.get("/choose?lease=2h&format=json")
     assert too_long.status_code == 429
     assert too_long.get_json()["error"]["code"] == "lease_too_long"
@@ -193,10 +191,10 @@ def test_limits_are_429(tmp_path: Path) -> None:
 def test_leases_survive_a_restart(tmp_path: Path) -> None:
     state = tmp_path / "leases.json"
     clock = FakeClock()
-    s = idle_box(2, clock=clock, leases=LeaseTable(clock, state_file=state))
+    s = idle_box(2, clock=clock, state_dir=str(tmp_path))
     first = s.client.get("/choose").text
     assert json.loads(state.read_text())["leases"][0]["gpus"] == [first.strip()]
-    restarted = idle_box(2, clock=clock, leases=LeaseTable(clock, state_file=state))
+    restarted = idle_box(2, clock=clock, state_dir=str(tmp_path))
     assert restarted.client.get("/choose").text != first  # not re-issued
     assert restarted.client.get("/choose").status_code == 503
 
@@ -320,7 +318,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
         self.dir = Path(tempfile.mkdtemp())
         self.clock = FakeClock()
-        self.stack = idle_box(4, clock=self.clock, leases=self._table())
+        self.stack = idle_box(4, clock=self.clock, state_dir=str(self.dir), max_lease_seconds=120)
         self.lost: set[int] = set()
 
     def _table(self) -> LeaseTable:

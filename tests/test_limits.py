@@ -10,17 +10,15 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from conftest import FakeClock
-from gpu_exporter.app import create_app
-from gpu_exporter.leases import LeaseTable
-from gpu_exporter.limits import MAX_QUERY_BYTES, PROBE_THREADS, Waiters
-from gpu_exporter.metrics import GpuCollector, RequestCounter
+from conftest import build_stack
+from gpu_exporter.clock import SystemClock
+from gpu_exporter.config import ServeConfig
+from gpu_exporter.daemon import build
 from gpu_exporter.nvml import Nvml
-from gpu_exporter.sampler import Sampler, SystemClock, new_cache
-from gpu_exporter.server import MAX_BODY_BYTES, MAX_HEADER_BYTES, Server
 from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.web.limits import MAX_QUERY_BYTES
+from gpu_exporter.web.server import MAX_BODY_BYTES, MAX_HEADER_BYTES
 
 
 class Running:
@@ -29,25 +27,14 @@ class Running:
     def __init__(self, *, max_in_flight: int, max_waiters: int) -> None:
         clock = SystemClock()
         nvml = Nvml(SimulatedNvml.with_gpus(1, clock=clock.monotonic), simulated=True)
-        cache = new_cache(nvml, clock)
-        Sampler(nvml, cache, clock=clock).sample_once()
-        self.rejections = RequestCounter()
-        self.registry = CollectorRegistry()
-        self.registry.register(GpuCollector(cache, rejections=self.rejections))
-        self.stopping = threading.Event()
-        self.waiters = Waiters(max_waiters)
-        app = create_app(
-            cache,
-            self.registry,
-            clock=clock,
-            leases=LeaseTable(clock),
-            rejections=self.rejections,
-            max_in_flight=max_in_flight,
-            waiters=self.waiters,
-            stopping=self.stopping,
-        )
-        self.server = Server(app, "127.0.0.1", 0, threads=max_in_flight + PROBE_THREADS)
-        self.server.bind()
+        config = ServeConfig(max_requests_in_flight=max_in_flight, max_waiters=max_waiters)
+        daemon = build(config, nvml=nvml, clock=clock)
+        daemon.sampler.sample_once()
+        self.rejections = daemon.rejections
+        self.registry = daemon.registry
+        self.stopping = daemon.stopping
+        self.waiters = daemon.services.waiters
+        self.server = daemon.make_server("127.0.0.1", 0)
         threading.Thread(target=self.server.serve, daemon=True).start()
         self.base = f"http://127.0.0.1:{self.server.port}"
 
@@ -148,10 +135,7 @@ def test_a_long_query_string_is_414(running: Running) -> None:
 
 
 def test_unknown_parameters_are_rejected_everywhere() -> None:
-    clock = FakeClock()
-    nvml = Nvml(SimulatedNvml.with_gpus(1, clock=clock.monotonic), simulated=True)
-    app = create_app(new_cache(nvml, clock), CollectorRegistry(), clock=clock)
-    client = app.test_client()
+    client = build_stack(lambda c: SimulatedNvml.with_gpus(1, clock=c.monotonic)).client
     for path in ("/gpus?verbose=1", "/leases?all=1", "/choose?gpus=2"):
         resp = client.get(path, headers={"Accept": "application/json"})
         assert resp.status_code == 400, path
@@ -175,15 +159,9 @@ def test_oversized_headers_and_bodies_are_413_one_line(running: Running) -> None
 
 def test_requests_queued_for_their_turn_are_not_waiters() -> None:
     """A wait=0 claim queued behind one being served is not a long-poll waiter."""
-    clock = FakeClock()
-    nvml = Nvml(SimulatedNvml.with_gpus(2, clock=clock.monotonic), simulated=True)
-    cache = new_cache(nvml, clock)
-    Sampler(nvml, cache, clock=clock).sample_once()
-    table, rejections = LeaseTable(clock), RequestCounter()
-    app = create_app(
-        cache, CollectorRegistry(), clock=clock, leases=table, rejections=rejections,
-        waiters=Waiters(0),
-    )  # fmt: skip
+    s = build_stack(lambda c: SimulatedNvml.with_gpus(2, clock=c.monotonic), max_waiters=0)
+    s.sample()
+    table, rejections, app = s.leases, s.daemon.rejections, s.app
     ticket = table.enqueue()  # a claim in progress: later ones wait for their turn
     out: list[int] = []
     threads = [

@@ -14,9 +14,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from conftest import FakeClock, Stack, build_stack
-from gpu_exporter.openapi import document
-from gpu_exporter.params import CHOOSE_FORMATS, CHOOSE_PARAMS, CLUSTER_PARAMS
+from gpu_exporter.choose.params import CHOOSE_FORMATS, CHOOSE_PARAMS, CLUSTER_PARAMS
 from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.web.openapi import document
 
 
 def test_document_is_valid_openapi() -> None:
@@ -76,7 +76,7 @@ class _FastClock(FakeClock):
 def _fuzz_app() -> Flask:
     clock = _FastClock()
     s = build_stack(
-        lambda c: SimulatedNvml.with_gpus(4, clock=c.monotonic), clock=clock, max_age=1e12
+        lambda c: SimulatedNvml.with_gpus(4, clock=c.monotonic), clock=clock, max_age_seconds=1e12
     )
     s.sample()
     return s.app

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.pcie import PcieThroughputSampler
+from gpu_exporter.collect.pcie import PcieThroughputSampler
 from gpu_exporter.simulate import Load, SimGpu
 
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -27,7 +27,7 @@ def host() -> Stack:
             SimGpu(1, A100, Load("idle")),
             SimGpu(2, A100, Load("busy"), unsupported=frozenset({"nvmlDeviceGetPcieThroughput"})),
         ),
-        pcie=True,
+        pcie_throughput=True,
     )
 
 

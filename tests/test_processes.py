@@ -10,7 +10,6 @@ from types import SimpleNamespace
 from prometheus_client import generate_latest
 
 from conftest import CID, Stack, build_stack, fake_proc, sim_of
-from gpu_exporter.procinfo import ProcInfoCache
 from gpu_exporter.simulate import Load, SimGpu
 
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -128,7 +127,7 @@ def test_opt_in_labels_from_proc(tmp_path: Path) -> None:
         start=2,
     )
     # 4002 is in another PID namespace: not in this /proc.
-    s = procs_host(procinfo=ProcInfoCache(("command", "container", "user"), str(tmp_path)))
+    s = procs_host(process_labels=("command", "container", "user"), proc_root=str(tmp_path))
     uuid = s.sim.gpus[0].uuid
     assert s.cache.get().process_labels == ("user", "command", "container")
     sets = {x["pid"]: x for x in label_sets(s) if x["gpu"] == "0"}
@@ -180,7 +179,7 @@ def test_slurm_and_pod_labels(tmp_path: Path) -> None:
         cgroup=f"0::/kubepods.slice/kubepods-pod{pod.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n",
         start=1,
     )
-    s = procs_host(procinfo=ProcInfoCache(("slurm_job", "pod"), str(tmp_path)))
+    s = procs_host(process_labels=("slurm_job", "pod"), proc_root=str(tmp_path))
     uuid = s.sim.gpus[0].uuid
     base = {"gpu": "0", "uuid": uuid}
     used = s.sim.state(0).processes[0][1]

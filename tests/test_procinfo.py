@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CID, fake_proc
-from gpu_exporter.procinfo import (
+from gpu_exporter.collect.procinfo import (
     CgroupInfo,
     ProcInfo,
     ProcInfoCache,

@@ -11,7 +11,9 @@ from conftest import FakeClock, build_stack
 from gpu_exporter import nvml
 from gpu_exporter.simulate import MODELS, Fault, SimulatedNvml
 
-LAB = Path(__file__).resolve().parent.parent / "gpu_exporter" / "scenarios" / "lab.toml"
+LAB = (
+    Path(__file__).resolve().parent.parent / "gpu_exporter" / "simulate" / "scenarios" / "lab.toml"
+)
 
 
 def test_bundled_lab_scenario_runs_through_the_real_path() -> None:

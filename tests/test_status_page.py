@@ -24,11 +24,11 @@ from conftest import Stack, build_stack, sim_of
 from gpu_exporter.simulate import Fault, Load, SimGpu
 from harness import exporter, get
 
-FLEET = Path(__file__).resolve().parent.parent / "gpu_exporter/scenarios/fleet.toml"
+FLEET = Path(__file__).resolve().parent.parent / "gpu_exporter/simulate/scenarios/fleet.toml"
 
 
 def test_status_view_is_pure() -> None:
-    assert not imports_of(PACKAGE / "status.py") & {"flask", "pynvml", "gpu_exporter.nvml"}
+    assert not imports_of(PACKAGE / "web" / "status.py") & {"flask", "pynvml", "gpu_exporter.nvml"}
 
 
 def test_page_shows_every_gpu_with_memory_and_utilization_bars(stack: Stack) -> None:

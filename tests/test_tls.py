@@ -23,8 +23,8 @@ from test_cli import start, stop
 from tls_certs import CA, Issued
 
 from conftest import Stack
-from gpu_exporter.server import Server, free_port
-from gpu_exporter.webconfig import WebConfigWatcher, secure
+from gpu_exporter.web.server import Server, free_port
+from gpu_exporter.web.webconfig import WebConfigWatcher, secure
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from tls_certs import CA
 from werkzeug.test import Client
 
 from conftest import Stack
-from gpu_exporter.metrics import WebConfigCollector
-from gpu_exporter.webconfig import (
+from gpu_exporter.export.metrics import WebConfigCollector
+from gpu_exporter.web.webconfig import (
     BasicAuth,
     WebConfigError,
     WebConfigWatcher,
@@ -482,7 +482,7 @@ def test_the_python_client_sends_credentials_from_the_environment(
     stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gpu_exporter import client
-    from gpu_exporter.server import Server
+    from gpu_exporter.web.server import Server
 
     config = write_config(tmp_path / "web.yml", f"basic_auth_users: {{alice: '{ALICE_HASH}'}}\n")
     server = Server(secure(stack.app, WebConfigWatcher(config), "writes"), "127.0.0.1", 0)

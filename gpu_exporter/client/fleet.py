@@ -8,7 +8,7 @@
    (``max_over_time``, ``min_over_time``). Without Prometheus (or when it cannot be reached)
    the named ``hosts`` are asked directly for ``/gpus`` and ``/leases``.
 2. **Rank** every host's GPUs with the same pure functions ``/choose`` uses
-   (:func:`gpu_exporter.choose.rank`): the candidates are built as the same
+   (:func:`gpu_exporter.choose.rank.rank`): the candidates are built as the same
    :class:`~gpu_exporter.model.GpuSample` objects. By default all ``n`` GPUs must be on ONE
    host; hosts are ordered by their n-th best GPU (then the better ones), so a host whose
    weakest pick is best wins. ``spread`` lets the GPUs come from several hosts, filling the
@@ -45,7 +45,13 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Final
 
 from gpu_exporter import client
-from gpu_exporter.choose import (
+from gpu_exporter.choose.params import (
+    POINT_FILTERS,
+    ApiError,
+    ClusterRequest,
+    parse_cluster_args,
+)
+from gpu_exporter.choose.rank import (
     Filters,
     NotEnoughGpus,
     SortKey,
@@ -54,12 +60,6 @@ from gpu_exporter.choose import (
     sort_key,
 )
 from gpu_exporter.model import GpuSample
-from gpu_exporter.params import (
-    POINT_FILTERS,
-    ApiError,
-    ClusterRequest,
-    parse_cluster_args,
-)
 
 log = logging.getLogger(__name__)
 
@@ -431,7 +431,7 @@ def _host_window(
     evaluated_at: float,
     max_age_seconds: float,
 ) -> Window:
-    """idle_for as :class:`~gpu_exporter.choose.Window`: one entry with each GPU's worst figures.
+    """idle_for as a :class:`~gpu_exporter.choose.rank.Window`: each GPU's worst figures.
 
     The window's first sample comes at most one scrape after its start, so a history that
     reaches back to within ``max_age_seconds`` of the start counts as covering it.
@@ -464,7 +464,7 @@ def rank_fleet(
 ) -> FleetRanking:
     """Hosts that can serve ``n`` GPUs (any host with one, with ``spread``), best first.
 
-    Each host's GPUs go through :func:`gpu_exporter.choose.rank` exactly as ``/choose`` ranks
+    Each host's GPUs go through :func:`gpu_exporter.choose.rank.rank` exactly as ``/choose`` ranks
     them; a GPU a lease held at the last scrape is passed over like a leased one there.
     """
     candidates: list[Candidate] = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from flask import Flask, Response, jsonify, render_template, request
@@ -21,22 +22,13 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
 from gpu_exporter import __version__
-from gpu_exporter.choose import Choice, NotEnoughGpus, Rejected, Window, score
-from gpu_exporter.cluster import ClusterService
-from gpu_exporter.counters import XidCounter
-from gpu_exporter.errors import error_response
-from gpu_exporter.exposition import Exposition
-from gpu_exporter.leases import Lease, LeaseError, LeaseTable
-from gpu_exporter.limits import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAITERS, RequestLimits, Waiters
-from gpu_exporter.metrics import RequestCounter
-from gpu_exporter.model import GpuSample, Snapshot
-from gpu_exporter.openapi import document as openapi_document
+from gpu_exporter.choose.leases import Lease, LeaseError, LeaseTable
 
 # /choose's parameter tuples live in params.py; re-exported here for callers that import them
 # from the app.
-from gpu_exporter.params import CHOOSE_FORMATS as CHOOSE_FORMATS
-from gpu_exporter.params import CHOOSE_PARAMS as CHOOSE_PARAMS
-from gpu_exporter.params import (
+from gpu_exporter.choose.params import CHOOSE_FORMATS as CHOOSE_FORMATS
+from gpu_exporter.choose.params import CHOOSE_PARAMS as CHOOSE_PARAMS
+from gpu_exporter.choose.params import (
     DEFAULT_LEASE_SECONDS,
     ApiError,
     ChooseRequest,
@@ -44,11 +36,24 @@ from gpu_exporter.params import (
     parse_choose_args,
     parse_cluster_args,
 )
-from gpu_exporter.params import bad as _bad
-from gpu_exporter.params import parsed as _parsed
-from gpu_exporter.sampler import Clock, SnapshotCache, SystemClock
-from gpu_exporter.status import status_view
+from gpu_exporter.choose.params import bad as _bad
+from gpu_exporter.choose.params import parsed as _parsed
+from gpu_exporter.choose.rank import Choice, NotEnoughGpus, Rejected, Window, score
+from gpu_exporter.client.fleet import ClusterService
+from gpu_exporter.clock import Clock, SystemClock
+from gpu_exporter.collect.cache import SnapshotCache
+from gpu_exporter.counters import RequestCounter, XidCounter
+from gpu_exporter.export.exposition import Exposition
+from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import format_bytes, parse_duration
+from gpu_exporter.web.errors import error_response
+from gpu_exporter.web.limits import (
+    DEFAULT_MAX_IN_FLIGHT,
+    RequestLimits,
+    Waiters,
+)
+from gpu_exporter.web.openapi import document as openapi_document
+from gpu_exporter.web.status import status_view
 
 log = logging.getLogger(__name__)
 
@@ -124,23 +129,9 @@ def choice_text(choice: Choice, lease: Lease | None, fmt: str) -> str:
     return uuids + "\n"
 
 
-def create_app(
-    cache: SnapshotCache,
-    registry: CollectorRegistry,
-    *,
-    clock: Clock | None = None,
-    max_age_seconds: float = 10.0,
-    leases: LeaseTable | None = None,
-    requests: RequestCounter | None = None,
-    rejections: RequestCounter | None = None,
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-    waiters: Waiters | None = None,
-    stopping: threading.Event | None = None,
-    cluster: ClusterService | None = None,
-    exposition: Exposition | None = None,
-    xids: XidCounter | None = None,
-) -> Flask:
-    """Build the app. Everything it reads comes in through the arguments.
+@dataclass
+class Services:
+    """Everything the app reads, built by :func:`gpu_exporter.daemon.build`.
 
     Pass the same ``leases``, ``requests`` and ``rejections`` to the metrics collector to
     export them. ``stopping``, once set, makes waiting ``/choose`` requests give up at once.
@@ -148,13 +139,32 @@ def create_app(
     With ``exposition``, ``/metrics`` serves its per-snapshot cached rendering (which must
     cover the same collectors as ``registry``); without, ``registry`` is rendered per scrape.
     """
+
+    cache: SnapshotCache
+    registry: CollectorRegistry
+    clock: Clock = field(default_factory=SystemClock)
+    max_age_seconds: float = 10.0
+    leases: LeaseTable | None = None
+    requests: RequestCounter = field(default_factory=RequestCounter)
+    rejections: RequestCounter | None = None
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    waiters: Waiters = field(default_factory=Waiters)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    cluster: ClusterService | None = None
+    exposition: Exposition | None = None
+    xids: XidCounter | None = None
+
+
+def create_app(services: Services) -> Flask:
+    """Build the app. Everything it reads comes in through ``services``."""
+    cache, registry, clock = services.cache, services.registry, services.clock
+    max_age_seconds, rejections = services.max_age_seconds, services.rejections
+    max_in_flight, waiters, stopping = services.max_in_flight, services.waiters, services.stopping
+    cluster, exposition, xids = services.cluster, services.exposition, services.xids
     app = Flask(__name__)
     app.json.sort_keys = False  # type: ignore[attr-defined]
-    clock = clock or SystemClock()
-    table = leases if leases is not None else LeaseTable(clock)
-    counter = requests if requests is not None else RequestCounter()
-    waiters = waiters if waiters is not None else Waiters(DEFAULT_MAX_WAITERS)
-    stopping = stopping or threading.Event()
+    table = services.leases if services.leases is not None else LeaseTable(clock)
+    counter = services.requests
 
     def current() -> tuple[Snapshot, float]:
         return cache.get(), clock.monotonic()

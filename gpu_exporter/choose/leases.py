@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpu_exporter.choose import Choice, Filters, Window, choose
+from gpu_exporter.choose.rank import Choice, Filters, Window, choose
+from gpu_exporter.clock import Clock
 from gpu_exporter.model import GpuSample, Snapshot, all_devices
-from gpu_exporter.sampler import Clock
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class LeaseTable:
     ) -> tuple[Choice, Lease | None]:
         """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them.
 
-        Raises :class:`~gpu_exporter.choose.NotEnoughGpus` or :class:`LeaseError`.
+        Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`LeaseError`.
         """
         if ttl_seconds > self.max_ttl_seconds:
             raise LeaseError(

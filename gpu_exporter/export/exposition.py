@@ -35,9 +35,9 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
-from gpu_exporter.metrics import GpuCollector
+from gpu_exporter.collect.cache import SnapshotCache
+from gpu_exporter.export.metrics import GpuCollector
 from gpu_exporter.model import Snapshot
-from gpu_exporter.sampler import SnapshotCache
 
 OPENMETRICS_EOF = b"# EOF\n"
 PRERENDER_WINDOW_SECONDS = 300.0  # render new samples ahead while scraped this recently
@@ -80,7 +80,7 @@ class Exposition:
 
     ``live`` are collectors rendered on every scrape after the GPU collector's families,
     such as ``ProcessCollector``; register the same objects, in the same order, in the
-    registry given to :func:`gpu_exporter.app.create_app` so that both agree.
+    registry given to :func:`gpu_exporter.web.app.create_app` so that both agree.
     """
 
     def __init__(

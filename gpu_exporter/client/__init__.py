@@ -53,10 +53,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 if TYPE_CHECKING:
-    from gpu_exporter.choose import Filters as LocalFilters
-    from gpu_exporter.cluster import ClusterChoice
+    from gpu_exporter.choose.params import ApiError
+    from gpu_exporter.choose.rank import Filters as LocalFilters
+    from gpu_exporter.client.fleet import ClusterChoice
     from gpu_exporter.nvml import Nvml
-    from gpu_exporter.params import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -640,8 +640,8 @@ def _choose_cluster(
     filters: Mapping[str, FilterValue],
     stacklevel: int,
 ) -> ClusterChoice:
-    from gpu_exporter import cluster
-    from gpu_exporter.params import ApiError
+    from gpu_exporter.choose.params import ApiError
+    from gpu_exporter.client import fleet as cluster
 
     params = _choose_params(n, "json", lease, wait, owner, filters)
     if spread:
@@ -844,10 +844,10 @@ def choose_locally(n: int, filters: Mapping[str, FilterValue], *, url: str = "")
     NVML cannot be loaded or sees no GPU, and :class:`NoGpusAvailable` when too few qualify —
     never an empty choice.
     """
-    from gpu_exporter.choose import NotEnoughGpus
-    from gpu_exporter.choose import choose as rank_and_choose
+    from gpu_exporter.choose.rank import NotEnoughGpus
+    from gpu_exporter.choose.rank import choose as rank_and_choose
+    from gpu_exporter.collect.sampler import read_gpu
     from gpu_exporter.nvml import NvmlError
-    from gpu_exporter.sampler import read_gpu
 
     given = {k: v for k, v in filters.items() if v is not None}
     if "idle_for" in given:
@@ -897,7 +897,7 @@ def choose_locally(n: int, filters: Mapping[str, FilterValue], *, url: str = "")
 
 def _local_filters(given: Mapping[str, FilterValue]) -> tuple[LocalFilters, str]:
     """``/choose``'s filter parameters, parsed as the server parses them, and the sort."""
-    from gpu_exporter.params import ApiError, parse_choose_args
+    from gpu_exporter.choose.params import ApiError, parse_choose_args
 
     args = {name: _filter_value(name, value) for name, value in given.items()}
     try:

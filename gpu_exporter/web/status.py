@@ -1,6 +1,6 @@
 """What the status page at ``/`` shows, computed from one snapshot and the lease table.
 
-Pure: no Flask, no NVML. The recommendation is :func:`gpu_exporter.choose.rank` with no
+Pure: no Flask, no NVML. The recommendation is :func:`gpu_exporter.choose.rank.rank` with no
 filters and the current leases, i.e. what ``/choose?n=1`` would answer now, without claiming.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_exporter.choose import Filters, rank
-from gpu_exporter.leases import Lease
+from gpu_exporter.choose.leases import Lease
+from gpu_exporter.choose.rank import Filters, rank
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import format_bytes
 

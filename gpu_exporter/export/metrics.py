@@ -2,7 +2,7 @@
 
 :data:`METRICS` is the single source of truth for names, types, labels, help text and the
 NVML function behind each value; the README's metric table is generated from it
-(``python -m gpu_exporter.metrics``) and a test keeps the two equal.
+(``python -m gpu_exporter.export.metrics``) and a test keeps the two equal.
 
 :class:`GpuCollector` builds fresh metric families from one snapshot on every scrape — no
 global gauges, nothing left behind when a GPU disappears — and never calls NVML.
@@ -10,8 +10,6 @@ global gauges, nothing left behind when a GPU disappears — and never calls NVM
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,7 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gpu_exporter import __version__
-from gpu_exporter.counters import PcieRates, XidCounter
+from gpu_exporter.collect.cache import SnapshotCache
+from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
 from gpu_exporter.model import (
     CLOCKS,
     CLOCKS_EVENT_REASONS,
@@ -34,11 +33,10 @@ from gpu_exporter.model import (
     Snapshot,
     all_devices,
 )
-from gpu_exporter.sampler import SnapshotCache
 
 if TYPE_CHECKING:
-    from gpu_exporter.leases import LeaseTable
-    from gpu_exporter.webconfig import WebConfigWatcher
+    from gpu_exporter.choose.leases import LeaseTable
+    from gpu_exporter.web.webconfig import WebConfigWatcher
 
 GPU_LABELS = ("gpu", "uuid")
 SAMPLED = (
@@ -620,22 +618,6 @@ METRICS: tuple[MetricSpec, ...] = (
 DEFAULT_PROCESS_SERIES_LIMIT = 64
 
 
-class RequestCounter:
-    """Thread-safe counts by one label value (/choose results, rejected requests)."""
-
-    def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def inc(self, result: str) -> None:
-        with self._lock:
-            self._counts[result] += 1
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-
 def _family(
     spec: MetricSpec, labels: tuple[str, ...] | None = None
 ) -> GaugeMetricFamily | CounterMetricFamily:
@@ -831,7 +813,7 @@ class GpuCollector(Collector):
     def snapshot_families(self, snapshot: Snapshot) -> Iterator[Metric]:
         """Families that depend on the snapshot alone (and the fixed version).
 
-        :mod:`gpu_exporter.exposition` renders these once per snapshot and serves the bytes,
+        :mod:`gpu_exporter.export.exposition` renders these once per snapshot and serves the bytes,
         so nothing here may read anything that changes between samples.
         """
         yield from gpu_families(snapshot, self._process_series_limit)

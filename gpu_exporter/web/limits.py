@@ -21,8 +21,8 @@ from typing import Any
 
 from werkzeug.wrappers import Request
 
-from gpu_exporter.errors import error_response
-from gpu_exporter.metrics import RequestCounter
+from gpu_exporter.counters import RequestCounter
+from gpu_exporter.web.errors import error_response
 
 DEFAULT_MAX_IN_FLIGHT = 32
 DEFAULT_MAX_WAITERS = 8

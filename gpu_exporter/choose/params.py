@@ -1,7 +1,7 @@
 """``/choose`` and ``/cluster/choose`` parameters: parsed and validated once, without Flask.
 
-The server (:mod:`gpu_exporter.app`), the client's local fallback (:mod:`gpu_exporter.client`)
-and the cluster chooser (:mod:`gpu_exporter.cluster`) all read parameters through
+The server (:mod:`gpu_exporter.web.app`), the client's local fallback (:mod:`gpu_exporter.client`)
+and the cluster chooser (:mod:`gpu_exporter.client.fleet`) all read parameters through
 :func:`parse_choose_args`, so a value means the same everywhere and is refused with the same
 message. ``args`` is anything with ``in``, ``[]``, ``.get`` and iteration — a plain ``dict``
 of strings or Werkzeug's ``MultiDict`` (whose ``getlist`` also catches repeated parameters).
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
-from gpu_exporter.choose import MIG_MODES, SORTS, Filters
+from gpu_exporter.choose.rank import MIG_MODES, SORTS, Filters
 from gpu_exporter.units import parse_bytes, parse_duration, parse_ratio
 
 MAX_N = 1024

@@ -15,7 +15,7 @@ it was killed by signal N). If ``run`` itself is killed (SIGKILL), renewals stop
 lease expires by itself after its TTL.
 
 With ``--prometheus URL`` (and/or ``--hosts a,b,c``) both choose across hosts instead
-(:mod:`gpu_exporter.cluster`, docs/cluster.md): all N GPUs on one host, leased by that host's
+(:mod:`gpu_exporter.client.fleet`, docs/cluster.md): all N GPUs on one host, leased by that host's
 exporter. ``choose`` then prints ``HOST GPU-a,GPU-b`` (``--format env`` adds ``GPU_HOST`` and
 ``GPU_EXPORTER_URL``); ``run`` sets those two as well and holds the lease from here, while
 COMMAND is expected to go to ``$GPU_HOST`` (ssh, srun -w) to use the GPUs.
@@ -50,7 +50,7 @@ from gpu_exporter.client import (
 )
 
 if TYPE_CHECKING:
-    from gpu_exporter.cluster import ClusterChoice
+    from gpu_exporter.client.fleet import ClusterChoice
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -24,9 +23,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from gpu_exporter import nvml as nvml_mod
+from gpu_exporter.clock import Clock, SystemClock
+from gpu_exporter.collect.cache import SnapshotCache
+from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.model import (
     CLOCKS,
     CLOCKS_EVENT_REASONS,
@@ -37,18 +39,15 @@ from gpu_exporter.model import (
     GpuSample,
     ProcessSample,
     Snapshot,
-    initial_snapshot,
     process_visibility,
 )
 from gpu_exporter.nvml import GpuLost, Nvml, NvmlError, NvmlUnavailable, Unsupported
-from gpu_exporter.procinfo import ProcInfoCache
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 INIT_BACKOFF_INITIAL_SECONDS = 1.0
 INIT_BACKOFF_MAX_SECONDS = 300.0
-HISTORY_LENGTH = 600  # snapshots kept: 10 minutes at the default 1 s interval
 DEFAULT_NVML_TIMEOUT_SECONDS = 5.0  # per GPU (and per library step) and sample
 
 # GpuSample.down_reason values (the reason label of gpu_down_reason).
@@ -56,22 +55,6 @@ DOWN_LOST = "lost"  # GPU_IS_LOST and friends: fell off the bus, needs a reset
 DOWN_TIMEOUT = "timeout"  # an NVML call for it did not return within the deadline
 DOWN_ERROR = "error"  # any other failure to get a handle
 DOWN_REASONS = (DOWN_LOST, DOWN_TIMEOUT, DOWN_ERROR)
-
-
-class Clock(Protocol):
-    def time(self) -> float:
-        """Wall-clock seconds since the epoch."""
-
-    def monotonic(self) -> float:
-        """Seconds on a clock that never goes back."""
-
-
-class SystemClock:
-    def time(self) -> float:
-        return time.time()
-
-    def monotonic(self) -> float:
-        return time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,40 +442,6 @@ def _optional_int(fn: Callable[[Any], int], handle: Any) -> int | None:
         return None
 
 
-class SnapshotCache:
-    """The latest snapshot plus a bounded history, shared by every request thread.
-
-    Readers get an immutable :class:`Snapshot`; publishing replaces it in one assignment.
-    """
-
-    def __init__(self, initial: Snapshot, history_length: int = HISTORY_LENGTH) -> None:
-        self._latest = initial
-        self._history: collections.deque[Snapshot] = collections.deque(maxlen=history_length)
-        self._changed = threading.Condition()
-
-    def get(self) -> Snapshot:
-        return self._latest
-
-    def history(self) -> tuple[Snapshot, ...]:
-        """Published snapshots, oldest first (at most ``history_length``)."""
-        with self._changed:
-            return tuple(self._history)
-
-    def publish(self, snapshot: Snapshot) -> Snapshot:
-        with self._changed:
-            snapshot = replace(snapshot, sequence=self._latest.sequence + 1)
-            self._latest = snapshot
-            self._history.append(snapshot)
-            self._changed.notify_all()
-        return snapshot
-
-    def wait_for_newer(self, sequence: int, timeout_seconds: float) -> Snapshot:
-        """Block until a snapshot newer than ``sequence`` is published, or the timeout ends."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._latest.sequence > sequence, timeout_seconds)
-            return self._latest
-
-
 class _Worker:
     """A daemon thread that runs NVML jobs one at a time, for one GPU (or the library).
 
@@ -759,12 +708,4 @@ def _down(index: int, identity: _Identity | None, reason: str, error: str) -> Gp
         pci_bus_id=identity.pci_bus_id if identity else None,
         error=error,
         down_reason=reason,
-    )
-
-
-def new_cache(nvml: Nvml, clock: Clock) -> SnapshotCache:
-    return SnapshotCache(
-        initial_snapshot(
-            simulated=nvml.simulated, monotonic_now=clock.monotonic(), wall_now=clock.time()
-        )
     )

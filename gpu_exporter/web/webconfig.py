@@ -751,7 +751,7 @@ class BasicAuthMiddleware:
             if user is None:
                 from werkzeug.wrappers import Request
 
-                from gpu_exporter.errors import error_response
+                from gpu_exporter.web.errors import error_response
 
                 message = (
                     "wrong user name or password"
@@ -792,7 +792,7 @@ def secure(app: Any, watcher: WebConfigWatcher, scope: str = "all") -> WsgiApp:
     bcrypt each, takes request slots, never the probes' threads); the headers go on every
     response, the limits' own 503/414 included.
     """
-    from gpu_exporter.limits import RequestLimits
+    from gpu_exporter.web.limits import RequestLimits
 
     limits = app.wsgi_app
     if isinstance(limits, RequestLimits):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gpu_exporter.background import NvmlThread
+from gpu_exporter.clock import Clock, SystemClock
+from gpu_exporter.collect.background import NvmlThread
 from gpu_exporter.counters import XidCounter
 from gpu_exporter.nvml import (
     EVENT_TYPE_XID,
@@ -26,7 +27,6 @@ from gpu_exporter.nvml import (
     error_code,
     handle_key,
 )
-from gpu_exporter.sampler import Clock, SystemClock
 
 log = logging.getLogger(__name__)
 

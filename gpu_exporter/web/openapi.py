@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_exporter import __version__
-from gpu_exporter.choose import MIG_MODES, SORTS
+from gpu_exporter.choose.rank import MIG_MODES, SORTS
 
 _DURATION = {"type": "string", "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*(ms|s|m|h)?\s*$"}
 _SIZE = {"type": "string", "examples": ["8GiB", "500MB", "1073741824"]}

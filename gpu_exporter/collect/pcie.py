@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from gpu_exporter.background import NvmlThread
+from gpu_exporter.collect.background import NvmlThread
 from gpu_exporter.counters import PcieRate, PcieRates
 from gpu_exporter.nvml import Nvml, NvmlError, NvmlUnavailable, Unsupported
 

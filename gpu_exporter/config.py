@@ -1,0 +1,78 @@
+"""What ``gpu-exporter serve`` runs with: one frozen :class:`ServeConfig`, from flags or tests.
+
+Every value has the default the command line has, so a test states only what it changes:
+``ServeConfig(simulate="4", state_dir=str(tmp_path))``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from gpu_exporter.model import PROCESS_LABELS
+
+DEFAULT_PORT = 9400
+DEFAULT_LISTEN = f":{DEFAULT_PORT}"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    host: str = ""  # "" means every interface
+    port: int = DEFAULT_PORT
+    interval_seconds: float = 1.0
+    simulate: str | None = None  # a GPU count or a scenario file: simulated GPUs, no driver
+    log_level: str = "info"
+    max_age_seconds: float = 10.0
+    state_dir: str | None = None  # None: leases are not kept across restarts
+    max_lease_seconds: float = 3600.0
+    max_gpus_per_requester: int = 0  # 0: no limit
+    process_labels: tuple[str, ...] = ()  # opt-in attribution of GPU processes
+    process_series_limit: int = 64
+    proc_root: str = "/proc"
+    pcie_throughput: bool = False
+    xid_events: bool = True
+    nvml_timeout_seconds: float = 5.0
+    max_requests_in_flight: int = 32
+    max_waiters: int = 8
+    prometheus_url: str | None = None  # serves /cluster/choose from this Prometheus
+    prometheus_selector: str = ""  # label matchers narrowing /cluster/choose's fleet
+    web_config_file: str | None = None  # TLS, basic auth, headers (exporter-toolkit format)
+    auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
+
+
+def parse_listen_address(text: str) -> tuple[str, int]:
+    """``":9400"``, ``"127.0.0.1:9400"``, ``"[::1]:9400"`` → (host, port); host "" = all.
+
+    >>> parse_listen_address(":9400"), parse_listen_address("[::1]:80")
+    (('', 9400), ('::1', 80))
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT such as :9400 or 127.0.0.1:9400, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def parse_process_labels(text: str) -> tuple[str, ...]:
+    """``--process-labels``' value → the labels, in their fixed order.
+
+    >>> parse_process_labels("command,user")
+    ('user', 'command')
+    """
+    wanted = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = wanted - set(PROCESS_LABELS)
+    if unknown:
+        raise ValueError(
+            f"unknown process labels {', '.join(sorted(unknown))}; "
+            f"choose from {', '.join(PROCESS_LABELS)}"
+        )
+    return tuple(label for label in PROCESS_LABELS if label in wanted)
+
+
+def default_state_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return os.path.join(base, "gpu-exporter")

@@ -1,0 +1,336 @@
+"""The one composition root: :func:`build` wires every part of a running exporter.
+
+``gpu-exporter serve``, the tests and the benchmarks all build the exporter here, so what they
+measure is what production runs::
+
+    nvml ─► Sampler ─► SnapshotCache ─┬─► GpuCollector / Exposition ─► /metrics
+                                      └─► LeaseTable ─► /choose, /leases
+                                 web.app.create_app(Services) + middleware ─► Server
+
+:func:`build` starts nothing: :meth:`Daemon.start` starts the threads (sampler, Xid listener,
+PCIe sampler, web-config watcher, exposition), :meth:`Daemon.serve` binds and serves until
+:meth:`Daemon.shutdown`. Tests drive the same objects with a fake clock and
+``daemon.sampler.sample_once()`` instead of the threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from flask import Flask
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.registry import Collector
+
+from gpu_exporter.choose.leases import LeaseTable
+from gpu_exporter.clock import Clock, SystemClock
+from gpu_exporter.collect.background import NvmlThread
+from gpu_exporter.collect.cache import SnapshotCache, new_cache
+from gpu_exporter.collect.pcie import PcieThroughputSampler
+from gpu_exporter.collect.procinfo import ProcInfoCache
+from gpu_exporter.collect.sampler import Sampler
+from gpu_exporter.collect.xid import XidListener
+from gpu_exporter.config import ServeConfig
+from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
+from gpu_exporter.export.exposition import Exposition
+from gpu_exporter.export.metrics import GpuCollector, WebConfigCollector
+from gpu_exporter.nvml import Nvml
+from gpu_exporter.web.app import Services, create_app
+from gpu_exporter.web.limits import PROBE_THREADS, Waiters, WsgiApp
+from gpu_exporter.web.server import ListenError, Server
+from gpu_exporter.web.webconfig import (
+    WebConfigError,
+    WebConfigWatcher,
+    exposure_warnings,
+    secure,
+)
+
+log = logging.getLogger("gpu_exporter")
+
+M_ARENA_MAX = -8  # glibc mallopt() parameter
+MALLOC_ARENAS = 2
+
+
+class BuildError(Exception):
+    """A configuration the exporter cannot start with (one line for the log, exit 2)."""
+
+
+@dataclass
+class Daemon:
+    """Every running part of one exporter, built by :func:`build`."""
+
+    config: ServeConfig
+    clock: Clock
+    nvml: Nvml
+    cache: SnapshotCache
+    sampler: Sampler
+    leases: LeaseTable
+    requests: RequestCounter
+    rejections: RequestCounter
+    xids: XidCounter | None
+    pcie: PcieRates | None
+    registry: CollectorRegistry
+    exposition: Exposition
+    services: Services
+    app: Flask
+    wsgi: WsgiApp  # the app inside its middleware: what the server serves
+    watcher: WebConfigWatcher | None = None
+    background: list[NvmlThread] = field(default_factory=list)
+    server: Server | None = None
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set on shutdown: waiting ``/choose`` requests give up at once."""
+        return self.services.stopping
+
+    def make_server(self, host: str | None = None, port: int | None = None) -> Server:
+        """A server for :attr:`wsgi` (the config's address unless given), bound now.
+
+        Raises :class:`~gpu_exporter.web.server.ListenError` when the address is unusable.
+        """
+        host = self.config.host if host is None else host
+        port = self.config.port if port is None else port
+        # A few threads beyond the request limit, so that probes always find one free.
+        threads = self.config.max_requests_in_flight + PROBE_THREADS
+        tls = None
+        if self.watcher is not None and self.watcher.active.context is not None:
+            tls = self.watcher.tls_context
+        self.server = Server(self.wsgi, host, port, threads=threads, tls=tls)
+        self.server.bind()
+        return self.server
+
+    def start(self) -> None:
+        """Start sampling and the background threads (NVML is initialised on them)."""
+        self.sampler.start()
+        for thread in self.background:
+            thread.start()
+        if self.watcher is not None:
+            self.watcher.start()
+        self.exposition.start()
+
+    def shutdown(self) -> None:
+        """Make waiters give up and stop the server; :meth:`serve` then returns."""
+        self.services.stopping.set()
+        if self.server is not None:
+            self.server.stop()
+
+    def stop(self) -> None:
+        """Stop every thread :meth:`start` started (bounded: a stuck driver call is left)."""
+        self.services.stopping.set()
+        self.exposition.stop()
+        for thread in self.background:
+            thread.stop()
+        self.sampler.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
+
+
+def open_nvml(config: ServeConfig, clock: Clock) -> Nvml:
+    """The real driver, or simulated GPUs with ``--simulate``."""
+    if config.simulate is None:
+        return Nvml()
+    from gpu_exporter.simulate import SimulatedNvml
+
+    try:
+        lib = SimulatedNvml.from_argument(config.simulate, clock=clock.monotonic)
+    except ValueError as exc:
+        raise BuildError(str(exc)) from None
+    log.warning(
+        "simulating %d GPUs (--simulate %s): no real device is read",
+        len(lib.gpus),
+        config.simulate,
+    )
+    return Nvml(lib, simulated=True)
+
+
+def state_file(state_dir: str | None) -> Path | None:
+    """``<state-dir>/leases.json``, or None (with a warning) when the directory is unusable."""
+    if state_dir is None:
+        return None
+    path = Path(state_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is not writable")
+    except OSError as exc:
+        log.warning("leases will not survive a restart: cannot use --state-dir %s (%s)", path, exc)
+        return None
+    return path / "leases.json"
+
+
+def build(
+    config: ServeConfig,
+    *,
+    nvml: Nvml | None = None,
+    clock: Clock | None = None,
+    version: str | None = None,
+) -> Daemon:
+    """Wire an exporter from ``config``; ``nvml`` and ``clock`` replace the real ones.
+
+    Raises :class:`BuildError` for a configuration it cannot start with.
+    """
+    clock = clock or SystemClock()
+    watcher = None
+    if config.web_config_file is not None:
+        try:
+            watcher = WebConfigWatcher(config.web_config_file)
+        except WebConfigError as exc:
+            raise BuildError(f"--web-config-file {config.web_config_file}: {exc}") from None
+    nvml = nvml if nvml is not None else open_nvml(config, clock)
+
+    cache = new_cache(nvml, clock)
+    leases = LeaseTable(
+        clock,
+        state_file=state_file(config.state_dir),
+        max_ttl_seconds=config.max_lease_seconds,
+        max_gpus_per_requester=config.max_gpus_per_requester,
+    )
+    requests, rejections = RequestCounter(), RequestCounter()
+    xids = XidCounter() if config.xid_events else None
+    pcie = PcieRates() if config.pcie_throughput else None
+
+    registry = CollectorRegistry()
+    gpu_collector = GpuCollector(
+        cache,
+        leases=leases,
+        requests=requests,
+        rejections=rejections,
+        xids=xids,
+        pcie=pcie,
+        process_series_limit=config.process_series_limit,
+        **({"version": version} if version is not None else {}),
+    )
+    registry.register(gpu_collector)
+    # Collectors rendered on every scrape, after the cached GPU part; same order as registered.
+    live: list[Collector] = [ProcessCollector(registry=registry)]
+    if watcher is not None:
+        live.append(WebConfigCollector(watcher))
+        registry.register(live[-1])
+    exposition = Exposition(cache, gpu_collector, live)
+
+    cluster = None
+    if config.prometheus_url:
+        from gpu_exporter.client.fleet import ClusterService
+
+        cluster = ClusterService(config.prometheus_url, config.prometheus_selector)
+    services = Services(
+        cache=cache,
+        registry=registry,
+        clock=clock,
+        max_age_seconds=config.max_age_seconds,
+        leases=leases,
+        requests=requests,
+        rejections=rejections,
+        max_in_flight=config.max_requests_in_flight,
+        waiters=Waiters(config.max_waiters),
+        stopping=threading.Event(),
+        cluster=cluster,
+        exposition=exposition,
+        xids=xids,
+    )
+    app = create_app(services)
+    wsgi = secure(app, watcher, config.auth_scope) if watcher is not None else app
+
+    procinfo = (
+        ProcInfoCache(config.process_labels, config.proc_root) if config.process_labels else None
+    )
+    sampler = Sampler(
+        nvml,
+        cache,
+        interval_seconds=config.interval_seconds,
+        nvml_timeout_seconds=config.nvml_timeout_seconds,
+        clock=clock,
+        procinfo=procinfo,
+    )
+    # Off the main sampling path: each on its own thread, holding its own NVML reference.
+    background: list[NvmlThread] = []
+    if xids is not None:
+        background.append(XidListener(nvml, xids, clock=clock))
+    if pcie is not None:
+        background.append(
+            PcieThroughputSampler(nvml, pcie, interval_seconds=config.interval_seconds)
+        )
+    return Daemon(
+        config=config,
+        clock=clock,
+        nvml=nvml,
+        cache=cache,
+        sampler=sampler,
+        leases=leases,
+        requests=requests,
+        rejections=rejections,
+        xids=xids,
+        pcie=pcie,
+        registry=registry,
+        exposition=exposition,
+        services=services,
+        app=app,
+        wsgi=wsgi,
+        watcher=watcher,
+        background=background,
+    )
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
+    """Cap glibc's per-thread malloc arenas (``MALLOC_ARENA_MAX``) unless the user set it.
+
+    Each of the server's ~36 threads would otherwise get an arena of its own on first use,
+    and RSS grows by several MB under a burst of concurrent requests and stays there. The
+    request threads allocate little and briefly, so two arenas cost no measurable speed.
+    """
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):  # not glibc: nothing to cap
+        pass
+
+
+def serve(config: ServeConfig) -> int:
+    """``gpu-exporter serve``: build, bind, start, serve until SIGTERM/SIGINT; exit status."""
+    limit_malloc_arenas()
+    try:
+        daemon = build(config)
+    except BuildError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        server = daemon.make_server()  # before NVML: a busy port fails fast, without the driver
+    except ListenError as exc:
+        log.error("%s", exc)
+        return 1
+
+    # NVML is initialised on the sampler thread of this (serving) process — never before a fork.
+    daemon.start()
+    watcher = daemon.watcher
+    for warning in exposure_warnings(
+        config.host, watcher.active.config if watcher else None, os.geteuid()
+    ):
+        log.warning("%s", warning)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if not daemon.stopping.is_set():
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            daemon.services.stopping.set()
+            threading.Thread(target=daemon.shutdown, name="shutdown", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info(
+        "listening on %s (%s), sampling every %g s",
+        server.address,
+        server.scheme,
+        config.interval_seconds,
+    )
+    try:
+        server.serve()
+    finally:
+        daemon.stop()
+    return 0
