@@ -191,6 +191,9 @@ def build(
         max_ttl_seconds=config.max_lease_seconds,
         max_gpus_per_requester=config.max_gpus_per_requester,
     )
+    # Leases are pruned once per sample (expired, GPU gone or down, the job arrived), never
+    # by a read: a scrape must not fsync leases.json.
+    cache.subscribe(leases.prune)
     requests, rejections = RequestCounter(), RequestCounter()
     xids = XidCounter() if config.xid_events else None
     pcie = PcieRates() if config.pcie_throughput else None
