@@ -13,11 +13,9 @@ The table is written to ``<state-dir>/leases.json`` (atomically: temporary file,
 rename) on every change and read back at start, so a restart never re-issues GPUs that were
 just handed out. Expiry uses the wall clock for that reason.
 
-Reads (:meth:`~LeaseTable.active`, :meth:`~LeaseTable.holders`, :meth:`~LeaseTable.get`)
-never change the table: a scrape or a status page must not fsync ``leases.json`` or wake
-waiters. They show what :func:`settle` would keep; :meth:`~LeaseTable.prune` commits it, on
-every published sample (the daemon subscribes it to the snapshot cache) and under the lock
-before each claim, release and renewal.
+Reads never change the table (a scrape must not fsync ``leases.json`` or wake waiters): they
+show what :func:`settle` would keep, and :meth:`~LeaseTable.prune` commits it on every
+published sample (the daemon subscribes it to the snapshot cache) and before each change.
 """
 
 from __future__ import annotations
@@ -140,17 +138,14 @@ def settle(
     Pure: the table's reads show the result, :meth:`LeaseTable.prune` commits it. A snapshot
     taken before a lease began says nothing about that lease's GPUs.
     """
+    live = {lease.id: lease for lease in leases.values() if lease.expires_at > now}
+    if snapshot is None or not snapshot.nvml_up:
+        return live, []
+    by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
     kept: dict[str, Lease] = {}
     drops: list[Drop] = []
-    by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)} if snapshot is not None else {}
-    for lease in leases.values():
-        if lease.expires_at <= now:
-            continue
-        if (
-            snapshot is None
-            or not snapshot.nvml_up
-            or snapshot.taken_at_seconds <= lease.created_at
-        ):
+    for lease in live.values():
+        if snapshot.taken_at_seconds <= lease.created_at:
             kept[lease.id] = lease
             continue
         keep = []
@@ -199,12 +194,9 @@ class LeaseTable:
 
     # -- queries: they never change the table, save it or wake anyone -----------------------
     def active(self, snapshot: Snapshot | None = None) -> tuple[Lease, ...]:
-        """The leases in force now, oldest first.
-
-        Expired leases are left out, and with ``snapshot`` so are the GPUs it shows gone,
-        down or taken up by their claimant's work: what :meth:`prune` would keep, without
-        pruning. The table itself changes only in :meth:`prune` and the changes below.
-        """
+        """The leases in force now, oldest first: what :meth:`prune` would keep (without
+        expired leases and, with ``snapshot``, the GPUs it shows gone, down or in use by their
+        claimant), without pruning."""
         with self._lock:
             kept, _ = settle(self._leases, snapshot, self._clock.time())
         return tuple(sorted(kept.values(), key=lambda lease: lease.created_at))
@@ -341,11 +333,14 @@ class LeaseTable:
             self._waiting.discard(ticket)
             self.changed.notify_all()
 
+    def wait_for_change(self, timeout_seconds: float) -> None:
+        """Block until the table changes or a claimer leaves the queue, or the timeout ends."""
+        with self._lock:
+            self.changed.wait(timeout_seconds)
+
     # -- housekeeping -----------------------------------------------------------------------
     def prune(self, snapshot: Snapshot | None = None) -> None:
-        """Drop expired leases, and the GPUs ``snapshot`` shows gone, down or in use by their
-        claimant; save and wake waiters if anything went. The daemon calls this on every
-        published sample; :meth:`claim`, :meth:`release` and :meth:`renew` call it first."""
+        """Commit what :func:`settle` keeps; save and wake waiters if a lease or GPU went."""
         with self._lock:
             self._prune(snapshot)
 
