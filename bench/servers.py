@@ -165,7 +165,7 @@ def _build_app() -> tuple[Any, Any]:
         max_age_seconds=max(10.0, 5 * SAMPLE_INTERVAL_SECONDS),
     )
     daemon = build(config)
-    return daemon.wsgi, daemon
+    return daemon.app, daemon
 
 
 def _serve_until_sigterm(server: Any, daemon: Any) -> int:

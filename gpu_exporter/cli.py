@@ -328,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return release_main(args)
     if args.command == "hash-password":
-        from gpu_exporter.web.webconfig import hash_password_main
+        from gpu_exporter.web.auth import hash_password_main
 
         return hash_password_main(args)
     parser.error(f"unknown command {args.command!r}")

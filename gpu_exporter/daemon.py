@@ -4,8 +4,9 @@
 measure is what production runs::
 
     nvml ─► Sampler ─► SnapshotCache ─┬─► GpuCollector / Exposition ─► /metrics
-                                      └─► LeaseTable ─► /choose, /leases
-                                 web.app.create_app(Services) + middleware ─► Server
+                                      ├─► LeaseTable.prune, once per published sample
+                                      └─► Claimer (LeaseTable, Waiters) ─► /choose, /leases
+                  web.app.create_app(Services) inside web.middleware.install ─► Server
 
 :func:`build` starts nothing: :meth:`Daemon.start` starts the threads (sampler, Xid listener,
 PCIe sampler, web-config watcher, exposition), :meth:`Daemon.serve` binds and serves until
@@ -28,6 +29,7 @@ from flask import Flask
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.registry import Collector
 
+from gpu_exporter.choose.claim import Claimer, Waiters
 from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.background import NvmlThread
@@ -41,15 +43,11 @@ from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
 from gpu_exporter.export.exposition import Exposition
 from gpu_exporter.export.metrics import GpuCollector, WebConfigCollector
 from gpu_exporter.nvml import Nvml
-from gpu_exporter.web.app import Services, create_app
-from gpu_exporter.web.limits import PROBE_THREADS, Waiters, WsgiApp
+from gpu_exporter.web.app import create_app
+from gpu_exporter.web.limits import PROBE_THREADS
 from gpu_exporter.web.server import ListenError, Server
-from gpu_exporter.web.webconfig import (
-    WebConfigError,
-    WebConfigWatcher,
-    exposure_warnings,
-    secure,
-)
+from gpu_exporter.web.services import Services
+from gpu_exporter.web.webconfig import WebConfigError, WebConfigWatcher, exposure_warnings
 
 log = logging.getLogger("gpu_exporter")
 
@@ -78,19 +76,18 @@ class Daemon:
     registry: CollectorRegistry
     exposition: Exposition
     services: Services
-    app: Flask
-    wsgi: WsgiApp  # the app inside its middleware: what the server serves
+    app: Flask  # inside its middleware (web.middleware.install): what the server serves
     watcher: WebConfigWatcher | None = None
     background: list[NvmlThread] = field(default_factory=list)
     server: Server | None = None
 
     @property
     def stopping(self) -> threading.Event:
-        """Set on shutdown: waiting ``/choose`` requests give up at once."""
+        """Set on shutdown: waiting requests give up at once."""
         return self.services.stopping
 
     def make_server(self, host: str | None = None, port: int | None = None) -> Server:
-        """A server for :attr:`wsgi` (the config's address unless given), bound now.
+        """A server for :attr:`app` (the config's address unless given), bound now.
 
         Raises :class:`~gpu_exporter.web.server.ListenError` when the address is unusable.
         """
@@ -101,7 +98,7 @@ class Daemon:
         tls = None
         if self.watcher is not None and self.watcher.active.context is not None:
             tls = self.watcher.tls_context
-        self.server = Server(self.wsgi, host, port, threads=threads, tls=tls)
+        self.server = Server(self.app, host, port, threads=threads, tls=tls)
         self.server.bind()
         return self.server
 
@@ -191,6 +188,9 @@ def build(
         max_ttl_seconds=config.max_lease_seconds,
         max_gpus_per_requester=config.max_gpus_per_requester,
     )
+    # Leases are pruned once per sample (expired, GPU gone or down, the job arrived), never
+    # by a read: a scrape must not fsync leases.json.
+    cache.subscribe(leases.prune)
     requests, rejections = RequestCounter(), RequestCounter()
     xids = XidCounter() if config.xid_events else None
     pcie = PcieRates() if config.pcie_throughput else None
@@ -219,23 +219,26 @@ def build(
         from gpu_exporter.client.fleet import ClusterService
 
         cluster = ClusterService(config.prometheus_url, config.prometheus_selector)
+    waiters = Waiters(config.max_waiters, rejections=rejections)
+    claimer = Claimer(cache, leases, waiters, clock=clock, max_age_seconds=config.max_age_seconds)
     services = Services(
         cache=cache,
         registry=registry,
+        leases=leases,
+        claimer=claimer,
+        waiters=waiters,
         clock=clock,
         max_age_seconds=config.max_age_seconds,
-        leases=leases,
         requests=requests,
         rejections=rejections,
         max_in_flight=config.max_requests_in_flight,
-        waiters=Waiters(config.max_waiters),
-        stopping=threading.Event(),
         cluster=cluster,
         exposition=exposition,
         xids=xids,
+        watcher=watcher,
+        auth_scope=config.auth_scope,
     )
     app = create_app(services)
-    wsgi = secure(app, watcher, config.auth_scope) if watcher is not None else app
 
     procinfo = (
         ProcInfoCache(config.process_labels, config.proc_root) if config.process_labels else None
@@ -271,7 +274,6 @@ def build(
         exposition=exposition,
         services=services,
         app=app,
-        wsgi=wsgi,
         watcher=watcher,
         background=background,
     )

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import Stack, build_stack
+from gpu_exporter.choose.params import CHOOSE_PARAMS
 from gpu_exporter.simulate import SimulatedNvml
-from gpu_exporter.web.app import CHOOSE_PARAMS
 
 DOCUMENTED_503 = {
     "not_enough_gpus",

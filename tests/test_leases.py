@@ -8,6 +8,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -304,6 +306,75 @@ def test_sort_strategies() -> None:
         "power": "0,2,1\n",
         "pack": "0,2,1\n",
     }
+
+
+@contextmanager
+def notifications(table: LeaseTable) -> Iterator[list[int]]:
+    """Every time the table's condition is notified while the block runs."""
+    woken: list[int] = []
+    ready, done = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        with table.changed:  # held except inside wait(): no notification can slip past
+            ready.set()
+            while not done.is_set():
+                if table.changed.wait(0.01):
+                    woken.append(1)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    assert ready.wait(5)
+    try:
+        yield woken
+    finally:
+        done.set()
+        thread.join(5)
+
+
+def test_scrapes_and_listings_never_write_the_state_file_or_wake_waiters(tmp_path: Path) -> None:
+    s = idle_box(2, state_dir=str(tmp_path))
+    state = tmp_path / "leases.json"
+    assert s.client.get("/choose?lease=30s").status_code == 200
+    s.clock.advance(31)  # the lease has expired; no sample has pruned it yet
+    before = (state.stat().st_mtime_ns, state.read_bytes())
+    with notifications(s.leases) as woken:
+        assert s.client.get("/metrics").status_code == 200
+        assert s.client.get("/").status_code == 200
+        assert s.client.get("/leases").get_json() == {"leases": []}  # expired: not shown
+        assert s.value("gpu_leased", 0) == 0 and s.value("gpu_leased", 1) == 0
+    assert woken == []
+    assert (state.stat().st_mtime_ns, state.read_bytes()) == before
+    with notifications(s.leases) as woken:
+        s.sample()  # the next sample prunes: saved, and waiters woken
+    assert woken and json.loads(state.read_text())["leases"] == []
+
+
+def test_reads_show_an_arrived_gpu_as_free_without_pruning(tmp_path: Path) -> None:
+    s = idle_box(2, state_dir=str(tmp_path))
+    state = tmp_path / "leases.json"
+    lease = s.client.get("/choose?n=2").headers["X-GPU-Lease"]
+    s.clock.advance(2)
+    sampled = s.cache.get()  # GPU 1 now runs the claimant's process (not yet published)
+    arrived = replace(
+        sampled,
+        taken_at_seconds=s.clock.time(),
+        gpus=tuple(
+            replace(g, compute_processes=(g.compute_processes or 0) + 1) if g.index == 1 else g
+            for g in sampled.gpus
+        ),
+    )
+    before = (state.stat().st_mtime_ns, state.read_bytes())
+    with notifications(s.leases) as woken:
+        assert set(s.leases.holders(arrived)) == {s.sim.gpus[0].uuid}
+        assert s.leases.active(arrived)[0].uuids == (s.sim.gpus[0].uuid,)
+        assert len(s.leases.get(lease).gpus) == 2
+        assert s.leases.dropped == {}
+    assert woken == []
+    assert (state.stat().st_mtime_ns, state.read_bytes()) == before
+    with notifications(s.leases) as woken:
+        s.leases.prune(arrived)
+    assert woken and s.leases.dropped == {"arrived": 1}
+    assert json.loads(state.read_text())["leases"][0]["gpus"] == [s.sim.gpus[0].uuid]
 
 
 # -- the state machine ----------------------------------------------------------------------

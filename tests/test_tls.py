@@ -22,9 +22,10 @@ import pytest
 from test_cli import start, stop
 from tls_certs import CA, Issued
 
-from conftest import Stack
-from gpu_exporter.web.server import Server, free_port
-from gpu_exporter.web.webconfig import WebConfigWatcher, secure
+from conftest import build_stack
+from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.web.server import free_port
+from gpu_exporter.web.webconfig import WebConfigWatcher
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +50,16 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-def serve_in_thread(stack: Stack, config: Path) -> Iterator[tuple[str, WebConfigWatcher]]:
-    watcher = WebConfigWatcher(config)
-    tls = watcher.tls_context if watcher.active.context is not None else None
-    server = Server(secure(stack.app, watcher), "127.0.0.1", 0, tls=tls)
-    server.bind()
+def serve_in_thread(config: Path) -> Iterator[tuple[str, WebConfigWatcher]]:
+    """Four simulated GPUs, sampled once, served on loopback with ``config``."""
+    stack = build_stack(
+        lambda clock: SimulatedNvml.with_gpus(4, clock=clock.monotonic),
+        web_config_file=str(config),
+    )
+    stack.sample()
+    watcher = stack.daemon.watcher
+    assert watcher is not None
+    server = stack.daemon.make_server("127.0.0.1", 0)  # TLS from the config
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     try:
@@ -64,16 +70,16 @@ def serve_in_thread(stack: Stack, config: Path) -> Iterator[tuple[str, WebConfig
 
 
 @pytest.fixture
-def tls_server(stack: Stack, pki: Pki, tmp_path: Path) -> Iterator[tuple[str, WebConfigWatcher]]:
+def tls_server(pki: Pki, tmp_path: Path) -> Iterator[tuple[str, WebConfigWatcher]]:
     config = tmp_path / "web.yml"
     config.write_text(
         f"tls_server_config: {{cert_file: {pki.server.cert}, key_file: {pki.server.key}}}\n"
     )
-    yield from serve_in_thread(stack, config)
+    yield from serve_in_thread(config)
 
 
 @pytest.fixture
-def mtls_server(stack: Stack, pki: Pki, tmp_path: Path) -> Iterator[tuple[str, WebConfigWatcher]]:
+def mtls_server(pki: Pki, tmp_path: Path) -> Iterator[tuple[str, WebConfigWatcher]]:
     config = tmp_path / "web.yml"
     config.write_text(
         f"""tls_server_config:
@@ -83,7 +89,7 @@ def mtls_server(stack: Stack, pki: Pki, tmp_path: Path) -> Iterator[tuple[str, W
   client_ca_file: {pki.ca.path}
 """
     )
-    yield from serve_in_thread(stack, config)
+    yield from serve_in_thread(config)
 
 
 def client_context(

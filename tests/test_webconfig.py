@@ -17,18 +17,16 @@ from prometheus_client import CollectorRegistry
 from tls_certs import CA
 from werkzeug.test import Client
 
-from conftest import Stack
+from conftest import Stack, build_stack
 from gpu_exporter.export.metrics import WebConfigCollector
+from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.web.auth import BasicAuth, is_advice_only, needs_auth
 from gpu_exporter.web.webconfig import (
-    BasicAuth,
     WebConfigError,
     WebConfigWatcher,
     exposure_warnings,
-    is_advice_only,
     load,
-    needs_auth,
     parse,
-    secure,
 )
 
 COST = 4  # the fastest bcrypt: these tests are about behaviour, not hashing time
@@ -312,16 +310,28 @@ def write_config(path: Path, text: str) -> Path:
     return path
 
 
+def secured_stack(config: Path, scope: str = "all") -> Stack:
+    """Four simulated GPUs, sampled once, served with ``config`` as --web-config-file."""
+    stack = build_stack(
+        lambda clock: SimulatedNvml.with_gpus(4, clock=clock.monotonic),
+        web_config_file=str(config),
+        auth_scope=scope,
+    )
+    stack.sample()
+    return stack
+
+
 @pytest.fixture
-def secured(stack: Stack, tmp_path: Path) -> Callable[..., tuple[Client, WebConfigWatcher]]:
+def secured(tmp_path: Path) -> Callable[..., tuple[Client, WebConfigWatcher]]:
     def make(scope: str = "all", extra: str = "") -> tuple[Client, WebConfigWatcher]:
         config = write_config(
             tmp_path / "web.yml",
             f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n"
             "http_server_config:\n  headers:\n    X-Content-Type-Options: nosniff\n" + extra,
         )
-        watcher = WebConfigWatcher(config)
-        return Client(secure(stack.app, watcher, scope)), watcher
+        stack = secured_stack(config, scope)
+        assert stack.daemon.watcher is not None
+        return Client(stack.app), stack.daemon.watcher
 
     return make
 
@@ -454,10 +464,10 @@ def test_the_readme_example_is_a_valid_config() -> None:
     assert dict(config.headers)["X-Content-Type-Options"] == "nosniff"
 
 
-def test_unknown_and_known_users_take_similar_time_over_http(stack: Stack, tmp_path: Path) -> None:
+def test_unknown_and_known_users_take_similar_time_over_http(tmp_path: Path) -> None:
     hashed = bcrypt.hashpw(b"secret", bcrypt.gensalt(rounds=8)).decode()
     config = write_config(tmp_path / "web.yml", f"basic_auth_users: {{alice: '{hashed}'}}\n")
-    client = Client(secure(stack.app, WebConfigWatcher(config)))
+    client = Client(secured_stack(config).app)
     known: list[float] = []
     unknown: list[float] = []
     for _ in range(10):
@@ -479,14 +489,12 @@ def test_credentials_are_checked_inside_the_request_limits(secured: Callable[...
 
 
 def test_the_python_client_sends_credentials_from_the_environment(
-    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gpu_exporter import client
-    from gpu_exporter.web.server import Server
 
     config = write_config(tmp_path / "web.yml", f"basic_auth_users: {{alice: '{ALICE_HASH}'}}\n")
-    server = Server(secure(stack.app, WebConfigWatcher(config), "writes"), "127.0.0.1", 0)
-    server.bind()
+    server = secured_stack(config, "writes").daemon.make_server("127.0.0.1", 0)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{server.port}"

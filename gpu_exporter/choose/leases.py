@@ -12,6 +12,10 @@ A lease holds GPUs (by UUID) until the first of:
 The table is written to ``<state-dir>/leases.json`` (atomically: temporary file, fsync,
 rename) on every change and read back at start, so a restart never re-issues GPUs that were
 just handed out. Expiry uses the wall clock for that reason.
+
+Reads never change the table (a scrape must not fsync ``leases.json`` or wake waiters): they
+show what :func:`settle` would keep, and :meth:`~LeaseTable.prune` commits it on every
+published sample (the daemon subscribes it to the snapshot cache) and before each change.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import secrets
 import tempfile
 import threading
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -116,6 +121,53 @@ def _arrived(held: Held, gpu: GpuSample) -> bool:
     return False
 
 
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """One GPU let go from a lease before its expiry, and why: gone, down or arrived."""
+
+    lease_id: str
+    uuid: str
+    reason: str
+
+
+def settle(
+    leases: Mapping[str, Lease], snapshot: Snapshot | None, now: float
+) -> tuple[dict[str, Lease], list[Drop]]:
+    """The leases still in force at wall time ``now`` after ``snapshot``, and the GPUs it let go.
+
+    Pure: the table's reads show the result, :meth:`LeaseTable.prune` commits it. A snapshot
+    taken before a lease began says nothing about that lease's GPUs.
+    """
+    live = {lease.id: lease for lease in leases.values() if lease.expires_at > now}
+    if snapshot is None or not snapshot.nvml_up:
+        return live, []
+    by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
+    kept: dict[str, Lease] = {}
+    drops: list[Drop] = []
+    for lease in live.values():
+        if snapshot.taken_at_seconds <= lease.created_at:
+            kept[lease.id] = lease
+            continue
+        keep = []
+        for held in lease.gpus:
+            gpu = by_uuid.get(held.uuid)
+            reason = (
+                "gone" if gpu is None
+                else "down" if not gpu.up
+                else "arrived" if _arrived(held, gpu)
+                else None
+            )  # fmt: skip
+            if reason is None:
+                keep.append(held)
+            else:
+                drops.append(Drop(lease.id, held.uuid, reason))
+        if len(keep) == len(lease.gpus):
+            kept[lease.id] = lease
+        elif keep:
+            kept[lease.id] = replace(lease, gpus=tuple(keep))
+    return kept, drops
+
+
 class LeaseTable:
     """Every active lease, behind one lock. All methods are thread-safe."""
 
@@ -140,11 +192,14 @@ class LeaseTable:
         if state_file is not None:
             self._load(state_file)
 
-    # -- queries ----------------------------------------------------------------------------
+    # -- queries: they never change the table, save it or wake anyone -----------------------
     def active(self, snapshot: Snapshot | None = None) -> tuple[Lease, ...]:
+        """The leases in force now, oldest first: what :meth:`prune` would keep (without
+        expired leases and, with ``snapshot``, the GPUs it shows gone, down or in use by their
+        claimant), without pruning."""
         with self._lock:
-            self._prune(snapshot)
-            return tuple(sorted(self._leases.values(), key=lambda lease: lease.created_at))
+            kept, _ = settle(self._leases, snapshot, self._clock.time())
+        return tuple(sorted(kept.values(), key=lambda lease: lease.created_at))
 
     def holders(self, snapshot: Snapshot | None = None) -> dict[str, Lease]:
         """UUID → the lease holding it."""
@@ -152,13 +207,12 @@ class LeaseTable:
 
     def get(self, lease_id: str) -> Lease:
         with self._lock:
-            self._prune(None)
-            try:
-                return self._leases[lease_id]
-            except KeyError:
-                raise LeaseError(
-                    404, "unknown_lease", f"no active lease {lease_id!r} (expired or released?)"
-                ) from None
+            lease = self._leases.get(lease_id)
+        if lease is None or lease.expires_at <= self._clock.time():
+            raise LeaseError(
+                404, "unknown_lease", f"no active lease {lease_id!r} (expired or released?)"
+            )
+        return lease
 
     # -- changes ----------------------------------------------------------------------------
     def claim(
@@ -228,6 +282,7 @@ class LeaseTable:
 
     def release(self, lease_id: str) -> Lease:
         with self._lock:
+            self._prune(None)
             lease = self.get(lease_id)
             del self._leases[lease_id]
             self._changed()
@@ -243,6 +298,7 @@ class LeaseTable:
                 "ttl",
             )
         with self._lock:
+            self._prune(None)
             lease = replace(self.get(lease_id), expires_at=self._clock.time() + ttl_seconds)
             self._leases[lease_id] = lease
             self._changed()
@@ -277,46 +333,27 @@ class LeaseTable:
             self._waiting.discard(ticket)
             self.changed.notify_all()
 
+    def wait_for_change(self, timeout_seconds: float) -> None:
+        """Block until the table changes or a claimer leaves the queue, or the timeout ends."""
+        with self._lock:
+            self.changed.wait(timeout_seconds)
+
     # -- housekeeping -----------------------------------------------------------------------
+    def prune(self, snapshot: Snapshot | None = None) -> None:
+        """Commit what :func:`settle` keeps; save and wake waiters if a lease or GPU went."""
+        with self._lock:
+            self._prune(snapshot)
+
     def _prune(self, snapshot: Snapshot | None) -> None:
-        """Drop expired leases, and GPUs that are gone or whose claimant's work arrived."""
-        now = self._clock.time()
-        changed = False
-        for lease in list(self._leases.values()):
-            if lease.expires_at <= now:
-                del self._leases[lease.id]
-                changed = True
-                continue
-            if (
-                snapshot is None
-                or not snapshot.nvml_up
-                or snapshot.taken_at_seconds <= lease.created_at
-            ):
-                continue
-            by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
-            keep = []
-            for held in lease.gpus:
-                gpu = by_uuid.get(held.uuid)
-                reason = (
-                    "gone" if gpu is None
-                    else "down" if not gpu.up
-                    else "arrived" if _arrived(held, gpu)
-                    else None
-                )  # fmt: skip
-                if reason is None:
-                    keep.append(held)
-                    continue
-                self.dropped[reason] += 1
-                level = logging.INFO if reason == "arrived" else logging.WARNING
-                log.log(level, "lease %s: GPU %s released (%s)", lease.id, held.uuid, reason)
-            if len(keep) != len(lease.gpus):
-                changed = True
-                if keep:
-                    self._leases[lease.id] = replace(lease, gpus=tuple(keep))
-                else:
-                    del self._leases[lease.id]
-        if changed:
-            self._changed()
+        kept, drops = settle(self._leases, snapshot, self._clock.time())
+        if kept == self._leases:
+            return
+        for drop in drops:
+            self.dropped[drop.reason] += 1
+            level = logging.INFO if drop.reason == "arrived" else logging.WARNING
+            log.log(level, "lease %s: GPU %s released (%s)", drop.lease_id, drop.uuid, drop.reason)
+        self._leases = kept
+        self._changed()
 
     def _changed(self) -> None:
         self._save()

@@ -1,13 +1,16 @@
 """The latest snapshot and a bounded history of them, shared by every reader.
 
 The sampler publishes; requests, the collectors and the lease table only read. Publishing
-replaces the snapshot in one assignment, so a reader never sees half of one.
+replaces the snapshot in one assignment, so a reader never sees half of one. Whatever must
+happen once per sample (the lease table's pruning) subscribes to publishing instead of running
+on a read.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 from gpu_exporter.clock import Clock
@@ -27,6 +30,7 @@ class SnapshotCache:
         self._latest = initial
         self._history: collections.deque[Snapshot] = collections.deque(maxlen=history_length)
         self._changed = threading.Condition()
+        self._subscribers: list[Callable[[Snapshot], object]] = []
 
     def get(self) -> Snapshot:
         return self._latest
@@ -36,12 +40,18 @@ class SnapshotCache:
         with self._changed:
             return tuple(self._history)
 
+    def subscribe(self, callback: Callable[[Snapshot], object]) -> None:
+        """Call ``callback(snapshot)`` after each publish, on the publishing thread."""
+        self._subscribers.append(callback)
+
     def publish(self, snapshot: Snapshot) -> Snapshot:
         with self._changed:
             snapshot = replace(snapshot, sequence=self._latest.sequence + 1)
             self._latest = snapshot
             self._history.append(snapshot)
             self._changed.notify_all()
+        for callback in self._subscribers:
+            callback(snapshot)
         return snapshot
 
     def wait_for_newer(self, sequence: int, timeout_seconds: float) -> Snapshot:

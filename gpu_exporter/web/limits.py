@@ -8,9 +8,9 @@
   the limit, so a probe always finds one free: a busy exporter is never restarted for it.
 * a query string longer than ``max_query_bytes`` is answered with 414.
 
-Long-polling ``/choose?wait=`` requests have their own, smaller cap (:class:`Waiters`), so
-waiting clients can never take every thread. Rejections are counted by reason for
-``gpu_exporter_requests_rejected_total``.
+Long-polling ``/choose?wait=`` requests have their own, smaller cap
+(:class:`gpu_exporter.choose.claim.Waiters`), so waiting clients can never take every thread.
+Rejections are counted by reason for ``gpu_exporter_requests_rejected_total``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from gpu_exporter.counters import RequestCounter
 from gpu_exporter.web.errors import error_response
 
 DEFAULT_MAX_IN_FLIGHT = 32
-DEFAULT_MAX_WAITERS = 8
 PROBE_THREADS = 4  # server threads beyond max_in_flight, for the exempt probes
 MAX_QUERY_BYTES = 4096
 EXEMPT_PATHS = frozenset({"/healthz", "/readyz"})
@@ -98,23 +97,3 @@ class RequestLimits:
         if retry_after is not None:
             resp.headers["Retry-After"] = str(retry_after)
         return resp(environ, start_response)
-
-
-class Waiters:
-    """A cap on requests that are long-polling for GPUs (``/choose?wait=``)."""
-
-    def __init__(self, limit: int = DEFAULT_MAX_WAITERS) -> None:
-        self.limit = limit
-        self.active = 0  # requests waiting right now
-        self._lock = threading.Lock()
-
-    def try_enter(self) -> bool:
-        with self._lock:
-            if self.active >= self.limit:
-                return False
-            self.active += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self.active -= 1

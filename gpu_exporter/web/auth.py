@@ -1,0 +1,243 @@
+"""HTTP basic auth: bcrypt users, who must authenticate (``--auth-scope``), and the middleware.
+
+``basic_auth_users`` maps user names to bcrypt hashes (``gpu-exporter hash-password`` makes
+one). Passwords are checked in equal time for known and unknown users; the probes
+(``/healthz``, ``/readyz``) never need credentials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import collections
+import getpass
+import hmac
+import re
+import secrets
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from hashlib import sha256
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+import bcrypt
+from werkzeug.wrappers import Request
+
+from gpu_exporter.units import parse_duration
+from gpu_exporter.web.errors import error_response
+from gpu_exporter.web.limits import WsgiApp
+from gpu_exporter.web.yamlfields import WebConfigError
+
+if TYPE_CHECKING:
+    from gpu_exporter.web.webconfig import WebConfigWatcher
+
+REALM = "gpu-exporter"
+AUTH_SCOPES = ("all", "writes")
+_BCRYPT = re.compile(r"^\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}$")
+# Unknown users are checked against this (any well-formed hash will do) at the usual cost.
+_DUMMY_SALT_AND_HASH = "QOauhQNbBCuQDKes6eFzPeMqBSjb7Mr5DUmpZ/VcEd00UAV/LDeSi"
+BCRYPT_MAX_PASSWORD_BYTES = 72
+AUTH_CACHE_SIZE = 256
+
+
+def parse_users(value: Any) -> dict[str, bytes]:
+    """``basic_auth_users``: user name → bcrypt hash (checked for form and cost, not read)."""
+    where = "basic_auth_users"
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise WebConfigError(f"{where}: expected a mapping of user names to bcrypt hashes")
+    users = {}
+    for user, hashed in value.items():
+        if not isinstance(user, str) or not user or ":" in user:
+            raise WebConfigError(
+                f"{where}: user name {user!r} must be a non-empty string without ':' "
+                "(quote names YAML would read as numbers)"
+            )
+        if not isinstance(hashed, str) or not _BCRYPT.match(hashed):
+            raise WebConfigError(
+                f"{where}.{user}: not a bcrypt hash ($2b$10$… or $2y$10$…; "
+                "make one with `gpu-exporter hash-password`)"
+            )
+        cost = int(hashed[4:6])
+        if not 4 <= cost <= 31:
+            raise WebConfigError(f"{where}.{user}: bcrypt cost {cost} is outside 4-31")
+        users[user] = hashed.encode("ascii")
+    return users
+
+
+class BasicAuth:
+    """bcrypt verification in equal time for known and unknown users, with a small cache.
+
+    Only successes are cached, keyed on the user and a keyed hash of the password (a process
+    secret, so the cache never holds a fast unsalted hash of a password); a new config makes
+    a new :class:`BasicAuth`, so a changed or removed user is never served from the cache.
+    """
+
+    def __init__(self, users: Mapping[str, bytes], cache_size: int = AUTH_CACHE_SIZE) -> None:
+        self._users = dict(users)
+        costs = collections.Counter(int(h[4:6]) for h in self._users.values())
+        # The most common cost (the highest on a tie): unknown users take as long as most users.
+        cost = max(costs, key=lambda c: (costs[c], c)) if costs else 10
+        self._dummy = f"$2b${cost:02d}${_DUMMY_SALT_AND_HASH}".encode("ascii")
+        self._key = secrets.token_bytes(32)
+        self._cache: collections.OrderedDict[tuple[str, bytes], None] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._users)
+
+    def verify(self, user: str, password: bytes) -> bool:
+        key = (user, hmac.new(self._key, password, sha256).digest())
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return True
+        if len(password) > BCRYPT_MAX_PASSWORD_BYTES:
+            return False  # bcrypt would look at 72 bytes only; never accept such a password
+        stored = self._users.get(user)
+        ok = bcrypt.checkpw(password, stored if stored is not None else self._dummy)
+        if not ok or stored is None:
+            return False
+        with self._lock:
+            self._cache[key] = None
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return True
+
+    def check_header(self, header: str | None) -> str | None:
+        """The user an ``Authorization: Basic …`` header proves, or None."""
+        if not header:
+            return None
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            decoded = base64.b64decode(token.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        raw_user, sep, password = decoded.partition(b":")
+        if not sep:
+            return None
+        try:
+            user = raw_user.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return user if self.verify(user, password) else None
+
+
+# ------------------------------------------------------------------------ who must authenticate
+
+# Read-only endpoints that --auth-scope=writes leaves open (GET and HEAD only).
+READ_PATHS = frozenset({"/", "/metrics", "/healthz", "/readyz", "/gpus", "/openapi.json"})
+# The probes never need credentials: kubelet and load balancers rarely have them, the
+# answers say only "ok"/"ready" or why not, and the request limits exempt them, so they
+# must not cost a bcrypt either.
+ALWAYS_OPEN = frozenset({"/healthz", "/readyz"})
+
+
+def is_advice_only(query_string: str) -> bool:
+    """True for a ``/choose`` query that claims nothing (every ``lease`` value is zero)."""
+    values = parse_qs(query_string, keep_blank_values=True).get("lease")
+    if not values:
+        return False  # the default lease is 60 s
+    try:
+        return all(parse_duration(v) == 0 for v in values)
+    except ValueError:
+        return False
+
+
+def needs_auth(
+    scope: str,
+    method: str,
+    path: str,
+    query_string: str,
+    excluded: Iterable[str] = (),
+    *,
+    has_body: bool = False,
+) -> bool:
+    """Whether this request must carry valid credentials (when users are configured)."""
+    if path in ALWAYS_OPEN or path in excluded:
+        return False
+    if scope == "all":
+        return True
+    if path == "/choose" and (method in ("GET", "HEAD") or (method == "POST" and not has_body)):
+        # Advice only (lease=0) is a read. A POST with a body might carry its own lease, so
+        # only a bodiless POST (what the Python client sends) is judged by its query string.
+        return not is_advice_only(query_string)
+    if method not in ("GET", "HEAD"):
+        return True  # POST /choose with a body, DELETE /leases/…, renewals: writes
+    return path not in READ_PATHS  # /leases and anything unknown: protected
+
+
+# ------------------------------------------------------------------------ WSGI middleware
+
+
+class BasicAuthMiddleware:
+    """Answers 401 unless the request is open in this scope or carries valid credentials."""
+
+    def __init__(self, app: WsgiApp, watcher: WebConfigWatcher, scope: str = "all") -> None:
+        if scope not in AUTH_SCOPES:
+            raise ValueError(f"auth scope must be one of {', '.join(AUTH_SCOPES)}")
+        self.app = app
+        self._watcher = watcher
+        self._scope = scope
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        active = self._watcher.active  # one config for the whole request
+        if active.auth and needs_auth(
+            self._scope,
+            environ.get("REQUEST_METHOD", "GET"),
+            environ.get("PATH_INFO", "") or "/",
+            environ.get("QUERY_STRING", ""),
+            active.config.auth_excluded_paths,
+            has_body=environ.get("CONTENT_LENGTH", "") not in ("", "0")
+            or "HTTP_TRANSFER_ENCODING" in environ,
+        ):
+            header = environ.get("HTTP_AUTHORIZATION")
+            user = active.auth.check_header(header)
+            if user is None:
+                message = (
+                    "wrong user name or password"
+                    if header
+                    else "authentication required (HTTP basic auth)"
+                )
+                resp = error_response(Request(environ), 401, "unauthorized", message)
+                resp.headers["WWW-Authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
+                return resp(environ, start_response)
+            environ["REMOTE_USER"] = user
+        return self.app(environ, start_response)
+
+
+# ------------------------------------------------------------------------ hash-password
+
+
+def hash_password_main(args: argparse.Namespace) -> int:
+    """``gpu-exporter hash-password``: a bcrypt hash of a password read from the terminal or
+    stdin, for ``basic_auth_users``; the exit status."""
+    if not 4 <= args.cost <= 31:
+        print("gpu-exporter hash-password: --cost must be 4 to 31", file=sys.stderr)
+        return 2
+    if sys.stdin.isatty():
+        password = getpass.getpass("Password: ")
+        if getpass.getpass("Again: ") != password:
+            print("gpu-exporter hash-password: the passwords differ", file=sys.stderr)
+            return 1
+    else:
+        password = sys.stdin.readline().removesuffix("\n").removesuffix("\r")
+    data = password.encode("utf-8")
+    if not data:
+        print("gpu-exporter hash-password: empty password", file=sys.stderr)
+        return 1
+    if len(data) > BCRYPT_MAX_PASSWORD_BYTES:
+        print(
+            f"gpu-exporter hash-password: bcrypt uses at most {BCRYPT_MAX_PASSWORD_BYTES} "
+            "bytes of a password; choose a shorter one",
+            file=sys.stderr,
+        )
+        return 1
+    print(bcrypt.hashpw(data, bcrypt.gensalt(rounds=args.cost)).decode("ascii"))
+    return 0

@@ -1,0 +1,92 @@
+"""The read-only pages: ``/`` (status), ``/gpus`` (the snapshot as JSON), ``/healthz``,
+``/readyz`` and ``/openapi.json``. Nothing here claims a GPU or changes a lease."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, render_template, request
+
+from gpu_exporter import __version__
+from gpu_exporter.choose.claim import snapshot_problem
+from gpu_exporter.choose.params import check_params
+from gpu_exporter.counters import XidCounter
+from gpu_exporter.model import GpuSample, Snapshot
+from gpu_exporter.units import format_bytes
+from gpu_exporter.web.openapi import document as openapi_document
+from gpu_exporter.web.services import services
+from gpu_exporter.web.status import status_view
+
+pages = Blueprint("pages", __name__)
+
+
+def gpu_json(gpu: GpuSample) -> dict[str, Any]:
+    return gpu.to_json()
+
+
+def gpus_json(snapshot: Snapshot, xids: XidCounter | None = None) -> list[dict[str, Any]]:
+    """``/gpus``' list: every GPU with its MIG devices, processes and (if counted) Xids."""
+    counts: dict[str, dict[str, int]] = {}
+    for c in xids.counts() if xids is not None else ():
+        counts.setdefault(c.uuid, {})[str(c.xid)] = c.count
+    out = []
+    for gpu in snapshot.gpus:
+        data = gpu_json(gpu)
+        if xids is not None:
+            data["xid_errors"] = counts.get(gpu.uuid, {})
+        out.append(data)
+    return out
+
+
+@pages.get("/")
+def index() -> str:
+    svc = services()
+    snapshot, now = svc.cache.get(), svc.clock.monotonic()
+    problem = snapshot_problem(snapshot, now, svc.max_age_seconds)
+    view = status_view(
+        snapshot,
+        svc.leases.active(snapshot),
+        wall_now=svc.clock.time(),
+        age_seconds=snapshot.age_seconds(now),
+        problem=problem.message if problem else None,
+    )
+    return render_template("index.html", view=view, version=__version__, fmt=format_bytes)
+
+
+@pages.get("/openapi.json")
+def openapi() -> Response:
+    return jsonify(openapi_document())
+
+
+@pages.get("/healthz")
+def healthz() -> Response:
+    return Response("ok\n", mimetype="text/plain")
+
+
+@pages.get("/readyz")
+def readyz() -> Response:
+    svc = services()
+    problem = snapshot_problem(svc.cache.get(), svc.clock.monotonic(), svc.max_age_seconds)
+    if problem is not None:
+        return Response(f"not ready: {problem.message}\n", 503, mimetype="text/plain")
+    return Response("ready\n", mimetype="text/plain")
+
+
+@pages.get("/gpus")
+def gpus() -> Response:
+    check_params(request.args, (), "/gpus")
+    svc = services()
+    snapshot, now = svc.cache.get(), svc.clock.monotonic()
+    return jsonify(
+        {
+            "simulated": snapshot.simulated,
+            "nvml_up": snapshot.nvml_up,
+            "nvml_error": snapshot.nvml_error,
+            "driver_version": snapshot.driver_version,
+            "cuda_driver_version": snapshot.cuda_driver_version,
+            "sampled_at": snapshot.taken_at_seconds if snapshot.sequence else None,
+            "snapshot_age_seconds": round(snapshot.age_seconds(now), 3),
+            "process_labels": list(snapshot.process_labels),
+            "gpus": gpus_json(snapshot, svc.xids),
+        }
+    )

@@ -1,0 +1,70 @@
+"""What the web app reads: one :class:`Services` object, built by :func:`gpu_exporter.daemon.build`.
+
+:func:`gpu_exporter.web.app.create_app` keeps it in ``app.extensions``; the blueprints reach
+it with :func:`services`, so a view has no globals of its own and the tests wire the same
+objects production does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+from flask import current_app
+from prometheus_client import CollectorRegistry
+
+from gpu_exporter.choose.claim import Claimer, Waiters
+from gpu_exporter.choose.leases import LeaseTable
+from gpu_exporter.clock import Clock, SystemClock
+from gpu_exporter.collect.cache import SnapshotCache
+from gpu_exporter.counters import RequestCounter, XidCounter
+from gpu_exporter.export.exposition import Exposition
+from gpu_exporter.web.limits import DEFAULT_MAX_IN_FLIGHT
+
+if TYPE_CHECKING:
+    from gpu_exporter.client.fleet import ClusterService
+    from gpu_exporter.web.webconfig import WebConfigWatcher
+
+EXTENSION = "gpu_exporter"  # the key in app.extensions
+
+
+@dataclass
+class Services:
+    """Everything the app and its middleware read.
+
+    The same ``leases``, ``requests`` and ``rejections`` go to the metrics collector, which
+    exports them. ``claimer`` serves ``/choose`` over ``cache`` and ``leases``; ``waiters``
+    holds the ``--max-waiters`` slots and the shutdown event (:attr:`stopping`) every waiting
+    request shares. ``cluster`` (from ``--prometheus-url``) serves ``/cluster/choose``.
+    With ``exposition``, ``/metrics`` serves its per-snapshot cached rendering (which must
+    cover the same collectors as ``registry``); without, ``registry`` is rendered per scrape.
+    With ``watcher`` (``--web-config-file``), basic auth in ``auth_scope`` and the configured
+    headers are in front of every request.
+    """
+
+    cache: SnapshotCache
+    registry: CollectorRegistry
+    leases: LeaseTable
+    claimer: Claimer
+    waiters: Waiters
+    clock: Clock = field(default_factory=SystemClock)
+    max_age_seconds: float = 10.0
+    requests: RequestCounter = field(default_factory=RequestCounter)
+    rejections: RequestCounter | None = None
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    cluster: ClusterService | None = None
+    exposition: Exposition | None = None
+    xids: XidCounter | None = None
+    watcher: WebConfigWatcher | None = None
+    auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set on shutdown: waiting requests give up at once."""
+        return self.waiters.stopping
+
+
+def services() -> Services:
+    """The current app's :class:`Services` (inside a request)."""
+    return cast(Services, current_app.extensions[EXTENSION])
