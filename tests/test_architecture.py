@@ -37,6 +37,7 @@ def test_ranking_is_pure() -> None:
         "pynvml",
         "gpu_exporter.nvml",
         "gpu_exporter.collect.sampler",
+        "gpu_exporter.collect.read",
     }
 
 

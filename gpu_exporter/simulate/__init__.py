@@ -270,7 +270,7 @@ class Health:
             raise ValueError(f"unknown health keys {sorted(unknown)}; known: {sorted(known)}")
         reasons = tuple(table.get("clocks_event_reasons", ()))
         for reason in reasons:
-            if reason not in nvml.CLOCKS_EVENT_REASONS:
+            if reason not in nvml.CLOCKS_EVENT_REASON_BITS:
                 raise ValueError(f"unknown clocks event reason {reason!r}")
         return cls(**{**table, "clocks_event_reasons": reasons})
 
@@ -564,11 +564,11 @@ class SimulatedNvml:
         sm = _int(m.max_sm_clock_mhz * min(1.0, 0.5 + util)) if busy else 210
         reasons = 0
         if not busy:
-            reasons |= nvml.CLOCKS_EVENT_REASONS["gpu_idle"]
+            reasons |= nvml.CLOCKS_EVENT_REASON_BITS["gpu_idle"]
         elif util >= 0.9:
-            reasons |= nvml.CLOCKS_EVENT_REASONS["sw_power_cap"]
+            reasons |= nvml.CLOCKS_EVENT_REASON_BITS["sw_power_cap"]
         for reason in gpu.health.clocks_event_reasons:
-            reasons |= nvml.CLOCKS_EVENT_REASONS[reason]
+            reasons |= nvml.CLOCKS_EVENT_REASON_BITS[reason]
         return GpuState(
             memory_total=m.memory_total_bytes,
             memory_reserved=m.memory_reserved_bytes,
