@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 
 from conftest import CID, Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.collect.procinfo import ProcInfoCache
-from gpu_exporter.export.metrics import METRICS
+from gpu_exporter.export.spec import METRICS
 from gpu_exporter.model import CLOCKS_EVENT_REASONS
 from gpu_exporter.simulate import Health, Load, SimGpu
 

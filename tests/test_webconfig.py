@@ -18,7 +18,7 @@ from tls_certs import CA
 from werkzeug.test import Client
 
 from conftest import Stack
-from gpu_exporter.export.metrics import WebConfigCollector
+from gpu_exporter.export.collectors import WebConfigCollector
 from gpu_exporter.web.webconfig import (
     BasicAuth,
     WebConfigError,

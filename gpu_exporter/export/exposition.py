@@ -36,7 +36,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
 from gpu_exporter.collect.cache import SnapshotCache
-from gpu_exporter.export.metrics import GpuCollector
+from gpu_exporter.export.collectors import GpuCollector
 from gpu_exporter.model import Snapshot
 
 OPENMETRICS_EOF = b"# EOF\n"
