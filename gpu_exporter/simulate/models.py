@@ -1,8 +1,8 @@
 """The GPU models the simulator knows: memory, power, clocks, and which NVML calls each card
 (with the driver a typical host has for it) answers ``NOT_SUPPORTED`` or lacks.
 
-The numbers are those real cards report, so a simulated fleet looks like a real one on the
-status page and in Grafana.
+The figures follow the real cards (memory, power limit, clocks, MIG profiles), so a simulated
+fleet looks like a real one on the status page and in Grafana.
 """
 
 from __future__ import annotations
