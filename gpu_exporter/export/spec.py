@@ -6,7 +6,8 @@ README's metric table is generated from it (``python -m gpu_exporter.export.spec
 keeps the two equal.
 
 This module is a declarative table, and longer than 400 lines for that reason alone: one
-entry per metric, no logic beyond the three small value functions some entries name.
+entry per metric; besides the entries, only the two entry builders (``_gpu``, ``_labelled``),
+three small value functions some entries name, and :func:`markdown_table`.
 """
 
 from __future__ import annotations
