@@ -40,8 +40,8 @@ from gpu_exporter.collect.sampler import Sampler
 from gpu_exporter.collect.xid import XidListener
 from gpu_exporter.config import ServeConfig
 from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
+from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
 from gpu_exporter.export.exposition import Exposition
-from gpu_exporter.export.metrics import GpuCollector, WebConfigCollector
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.web.app import create_app
 from gpu_exporter.web.limits import PROBE_THREADS

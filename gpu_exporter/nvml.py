@@ -68,7 +68,7 @@ MEMORY_V2: int = pynvml.nvmlMemory_v2
 
 # nvmlClocksEventReason* bits (called nvmlClocksThrottleReason* before driver 535), by the
 # name used in the ``reason`` label of gpu_clocks_event_reasons.
-CLOCKS_EVENT_REASONS: dict[str, int] = {
+CLOCKS_EVENT_REASON_BITS: dict[str, int] = {
     "gpu_idle": 0x1,
     "applications_clocks_setting": 0x2,
     "sw_power_cap": 0x4,
@@ -394,7 +394,7 @@ class Nvml:
 
     # -- health ----------------------------------------------------------------------------
     def clocks_event_reasons(self, handle: Any) -> int:
-        """The bitmask of why clocks are held down (see :data:`CLOCKS_EVENT_REASONS`).
+        """The bitmask of why clocks are held down (see :data:`CLOCKS_EVENT_REASON_BITS`).
 
         Drivers before 535 only have the older name of the same call.
         """

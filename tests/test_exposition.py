@@ -17,8 +17,8 @@ from prometheus_client.registry import Collector
 from conftest import Stack, build_stack, sim_of
 from gpu_exporter.choose.rank import Filters
 from gpu_exporter.counters import RequestCounter
+from gpu_exporter.export.collectors import GpuCollector
 from gpu_exporter.export.exposition import Exposition
-from gpu_exporter.export.metrics import GpuCollector
 from gpu_exporter.simulate import Fault, Load, SimGpu
 
 A100 = "NVIDIA A100-SXM4-80GB"

@@ -12,9 +12,9 @@ from prometheus_client import generate_latest
 
 from conftest import CID, Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.collect.procinfo import ProcInfoCache
-from gpu_exporter.export.metrics import METRICS
+from gpu_exporter.export.spec import METRICS
 from gpu_exporter.model import CLOCKS_EVENT_REASONS
-from gpu_exporter.simulate import Health, Load, SimGpu
+from gpu_exporter.simulate import Fault, Health, Load, SimGpu
 
 A100 = "NVIDIA A100-SXM4-80GB"
 GTX = "NVIDIA GeForce GTX 1080"
@@ -199,8 +199,12 @@ def test_unsupported_and_static_fields_are_not_called_again() -> None:
 
 def test_reinitialising_asks_unsupported_and_static_fields_again() -> None:
     s = host()
-    s.sampler._initialised = False  # as after NVML failed
-    s.sample()
+    # NVML fails for one sample, as after a driver reload: the sampler initialises it again.
+    now = s.sim.elapsed()
+    s.sim.faults.append(Fault("nvmlDeviceGetCount", "UNINITIALIZED", None, now, for_seconds=0.5))
+    assert not s.sample().nvml_up
+    s.clock.advance(1)  # the first backoff step; the fault is over
+    assert s.sample().nvml_up
     assert s.sim.calls["nvmlDeviceGetMaxClockInfo"] == 3 * 4 * 2
     assert s.sim.calls["nvmlDeviceGetEccMode"] == 2 + 2 * 2
 

@@ -13,7 +13,8 @@ from prometheus_client import generate_latest
 
 from conftest import Stack, build_stack, sim_of
 from conftest import without_process_metrics as bare
-from gpu_exporter.export.metrics import METRICS, SAMPLED, WebConfigCollector, markdown_table
+from gpu_exporter.export.collectors import WebConfigCollector
+from gpu_exporter.export.spec import METRICS, SAMPLED, markdown_table
 from gpu_exporter.simulate import Fault, Load, SimGpu
 from gpu_exporter.web.webconfig import WebConfigWatcher
 
@@ -168,7 +169,7 @@ def test_readme_metric_table_is_generated_from_the_spec() -> None:
     start = readme.index("<!-- metrics-table:start -->") + len("<!-- metrics-table:start -->\n")
     end = readme.index("<!-- metrics-table:end -->")
     assert readme[start:end] == markdown_table(), (
-        "README metric table is out of date: run `python -m gpu_exporter.export.metrics` and paste it"
+        "README metric table is out of date: run `python -m gpu_exporter.export.spec` and paste it"
     )
 
 

@@ -18,7 +18,7 @@ from tls_certs import CA
 from werkzeug.test import Client
 
 from conftest import Stack, build_stack
-from gpu_exporter.export.metrics import WebConfigCollector
+from gpu_exporter.export.collectors import WebConfigCollector
 from gpu_exporter.simulate import SimulatedNvml
 from gpu_exporter.web.auth import BasicAuth, is_advice_only, needs_auth
 from gpu_exporter.web.webconfig import (

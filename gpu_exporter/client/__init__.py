@@ -846,7 +846,7 @@ def choose_locally(n: int, filters: Mapping[str, FilterValue], *, url: str = "")
     """
     from gpu_exporter.choose.rank import NotEnoughGpus
     from gpu_exporter.choose.rank import choose as rank_and_choose
-    from gpu_exporter.collect.sampler import read_gpu
+    from gpu_exporter.collect.read import read_gpu
     from gpu_exporter.nvml import NvmlError
 
     given = {k: v for k, v in filters.items() if v is not None}

@@ -29,7 +29,6 @@ class PcieThroughputSampler(NvmlThread):
         self.interval_seconds = interval_seconds
         self._uuids: dict[int, str] = {}
         self._unsupported: set[tuple[str, str]] = set()
-        self.passes = 0  # completed passes, for tests
 
     def setup(self) -> None:
         self._uuids.clear()
@@ -38,7 +37,6 @@ class PcieThroughputSampler(NvmlThread):
     def step(self) -> None:
         started = time.monotonic()
         self.rates.update(self.sample_once())
-        self.passes += 1
         self.wait(max(0.0, self.interval_seconds - (time.monotonic() - started)))
 
     def sample_once(self) -> dict[str, PcieRate]:

@@ -51,7 +51,9 @@ class XidListener(NvmlThread):
         self.timeout_ms = timeout_ms
         self._event_set: Any = None
         self._gpus: dict[int, tuple[int, str]] = {}  # handle key → (index, uuid)
-        self.listening: tuple[str, ...] = ()  # UUIDs of the GPUs registered, for tests and logs
+        # UUIDs of the GPUs registered for Xid events, in index order: what the listener
+        # covers (the start-up log line counts them); empty while idle.
+        self.listening: tuple[str, ...] = ()
         self._told: set[str] = set()  # GPUs already logged as unable to report Xids
 
     def setup(self) -> None:
@@ -91,7 +93,7 @@ class XidListener(NvmlThread):
                 continue
             self._gpus[handle_key(handle)] = (index, uuid)
         self.listening = tuple(uuid for _, uuid in sorted(self._gpus.values()))
-        log.info("listening for Xid errors on %d GPUs", len(self._gpus))
+        log.info("listening for Xid errors on %d GPUs", len(self.listening))
 
     def step(self) -> None:
         if not self._gpus:  # nothing to listen on: stay idle until stopped

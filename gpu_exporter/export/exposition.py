@@ -36,7 +36,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
 from gpu_exporter.collect.cache import SnapshotCache
-from gpu_exporter.export.metrics import GpuCollector
+from gpu_exporter.export.collectors import GpuCollector
 from gpu_exporter.model import Snapshot
 
 OPENMETRICS_EOF = b"# EOF\n"
@@ -105,7 +105,9 @@ class Exposition:
         self._gzip_level = gzip_level
         self._parts: dict[str, _Part] = {}
         self._lock = threading.Lock()
-        self.renders = 0  # snapshot parts rendered so far (for tests and benchmarks)
+        # Snapshot parts rendered since start: the cache's cost. Against snapshot.sequence it
+        # says how well the cache works (at most one render per sample and content type).
+        self.renders = 0
 
     def render(
         self, accept: str | None = None, accept_encoding: str | None = None

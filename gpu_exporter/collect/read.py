@@ -1,0 +1,199 @@
+"""Reading one GPU into a :class:`~gpu_exporter.model.GpuSample`: its handle and identity, its
+fields (:mod:`gpu_exporter.collect.fields`), and its MIG devices.
+
+:func:`read_gpu` never raises for a GPU-level error: a GPU that cannot be reached, or is lost
+part-way, comes back as ``up=False`` with a ``down_reason``, and nothing read before the loss.
+Only :class:`~gpu_exporter.nvml.NvmlUnavailable` (the library as a whole) escapes. The
+sampler runs it on a per-GPU worker with a deadline; the client's local fallback calls it
+directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gpu_exporter.collect.fields import (
+    FieldReader,
+    UnsupportedFields,
+    interned,
+    read_values,
+    with_processes,
+)
+from gpu_exporter.collect.procinfo import ProcInfoCache
+from gpu_exporter.model import GpuSample
+from gpu_exporter.nvml import GpuLost, Nvml, NvmlError, NvmlUnavailable
+
+_T = TypeVar("_T")
+
+# GpuSample.down_reason values (the reason label of gpu_down_reason).
+DOWN_LOST = "lost"  # GPU_IS_LOST and friends: fell off the bus, needs a reset
+DOWN_TIMEOUT = "timeout"  # an NVML call for it did not return within the deadline
+DOWN_ERROR = "error"  # any other failure to get a handle
+DOWN_REASONS = (DOWN_LOST, DOWN_TIMEOUT, DOWN_ERROR)
+
+
+@dataclass(frozen=True, slots=True)
+class MigIdentity:
+    """What is read once per MIG device, and kept while it exists."""
+
+    name: str | None
+    profile: str | None
+    gpu_instance_id: int | None
+    compute_instance_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    """What is read once per GPU after each initialisation, and kept while the GPU lives."""
+
+    uuid: str
+    name: str | None
+    pci_bus_id: str | None
+    # Values that do not change while the driver runs (max clocks, thresholds, power
+    # constraints, maximum PCIe link), by field name, once read successfully.
+    static: tuple[tuple[str, Any], ...] = ()
+    mig: tuple[tuple[str, MigIdentity], ...] = ()  # MIG devices seen, by MIG uuid
+
+
+def _read_mig_devices(
+    nvml: Nvml,
+    parent: Any,
+    index: int,
+    r: FieldReader,
+    known: dict[str, MigIdentity],
+    unsupported: UnsupportedFields,
+    procinfo: ProcInfoCache | None,
+    pci_bus_id: str | None,
+) -> tuple[tuple[GpuSample, ...], dict[str, MigIdentity]]:
+    """The MIG devices of a GPU in MIG mode, each a GpuSample with the parent's index."""
+    r.read_static("mig_device_count", ("mig_device_count",), nvml.max_mig_device_count)
+    slots = r.values.pop("mig_device_count", 0)
+    devices = []
+    seen: dict[str, MigIdentity] = {}
+    for slot in range(slots):
+        try:
+            handle = nvml.mig_device_handle(parent, slot)
+            if handle is None:  # an empty slot
+                continue
+            uuid = nvml.uuid(handle)
+            ident = known.get(uuid)
+            if ident is None:
+                name = optional(nvml.name, handle)
+                ident = MigIdentity(
+                    name,
+                    name.rsplit("MIG ", 1)[1] if name and "MIG " in name else None,
+                    optional(nvml.gpu_instance_id, handle),
+                    optional(nvml.compute_instance_id, handle),
+                )
+        except (GpuLost, NvmlUnavailable):
+            raise
+        except NvmlError as exc:
+            r.last_error = str(exc)
+            continue
+        seen[uuid] = ident
+        m = FieldReader(handle, uuid, unsupported)
+        read_values(nvml, m, procinfo, whole_gpu=False)
+        devices.append(
+            GpuSample(
+                index=index,
+                uuid=uuid,
+                up=True,
+                name=ident.name,
+                pci_bus_id=pci_bus_id,
+                error=m.last_error,
+                parent_uuid=r.uuid,
+                gpu_instance_id=ident.gpu_instance_id,
+                compute_instance_id=ident.compute_instance_id,
+                mig_profile=ident.profile,
+                fields_supported=interned(tuple(m.asked.items())),
+                **with_processes(m.values),
+            )
+        )
+    return tuple(devices), seen
+
+
+def read_gpu(
+    nvml: Nvml,
+    index: int,
+    identity: GpuIdentity | None,
+    unsupported: UnsupportedFields,
+    *,
+    procinfo: ProcInfoCache | None = None,
+) -> tuple[GpuSample, GpuIdentity | None]:
+    """One GPU's sample (with its MIG devices and processes), and its identity for next
+    time. Never raises for GPU-level errors.
+
+    ``procinfo`` attributes processes from /proc (``--process-labels``); None reads nothing.
+    """
+    known_uuid = identity.uuid if identity else ""
+    try:
+        handle = nvml.handle(index)
+        if identity is None:
+            identity = GpuIdentity(
+                nvml.uuid(handle), optional(nvml.name, handle), optional(nvml.pci_bus_id, handle)
+            )
+    except NvmlUnavailable:
+        raise
+    except NvmlError as exc:
+        reason = DOWN_LOST if isinstance(exc, GpuLost) else DOWN_ERROR
+        sample = GpuSample(
+            index=index, uuid=known_uuid, up=False, error=str(exc), down_reason=reason
+        )
+        return sample, identity
+
+    r = FieldReader(handle, identity.uuid, unsupported, dict(identity.static))
+    mig_devices: tuple[GpuSample, ...] = ()
+    mig_seen = dict(identity.mig)
+    try:
+        read_values(nvml, r, procinfo, whole_gpu=True)
+        if r.values.get("mig_mode_enabled"):
+            mig_devices, mig_seen = _read_mig_devices(
+                nvml, handle, index, r, mig_seen, unsupported, procinfo, identity.pci_bus_id
+            )
+            procs = [d.processes for d in mig_devices]
+            if mig_devices and all(p is not None for p in procs):
+                r.values["processes"] = tuple(p for ps in procs if ps for p in ps)
+    except GpuLost as exc:
+        # Whatever was read before the GPU went away is dropped: no stale values that look fresh.
+        return down_sample(index, identity, DOWN_LOST, str(exc)), identity
+    identity = dataclasses.replace(
+        identity, static=tuple(r.static.items()), mig=tuple(mig_seen.items())
+    )
+    sample = GpuSample(
+        index=index,
+        uuid=identity.uuid,
+        up=True,
+        name=identity.name,
+        pci_bus_id=identity.pci_bus_id,
+        error=r.last_error,
+        mig_devices=mig_devices,
+        fields_supported=interned(tuple(r.asked.items())),
+        **with_processes(r.values),
+    )
+    return sample, identity
+
+
+def optional(fn: Callable[[Any], _T], handle: Any) -> _T | None:
+    """``fn(handle)``, or None when that one call fails (a lost GPU or library still raises)."""
+    try:
+        return fn(handle)
+    except (GpuLost, NvmlUnavailable):
+        raise
+    except NvmlError:
+        return None
+
+
+def down_sample(index: int, identity: GpuIdentity | None, reason: str, error: str) -> GpuSample:
+    """A down GPU: what its identity knows, and no values."""
+    return GpuSample(
+        index=index,
+        uuid=identity.uuid if identity else "",
+        up=False,
+        name=identity.name if identity else None,
+        pci_bus_id=identity.pci_bus_id if identity else None,
+        error=error,
+        down_reason=reason,
+    )

@@ -1,0 +1,306 @@
+"""The collectors behind ``/metrics``: fresh metric families built from one snapshot on every
+scrape, with the names, help and labels of :mod:`gpu_exporter.export.spec`.
+
+No global gauges, nothing left behind when a GPU disappears, and no NVML call: everything
+comes from the snapshot cache and the counters the background threads update.
+:class:`GpuCollector` splits its families into those that depend on the snapshot alone (which
+:mod:`gpu_exporter.export.exposition` renders once per snapshot) and the live ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpu_exporter import __version__
+from gpu_exporter.collect.cache import SnapshotCache
+from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
+from gpu_exporter.export.spec import (
+    BUILD_INFO,
+    CHOOSE_REQUESTS,
+    FIELD_SUPPORTED,
+    GPU_DOWN_REASON,
+    GPU_INFO,
+    GPU_LABELS,
+    GPU_LAST_SEEN,
+    GPU_LEASED,
+    GPU_MIG_INFO,
+    GPU_UP,
+    GPU_VALUES,
+    LAST_SAMPLE,
+    LAST_XID,
+    LEASES_DROPPED,
+    NVML_ERRORS,
+    NVML_UP,
+    PCIE_THROUGHPUT,
+    PROCESS_MEMORY,
+    REQUESTS_REJECTED,
+    SAMPLE_DURATION,
+    WEB_CONFIG_OK,
+    WEB_CONFIG_RELOADS,
+    XID_ERRORS,
+    MetricSpec,
+)
+from gpu_exporter.model import GpuSample, Snapshot, all_devices
+
+DEFAULT_PROCESS_SERIES_LIMIT = 64
+
+
+class Leases(Protocol):
+    """What the lease families read (:class:`gpu_exporter.choose.leases.LeaseTable` has it)."""
+
+    def holders(self, snapshot: Snapshot) -> Mapping[str, object]:
+        """The leases in force for ``snapshot``'s devices, by device UUID."""
+        ...
+
+    @property
+    def dropped(self) -> Mapping[str, int]:
+        """GPUs released from leases before expiry, by reason."""
+        ...
+
+
+class ReloadStats(Protocol):
+    """What :class:`WebConfigCollector` reads (the ``--web-config-file`` watcher has it)."""
+
+    @property
+    def reloads(self) -> Mapping[str, int]:
+        """Re-reads of the file by result: success, error."""
+        ...
+
+    @property
+    def last_reload_ok(self) -> bool: ...
+
+
+def _family(
+    spec: MetricSpec, labels: tuple[str, ...] | None = None
+) -> GaugeMetricFamily | CounterMetricFamily:
+    cls = CounterMetricFamily if spec.type == "counter" else GaugeMetricFamily
+    return cls(spec.family_name, spec.help, labels=spec.labels if labels is None else labels)
+
+
+def gpu_families(
+    snapshot: Snapshot, process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT
+) -> Iterator[Metric]:
+    """Per-GPU families, with MIG devices as extra series (gpu = the parent's index).
+
+    A value the GPU did not report this sample has no series at all.
+    """
+    info, up = _family(GPU_INFO), _family(GPU_UP)
+    down, seen = _family(GPU_DOWN_REASON), _family(GPU_LAST_SEEN)
+    values = [_family(spec) for spec in GPU_VALUES]
+    mig_info = _family(GPU_MIG_INFO)
+    proc_labels = (*GPU_LABELS, "pid", *snapshot.process_labels)
+    procs = _family(PROCESS_MEMORY, proc_labels)
+    for gpu in all_devices(snapshot.gpus):
+        ids = [str(gpu.index), gpu.uuid]
+        info.add_metric(
+            [
+                *ids,
+                gpu.name or "",
+                gpu.pci_bus_id or "",
+                snapshot.driver_version or "",
+                snapshot.cuda_driver_version or "",
+            ],
+            1,
+        )
+        up.add_metric(ids, 1 if gpu.up else 0)
+        if not gpu.up and gpu.down_reason is not None:
+            down.add_metric([*ids, gpu.down_reason], 1)
+        if gpu.last_seen_seconds is not None:
+            seen.add_metric(ids, gpu.last_seen_seconds)
+        if gpu.is_mig_device:
+            mig_info.add_metric(
+                [
+                    *ids,
+                    gpu.parent_uuid or "",
+                    _text(gpu.gpu_instance_id),
+                    _text(gpu.compute_instance_id),
+                    gpu.mig_profile or "",
+                ],
+                1,
+            )
+        for spec, family in zip(GPU_VALUES, values, strict=True):
+            if spec.mig or not gpu.is_mig_device:
+                _add_values(spec, family, ids, gpu)
+        if gpu.processes and not (gpu.mig_devices and not gpu.is_mig_device):
+            # A GPU in MIG mode has its processes under its MIG devices, not twice.
+            _add_processes(procs, ids, gpu, snapshot.process_labels, process_series_limit)
+    yield info
+    yield up
+    yield down
+    yield seen
+    yield from values
+    yield mig_info
+    yield procs
+
+
+def _text(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _add_processes(
+    family: Metric, ids: list[str], gpu: GpuSample, labels: tuple[str, ...], limit: int
+) -> None:
+    """The ``limit`` largest processes of one device (unknown memory has no series)."""
+    known = [p for p in gpu.processes or () if p.used_memory_bytes is not None]
+    known.sort(key=lambda p: (-(p.used_memory_bytes or 0), p.pid))
+    for p in known[:limit]:
+        family.add_metric(  # type: ignore[attr-defined]
+            [*ids, str(p.pid), *(p.label(name) for name in labels)], p.used_memory_bytes
+        )
+
+
+def _add_values(spec: MetricSpec, family: Metric, ids: list[str], gpu: GpuSample) -> None:
+    if spec.field is not None:
+        value = getattr(gpu, spec.field)
+        if value is not None:
+            family.add_metric(ids, float(value))  # type: ignore[attr-defined]
+    for label_value, field in spec.per_label:
+        value = getattr(gpu, field)
+        if value is not None:
+            family.add_metric([*ids, label_value], float(value))  # type: ignore[attr-defined]
+    if spec.values is not None:
+        for extra, value in spec.values(gpu):
+            family.add_metric([*ids, *extra], value)  # type: ignore[attr-defined]
+
+
+def field_families(snapshot: Snapshot) -> Iterator[Metric]:
+    supported = _family(FIELD_SUPPORTED)
+    for gpu in all_devices(snapshot.gpus):
+        for field, ok in gpu.fields_supported:
+            supported.add_metric([str(gpu.index), gpu.uuid, field], 1 if ok else 0)
+    yield supported
+
+
+def xid_families(xids: XidCounter) -> Iterator[Metric]:
+    errors = _family(XID_ERRORS)
+    for c in xids.counts():
+        errors.add_metric([str(c.index), c.uuid, str(c.xid)], c.count)
+    yield errors
+    last = _family(LAST_XID)
+    for x in xids.last():
+        last.add_metric([str(x.index), x.uuid], x.at_seconds)
+    yield last
+
+
+def pcie_families(pcie: PcieRates) -> Iterator[Metric]:
+    family = _family(PCIE_THROUGHPUT)
+    for r in pcie.rates():
+        for direction, value in (("tx", r.tx_bytes_per_second), ("rx", r.rx_bytes_per_second)):
+            if value is not None:
+                family.add_metric([str(r.index), r.uuid, direction], value)
+    yield family
+
+
+def exporter_families(snapshot: Snapshot, version: str = __version__) -> Iterator[Metric]:
+    build = _family(BUILD_INFO)
+    build.add_metric([version, "simulated" if snapshot.simulated else "nvml"], 1)
+    yield build
+    nvml_up = _family(NVML_UP)
+    nvml_up.add_metric([], 1 if snapshot.nvml_up else 0)
+    yield nvml_up
+    if snapshot.sequence > 0:  # nothing sampled yet: no timestamp rather than a fake one
+        last = _family(LAST_SAMPLE)
+        last.add_metric([], snapshot.taken_at_seconds)
+        yield last
+        duration = _family(SAMPLE_DURATION)
+        duration.add_metric([], snapshot.sample_duration_seconds)
+        yield duration
+    errors = _family(NVML_ERRORS)
+    for function, error, count in snapshot.nvml_errors:
+        errors.add_metric([function, error], count)
+    yield errors
+
+
+def lease_families(
+    snapshot: Snapshot, leases: Leases, requests: RequestCounter
+) -> Iterator[Metric]:
+    held = leases.holders(snapshot)
+    leased = _family(GPU_LEASED)
+    for gpu in all_devices(snapshot.gpus):
+        leased.add_metric([str(gpu.index), gpu.uuid], 1 if gpu.uuid in held else 0)
+    yield leased
+    yield _counts(CHOOSE_REQUESTS, requests)
+    dropped = _family(LEASES_DROPPED)
+    for reason, count in sorted(leases.dropped.items()):
+        dropped.add_metric([reason], count)
+    yield dropped
+
+
+def _counts(spec: MetricSpec, counter: RequestCounter) -> Metric:
+    family = _family(spec)
+    for label, count in sorted(counter.counts().items()):
+        family.add_metric([label], count)
+    return family
+
+
+class GpuCollector(Collector):
+    """A prometheus_client collector over the snapshot cache (and the lease table)."""
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        version: str = __version__,
+        *,
+        leases: Leases | None = None,
+        requests: RequestCounter | None = None,
+        rejections: RequestCounter | None = None,
+        xids: XidCounter | None = None,
+        pcie: PcieRates | None = None,
+        process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
+    ) -> None:
+        self._cache = cache
+        self._version = version
+        self._leases = leases
+        self._requests = requests or RequestCounter()
+        self._rejections = rejections
+        self._xids = xids
+        self._pcie = pcie
+        self._process_series_limit = process_series_limit
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._cache.get()  # one snapshot for the whole scrape
+        yield from self.snapshot_families(snapshot)
+        yield from self.live_families(snapshot)
+
+    def snapshot_families(self, snapshot: Snapshot) -> Iterator[Metric]:
+        """Families that depend on the snapshot alone (and the fixed version).
+
+        :mod:`gpu_exporter.export.exposition` renders these once per snapshot and serves the bytes,
+        so nothing here may read anything that changes between samples.
+        """
+        yield from gpu_families(snapshot, self._process_series_limit)
+        yield from exporter_families(snapshot, self._version)
+        yield from field_families(snapshot)
+
+    def live_families(self, snapshot: Snapshot) -> Iterator[Metric]:
+        """Families that can change between samples: leases, request counters, and the Xid
+        and PCIe figures, which their own threads update."""
+        if self._xids is not None:
+            yield from xid_families(self._xids)
+        if self._pcie is not None:
+            yield from pcie_families(self._pcie)
+        if self._leases is not None:
+            yield from lease_families(snapshot, self._leases, self._requests)
+        if self._rejections is not None:
+            yield _counts(REQUESTS_REJECTED, self._rejections)
+
+
+class WebConfigCollector(Collector):
+    """Reloads of --web-config-file; registered only when one is given."""
+
+    def __init__(self, watcher: ReloadStats) -> None:
+        self._watcher = watcher
+
+    def collect(self) -> Iterator[Metric]:
+        reloads = _family(WEB_CONFIG_RELOADS)
+        counts = dict(self._watcher.reloads)
+        for result in ("success", "error"):
+            reloads.add_metric([result], counts.get(result, 0))
+        yield reloads
+        ok = _family(WEB_CONFIG_OK)
+        ok.add_metric([], 1 if self._watcher.last_reload_ok else 0)
+        yield ok

@@ -1,0 +1,463 @@
+"""The ``/metrics`` spec: one :class:`MetricSpec` per metric, and :data:`METRICS`, all of them.
+
+The single source of truth for names, types, labels, help text, units and the NVML function
+behind each value: :mod:`gpu_exporter.export.collectors` builds the families from it, and the
+README's metric table is generated from it (``python -m gpu_exporter.export.spec``); a test
+keeps the two equal.
+
+This module is a declarative table, and longer than 400 lines for that reason alone: one
+entry per metric; besides the entries, only the two entry builders (``_gpu``, ``_labelled``),
+three small value functions some entries name, and :func:`markdown_table`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from gpu_exporter.model import (
+    CLOCKS,
+    CLOCKS_EVENT_REASONS,
+    ECC_COUNTERS,
+    ECC_ERRORS,
+    PCIE_LINKS,
+    PROCESS_LABELS,
+    RETIREMENT_CAUSES,
+    TEMPERATURE_THRESHOLDS,
+    GpuSample,
+)
+
+GPU_LABELS = ("gpu", "uuid")
+SAMPLED = (
+    " Sampled in the background every --interval (see gpu_exporter_last_sample_timestamp_seconds)."
+)
+ON = "yes"
+
+# (label values after gpu and uuid, value) pairs that one metric has for one device.
+Values = Callable[[GpuSample], Iterable[tuple[tuple[str, ...], float]]]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str  # as exposed; counters end in _total
+    type: str  # "gauge" or "counter"
+    help: str
+    labels: tuple[str, ...]
+    source: str  # where the value comes from (the NVML function), for the docs
+    field: str | None = None  # GpuSample attribute, for plain per-GPU values
+    # For a metric with one extra label: (label value, GpuSample attribute) pairs.
+    per_label: tuple[tuple[str, str], ...] = ()
+    unit: str = ""  # for the docs: bytes, watts, ratio (0-1), 0/1 …
+    default: str = ON  # "yes", or how to turn it on
+    values: Values | None = None  # anything the two above cannot express
+    mig: bool = False  # also exported for MIG devices (uuid="MIG-…")
+
+    @property
+    def family_name(self) -> str:
+        return self.name.removesuffix("_total") if self.type == "counter" else self.name
+
+    @property
+    def on_by_default(self) -> bool:
+        return self.default.startswith(ON)
+
+
+def _gpu(
+    name: str,
+    help: str,
+    source: str,
+    field: str,
+    unit: str,
+    type: str = "gauge",
+    *,
+    mig: bool = False,
+) -> MetricSpec:
+    return MetricSpec(name, type, help + SAMPLED, GPU_LABELS, source, field, unit=unit, mig=mig)
+
+
+def _labelled(
+    name: str,
+    help: str,
+    label: str,
+    source: str,
+    unit: str,
+    pairs: tuple[tuple[str, str], ...],
+    type: str = "gauge",
+) -> MetricSpec:
+    return MetricSpec(
+        name, type, help + SAMPLED, (*GPU_LABELS, label), source, per_label=pairs, unit=unit
+    )
+
+
+def _reasons(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+    if gpu.clocks_event_reasons is not None:
+        for reason in CLOCKS_EVENT_REASONS:
+            yield (reason,), 1.0 if reason in gpu.clocks_event_reasons else 0.0
+
+
+def _compute_mode(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+    if gpu.compute_mode is not None:
+        yield (gpu.compute_mode,), 1.0
+
+
+def _ecc_errors(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+    for error in ECC_ERRORS:
+        for counter in ECC_COUNTERS:
+            value = getattr(gpu, f"ecc_errors_{error}_{counter}")
+            if value is not None:
+                yield (error, counter), float(value)
+
+
+GPU_INFO = MetricSpec(
+    "gpu_info",
+    "gauge",
+    "Always 1; labels identify the GPU or MIG device (gpu is the NVML index, in PCI bus order; "
+    "a MIG device has its parent's).",
+    (*GPU_LABELS, "name", "pci_bus_id", "driver_version", "cuda_driver_version"),
+    "nvmlDeviceGetName, nvmlDeviceGetPciInfo, nvmlSystemGetDriverVersion",
+    unit="1 (info)",
+    mig=True,
+)
+GPU_UP = MetricSpec(
+    "gpu_up",
+    "gauge",
+    "1 if the GPU answered the last sample, 0 if it did not (lost, fallen off the bus); "
+    "its value series are then absent." + SAMPLED,
+    GPU_LABELS,
+    "nvmlDeviceGetHandleByIndex and every value call",
+    unit="0/1",
+    mig=True,
+)
+GPU_LAST_SEEN = MetricSpec(
+    "gpu_last_seen_timestamp_seconds",
+    "gauge",
+    "Unix time of the last sample in which the GPU answered; kept while it is down, so "
+    "time() - this is how long it has been gone." + SAMPLED,
+    GPU_LABELS,
+    "the exporter",
+    unit="seconds",
+)
+GPU_DOWN_REASON = MetricSpec(
+    "gpu_down_reason",
+    "gauge",
+    "1 while gpu_up is 0, with why: lost (fell off the bus, needs a reset), timeout (an NVML "
+    "call for it has not returned within --nvml-timeout) or error." + SAMPLED,
+    (*GPU_LABELS, "reason"),
+    "nvmlDeviceGetHandleByIndex and every value call",
+    unit="1 (info)",
+)
+# One GPU or MIG device value per row: name and help, then the NVML source, the GpuSample
+# field(s) and the unit (see _gpu, _labelled). Kept as a table, not in ruff's layout.
+GPU_VALUES: tuple[MetricSpec, ...] = (
+    _gpu("gpu_memory_total_bytes", "Total frame-buffer memory.",
+         "nvmlDeviceGetMemoryInfo_v2", "memory_total_bytes", "bytes", mig=True),
+    _gpu("gpu_memory_used_bytes",
+         "Frame-buffer memory in use, excluding the driver's reservation (as nvidia-smi >= 510).",
+         "nvmlDeviceGetMemoryInfo_v2", "memory_used_bytes", "bytes", mig=True),
+    _gpu("gpu_memory_free_bytes", "Frame-buffer memory free for allocations.",
+         "nvmlDeviceGetMemoryInfo_v2", "memory_free_bytes", "bytes", mig=True),
+    _gpu("gpu_memory_reserved_bytes", "Frame-buffer memory reserved by the driver.",
+         "nvmlDeviceGetMemoryInfo_v2", "memory_reserved_bytes", "bytes", mig=True),
+    _gpu("gpu_utilization_ratio",
+         "Fraction of the last sample period (0-1) in which a kernel was running "
+         "(absent in MIG mode: NVML does not report it).",
+         "nvmlDeviceGetUtilizationRates", "utilization_ratio", "ratio", mig=True),
+    _gpu("gpu_memory_utilization_ratio",
+         "Fraction of the last sample period (0-1) in which device memory was read or written.",
+         "nvmlDeviceGetUtilizationRates", "memory_utilization_ratio", "ratio", mig=True),
+    _gpu("gpu_power_draw_watts", "Power draw of the whole board.",
+         "nvmlDeviceGetPowerUsage", "power_draw_watts", "watts"),
+    _gpu("gpu_power_limit_watts", "Power limit the driver enforces.",
+         "nvmlDeviceGetEnforcedPowerLimit", "power_limit_watts", "watts"),
+    _gpu("gpu_power_limit_default_watts", "Power limit the board ships with.",
+         "nvmlDeviceGetPowerManagementDefaultLimit", "power_limit_default_watts", "watts"),
+    _gpu("gpu_power_limit_min_watts", "Lowest power limit that can be set.",
+         "nvmlDeviceGetPowerManagementLimitConstraints", "power_limit_min_watts", "watts"),
+    _gpu("gpu_power_limit_max_watts", "Highest power limit that can be set.",
+         "nvmlDeviceGetPowerManagementLimitConstraints", "power_limit_max_watts", "watts"),
+    _gpu("gpu_energy_joules_total", "Energy consumed since the driver was loaded.",
+         "nvmlDeviceGetTotalEnergyConsumption", "energy_joules", "joules", type="counter"),
+    _gpu("gpu_temperature_celsius", "GPU core temperature.",
+         "nvmlDeviceGetTemperature", "temperature_celsius", "celsius"),
+    _labelled("gpu_temperature_threshold_celsius",
+              "Temperatures at which the GPU slows down, shuts down, and the highest GPU and "
+              "memory temperatures for normal operation.",
+              "threshold", "nvmlDeviceGetTemperatureThreshold", "celsius",
+              tuple((t, f"temperature_{t}_celsius") for t in TEMPERATURE_THRESHOLDS)),
+    _gpu("gpu_fan_speed_ratio",
+         "Fan speed as a fraction of its maximum (absent on passively cooled cards).",
+         "nvmlDeviceGetFanSpeed", "fan_speed_ratio", "ratio"),
+    _labelled("gpu_clock_hz", "Current clock frequency by clock domain.",
+              "clock", "nvmlDeviceGetClockInfo", "hertz",
+              tuple((c, f"clock_{c}_hz") for c in CLOCKS)),
+    _labelled("gpu_clock_max_hz", "Highest clock frequency by clock domain.",
+              "clock", "nvmlDeviceGetMaxClockInfo", "hertz",
+              tuple((c, f"clock_max_{c}_hz") for c in CLOCKS)),
+    MetricSpec("gpu_clocks_event_reasons", "gauge",
+               "1 for each reason the clocks are held below their maximum right now (power cap, "
+               "thermal or hardware slowdown, power brake, idle …), 0 for the others." + SAMPLED,
+               (*GPU_LABELS, "reason"), "nvmlDeviceGetCurrentClocksEventReasons",
+               unit="0/1", values=_reasons),
+    _gpu("gpu_performance_state", "Performance state: 0 (P0, fastest) to 15 (P15, slowest).",
+         "nvmlDeviceGetPerformanceState", "performance_state", "P-state"),
+    _gpu("gpu_persistence_mode_enabled",
+         "1 if persistence mode is on (the driver stays loaded with no client).",
+         "nvmlDeviceGetPersistenceMode", "persistence_mode_enabled", "0/1"),
+    MetricSpec("gpu_compute_mode", "gauge",
+               "Always 1; the compute mode (default, exclusive_process, prohibited) is the mode "
+               "label." + SAMPLED,
+               (*GPU_LABELS, "mode"), "nvmlDeviceGetComputeMode",
+               unit="1 (info)", values=_compute_mode),
+    _gpu("gpu_ecc_mode_enabled", "1 if ECC is on for the frame-buffer memory.",
+         "nvmlDeviceGetEccMode", "ecc_mode_enabled", "0/1"),
+    MetricSpec("gpu_ecc_errors_total", "counter",
+               "Memory ECC errors: corrected or uncorrected, since the driver loaded (volatile) or "
+               "over the card's life (aggregate)." + SAMPLED,
+               (*GPU_LABELS, "error", "counter"), "nvmlDeviceGetTotalEccErrors",
+               unit="errors", values=_ecc_errors),
+    _labelled("gpu_remapped_rows_total",
+              "Memory rows remapped because of correctable or uncorrectable errors (Ampere and "
+              "later).",
+              "cause", "nvmlDeviceGetRemappedRows", "rows",
+              (("correctable", "remapped_rows_correctable"),
+               ("uncorrectable", "remapped_rows_uncorrectable")), type="counter"),
+    _gpu("gpu_remapped_rows_pending",
+         "1 if a row remapping is pending: reset the GPU to apply it.",
+         "nvmlDeviceGetRemappedRows", "remapped_rows_pending", "0/1"),
+    _gpu("gpu_remapped_rows_failed", "1 if a row remapping failed: the GPU needs service.",
+         "nvmlDeviceGetRemappedRows", "remapped_rows_failed", "0/1"),
+    _labelled("gpu_retired_pages_total",
+              "Memory pages retired for multiple single-bit or for double-bit ECC errors "
+              "(before Ampere).",
+              "cause", "nvmlDeviceGetRetiredPages", "pages",
+              tuple((c, f"retired_pages_{c}") for c in RETIREMENT_CAUSES), type="counter"),
+    _gpu("gpu_retired_pages_pending",
+         "1 if a page retirement is pending: reboot or reset to apply it.",
+         "nvmlDeviceGetRetiredPagesPendingStatus", "retired_pages_pending", "0/1"),
+    _labelled("gpu_pcie_link_generation",
+              "PCIe link generation: current (idle links drop to a lower one) and max.",
+              "link", "nvmlDeviceGetCurrPcieLinkGeneration, nvmlDeviceGetMaxPcieLinkGeneration",
+              "generation",
+              tuple((link, f"pcie_link_generation_{link}") for link in PCIE_LINKS)),
+    _labelled("gpu_pcie_link_width",
+              "PCIe link width in lanes: current (below max: a link trained down) and max.",
+              "link", "nvmlDeviceGetCurrPcieLinkWidth, nvmlDeviceGetMaxPcieLinkWidth", "lanes",
+              tuple((link, f"pcie_link_width_{link}") for link in PCIE_LINKS)),
+    _gpu("gpu_pcie_replay_errors_total",
+         "PCIe replays (retransmissions after link errors) since the driver loaded.",
+         "nvmlDeviceGetPcieReplayCounter", "pcie_replay_errors", "replays", type="counter"),
+    _gpu("gpu_encoder_utilization_ratio", "Fraction of time (0-1) the video encoder was busy.",
+         "nvmlDeviceGetEncoderUtilization", "encoder_utilization_ratio", "ratio"),
+    _gpu("gpu_decoder_utilization_ratio", "Fraction of time (0-1) the video decoder was busy.",
+         "nvmlDeviceGetDecoderUtilization", "decoder_utilization_ratio", "ratio"),
+    _gpu("gpu_compute_processes",
+         "Compute processes with a context on the GPU, as far as this process can see them.",
+         "nvmlDeviceGetComputeRunningProcesses", "compute_processes", "processes", mig=True),
+    _gpu("gpu_mig_mode_enabled",
+         "1 if MIG mode is on: the GPU is split into the MIG devices of gpu_mig_info.",
+         "nvmlDeviceGetMigMode", "mig_mode_enabled", "0/1"),
+)  # fmt: skip
+GPU_MIG_INFO = MetricSpec(
+    "gpu_mig_info",
+    "gauge",
+    "Always 1 for each MIG device (uuid MIG-…): its parent GPU, GPU and compute instance and "
+    "profile. Whole-card queries leave MIG devices out with `unless on(uuid) gpu_mig_info`."
+    + SAMPLED,
+    (*GPU_LABELS, "parent_uuid", "gpu_instance_id", "compute_instance_id", "profile"),
+    "nvmlDeviceGetMigDeviceHandleByIndex, nvmlDeviceGetGpuInstanceId, "
+    "nvmlDeviceGetComputeInstanceId, nvmlDeviceGetName",
+    unit="1 (info)",
+)
+PROCESS_MEMORY = MetricSpec(
+    "gpu_process_memory_used_bytes",
+    "gauge",
+    "Memory used by one compute process on a GPU or MIG device (at most "
+    "--process-series-limit per device, largest first; memory of processes in other PID "
+    "namespaces is in gpu_memory_used_bytes but not here)." + SAMPLED,
+    (*GPU_LABELS, "pid", *PROCESS_LABELS),
+    "nvmlDeviceGetComputeRunningProcesses, /proc/<pid>/{status,cmdline,cgroup}",
+    unit="bytes",
+    default="yes; user, command, container, slurm_job, pod labels only with --process-labels",
+)
+XID_ERRORS = MetricSpec(
+    "gpu_xid_errors_total",
+    "counter",
+    "Critical Xid errors reported by the driver, by Xid code (79: fallen off the bus, 48: "
+    "double-bit ECC, 13/31/43: application faults …); counted since the exporter started.",
+    (*GPU_LABELS, "xid"),
+    "nvmlEventSetWait_v2 (nvmlEventTypeXidCriticalError)",
+    unit="errors",
+)
+LAST_XID = MetricSpec(
+    "gpu_last_xid_timestamp_seconds",
+    "gauge",
+    "Unix time at which the last Xid error of this GPU was received (absent until one is).",
+    GPU_LABELS,
+    "nvmlEventSetWait_v2",
+    unit="seconds",
+)
+PCIE_THROUGHPUT = MetricSpec(
+    "gpu_pcie_throughput_bytes_per_second",
+    "gauge",
+    "PCIe traffic by direction (tx: from the GPU, rx: to it), measured by NVML over 20 ms "
+    "on its own thread every --interval.",
+    (*GPU_LABELS, "direction"),
+    "nvmlDeviceGetPcieThroughput",
+    unit="bytes/second",
+    default="no: --collect.pcie-throughput",
+)
+GPU_LEASED = MetricSpec(
+    "gpu_leased",
+    "gauge",
+    "1 while a /choose lease holds the GPU or MIG device, else 0.",
+    GPU_LABELS,
+    "the lease table",
+    unit="0/1",
+)
+BUILD_INFO = MetricSpec(
+    "gpu_exporter_build_info",
+    "gauge",
+    'Always 1; the exporter\'s version, and backend="simulated" when --simulate is on.',
+    ("version", "backend"),
+    "the exporter",
+    unit="1 (info)",
+)
+NVML_UP = MetricSpec(
+    "gpu_exporter_nvml_up",
+    "gauge",
+    "1 if NVML is initialised and answering, 0 if not (no driver, version mismatch); "
+    "initialisation is retried with backoff.",
+    (),
+    "nvmlInit",
+    unit="0/1",
+)
+LAST_SAMPLE = MetricSpec(
+    "gpu_exporter_last_sample_timestamp_seconds",
+    "gauge",
+    "Unix time at which the sample behind every gpu_* value was taken.",
+    (),
+    "the exporter",
+    unit="seconds",
+)
+SAMPLE_DURATION = MetricSpec(
+    "gpu_exporter_sample_duration_seconds",
+    "gauge",
+    "How long the last sample of all GPUs took.",
+    (),
+    "the exporter",
+    unit="seconds",
+)
+NVML_ERRORS = MetricSpec(
+    "gpu_exporter_nvml_errors_total",
+    "counter",
+    "NVML calls that failed, by function and NVML error name (unsupported fields not counted).",
+    ("function", "error"),
+    "every NVML call",
+    unit="calls",
+)
+FIELD_SUPPORTED = MetricSpec(
+    "gpu_exporter_field_supported",
+    "gauge",
+    "1 if this GPU or MIG device reports the field, 0 if NVML said NOT_SUPPORTED or "
+    "FUNCTION_NOT_FOUND (asked once per initialisation, never again).",
+    (*GPU_LABELS, "field"),
+    "every NVML value call",
+    unit="0/1",
+)
+CHOOSE_REQUESTS = MetricSpec(
+    "gpu_exporter_choose_requests_total",
+    "counter",
+    "/choose requests by result: ok, or the error code (not_enough_gpus, invalid_parameter…).",
+    ("result",),
+    "the exporter",
+    unit="requests",
+)
+LEASES_DROPPED = MetricSpec(
+    "gpu_exporter_lease_gpus_released_total",
+    "counter",
+    "GPUs released from leases before expiry: arrived (the job showed up), down, gone.",
+    ("reason",),
+    "the lease table",
+    unit="GPUs",
+)
+REQUESTS_REJECTED = MetricSpec(
+    "gpu_exporter_requests_rejected_total",
+    "counter",
+    "Requests refused by the request limits: too_many_requests (--max-requests-in-flight), "
+    "too_many_waiters (--max-waiters), uri_too_long.",
+    ("reason",),
+    "the exporter",
+    unit="requests",
+)
+WEB_CONFIG_RELOADS = MetricSpec(
+    "gpu_exporter_web_config_reloads_total",
+    "counter",
+    "Re-reads of a changed --web-config-file by result: success, or error (the previous "
+    "configuration stays in force). Absent without --web-config-file.",
+    ("result",),
+    "the exporter",
+    unit="reloads",
+    default="with --web-config-file",
+)
+WEB_CONFIG_OK = MetricSpec(
+    "gpu_exporter_web_config_last_reload_successful",
+    "gauge",
+    "1 if the last re-read of --web-config-file worked (or there was none yet), 0 if the file "
+    "is broken and an older configuration is in force. Absent without --web-config-file.",
+    (),
+    "the exporter",
+    unit="0/1",
+    default="with --web-config-file",
+)
+EXPORTER_METRICS = (
+    BUILD_INFO,
+    NVML_UP,
+    LAST_SAMPLE,
+    SAMPLE_DURATION,
+    NVML_ERRORS,
+    FIELD_SUPPORTED,
+    CHOOSE_REQUESTS,
+    LEASES_DROPPED,
+    REQUESTS_REJECTED,
+    WEB_CONFIG_RELOADS,
+    WEB_CONFIG_OK,
+)
+METRICS: tuple[MetricSpec, ...] = (
+    GPU_INFO,
+    GPU_UP,
+    GPU_DOWN_REASON,
+    GPU_LAST_SEEN,
+    *GPU_VALUES,
+    GPU_MIG_INFO,
+    PROCESS_MEMORY,
+    XID_ERRORS,
+    LAST_XID,
+    PCIE_THROUGHPUT,
+    GPU_LEASED,
+    *EXPORTER_METRICS,
+)
+
+
+def markdown_table() -> str:
+    """The README's metric table."""
+    rows = [
+        "| Metric | Type | Unit | Labels | Source | Default | Description |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for spec in METRICS:
+        help_text = spec.help.removesuffix(SAMPLED).replace("|", "\\|")
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
+        if spec is PROCESS_MEMORY:
+            labels = (
+                "`gpu`, `uuid`, `pid` (+ opt-in "
+                + ", ".join(f"`{label}`" for label in PROCESS_LABELS)
+                + ")"
+            )
+        rows.append(
+            f"| `{spec.name}` | {spec.type} | {spec.unit} | {labels} | {spec.source} "
+            f"| {spec.default} | {help_text} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(markdown_table(), end="")

@@ -1,0 +1,350 @@
+"""pynvml's functions over the simulated host: :class:`SimulatedNvml`, which ``gpu-exporter
+serve --simulate`` hands to :class:`~gpu_exporter.nvml.Nvml` in place of the ``pynvml`` module.
+
+Each function checks the call first (faults, ``NOT_SUPPORTED``, ``UNINITIALIZED``: see
+:meth:`~gpu_exporter.simulate.machine.SimulatedMachine._check`), then answers from the
+GPU's :class:`~gpu_exporter.simulate.state.GpuState` at this moment, its model, or its health.
+Errors are genuine pynvml exceptions (:func:`gpu_exporter.nvml.make_error`), so they travel
+the same path as the driver's. Signatures and return types are pynvml's (bytes names, KB/s,
+milliwatts, structs as namespaces).
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from gpu_exporter import nvml
+from gpu_exporter.simulate.machine import SimEventSet, SimulatedMachine
+from gpu_exporter.simulate.models import COMPUTE_MODES
+from gpu_exporter.simulate.scenario import SimGpu, SimMig
+
+
+class SimulatedNvml(SimulatedMachine):
+    """Implements the pynvml functions :class:`gpu_exporter.nvml.Nvml` calls."""
+
+    # -- the pynvml surface ------------------------------------------------------------------
+    def nvmlInit(self) -> None:
+        self._check("nvmlInit")
+        with self._lock:
+            self.init_count += 1
+
+    def nvmlShutdown(self) -> None:
+        self._check("nvmlShutdown")
+        with self._lock:
+            self.init_count = max(0, self.init_count - 1)
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._check("nvmlSystemGetDriverVersion")
+        return self.driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._check("nvmlSystemGetCudaDriverVersion")
+        return self.cuda_driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._check("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> SimGpu:
+        if not 0 <= index < len(self.gpus):
+            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+        gpu = self.gpus[index]
+        self._check("nvmlDeviceGetHandleByIndex", gpu)
+        return gpu
+
+    def nvmlDeviceGetUUID(self, handle: SimGpu | SimMig) -> str:
+        self._check("nvmlDeviceGetUUID", handle)
+        if isinstance(handle, SimMig):
+            return handle.parent.mig_uuid(handle.slot)
+        return handle.uuid
+
+    def nvmlDeviceGetName(self, handle: SimGpu | SimMig) -> bytes:
+        self._check("nvmlDeviceGetName", handle)
+        if isinstance(handle, SimMig):
+            return self.mig_state(handle.parent.index, handle.slot).name.encode()
+        return handle.model_name.encode()  # older pynvml returns bytes; the wrapper decodes both
+
+    def nvmlDeviceGetPciInfo(self, gpu: SimGpu) -> SimpleNamespace:
+        gpu = self._gpu("nvmlDeviceGetPciInfo", gpu)
+        return SimpleNamespace(busId=gpu.pci_bus_id.encode())
+
+    def nvmlDeviceGetMemoryInfo(
+        self, handle: SimGpu | SimMig, version: int | None = None
+    ) -> SimpleNamespace:
+        self._check("nvmlDeviceGetMemoryInfo", handle)
+        if isinstance(handle, SimMig):
+            ms = self.mig_state(handle.parent.index, handle.slot)
+            total, used, free, reserved = ms.memory_total, ms.memory_used, ms.memory_free, 0
+        else:
+            s = self.state(handle.index)
+            total, used, free = s.memory_total, s.memory_used, s.memory_free
+            reserved = s.memory_reserved
+        if version is None:  # v1: "used" includes the driver's reservation
+            return SimpleNamespace(total=total, used=used + reserved, free=free)
+        return SimpleNamespace(
+            version=version, total=total, reserved=reserved, used=used, free=free
+        )
+
+    def nvmlDeviceGetUtilizationRates(self, gpu: SimGpu) -> SimpleNamespace:
+        gpu = self._gpu("nvmlDeviceGetUtilizationRates", gpu)
+        if gpu.mig:  # NVML reports no utilization for a GPU in MIG mode
+            raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+        s = self.state(gpu.index)
+        return SimpleNamespace(gpu=s.utilization_gpu, memory=s.utilization_memory)
+
+    def nvmlDeviceGetPowerUsage(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetPowerUsage", gpu)
+        return self.state(gpu.index).power_usage_mw
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetEnforcedPowerLimit", gpu)
+        return self.state(gpu.index).power_limit_mw
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetTotalEnergyConsumption", gpu)
+        return self.energy_mj(gpu.index)
+
+    def nvmlDeviceGetTemperature(self, gpu: SimGpu, sensor: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetTemperature", gpu)
+        if sensor != nvml.TEMPERATURE_GPU:
+            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+        return self.state(gpu.index).temperature_c
+
+    def nvmlDeviceGetFanSpeed(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetFanSpeed", gpu)
+        return self.state(gpu.index).fan_percent
+
+    def nvmlDeviceGetClockInfo(self, gpu: SimGpu, clock_type: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetClockInfo", gpu)
+        return self.state(gpu.index).clocks_mhz[clock_type]
+
+    def nvmlDeviceGetComputeRunningProcesses(
+        self, handle: SimGpu | SimMig
+    ) -> list[SimpleNamespace]:
+        """The v3 struct: pid, usedGpuMemory, gpuInstanceId, computeInstanceId."""
+        self._check("nvmlDeviceGetComputeRunningProcesses", handle)
+        gpu = handle.parent if isinstance(handle, SimMig) else handle
+        slots = [handle.slot] if isinstance(handle, SimMig) else range(len(gpu.mig))
+        if not gpu.mig:
+            return [
+                SimpleNamespace(
+                    pid=pid,
+                    usedGpuMemory=used,
+                    gpuInstanceId=nvml.NO_INSTANCE,
+                    computeInstanceId=nvml.NO_INSTANCE,
+                )
+                for pid, used in self.state(gpu.index).processes
+            ]
+        out: list[SimpleNamespace] = []
+        for slot in slots:
+            ms = self.mig_state(gpu.index, slot)
+            out.extend(
+                SimpleNamespace(
+                    pid=pid,
+                    usedGpuMemory=used,
+                    gpuInstanceId=ms.gpu_instance_id,
+                    computeInstanceId=ms.compute_instance_id,
+                )
+                for pid, used in ms.processes
+            )
+        return out
+
+    # -- health --------------------------------------------------------------------------------
+    def nvmlDeviceGetCurrentClocksEventReasons(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetCurrentClocksEventReasons", gpu)
+        return self.state(gpu.index).clocks_event_reasons
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetCurrentClocksThrottleReasons", gpu)
+        return self.state(gpu.index).clocks_event_reasons
+
+    def nvmlDeviceGetMaxClockInfo(self, gpu: SimGpu, clock_type: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetMaxClockInfo", gpu)
+        m = gpu.model
+        return {
+            nvml.CLOCK_TYPES["graphics"]: m.max_sm_clock_mhz,
+            nvml.CLOCK_TYPES["sm"]: m.max_sm_clock_mhz,
+            nvml.CLOCK_TYPES["memory"]: m.max_memory_clock_mhz,
+            nvml.CLOCK_TYPES["video"]: round(m.max_sm_clock_mhz * 0.85),
+        }[clock_type]
+
+    def nvmlDeviceGetTemperatureThreshold(self, gpu: SimGpu, threshold: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetTemperatureThreshold", gpu)
+        if not 0 <= threshold < 4:
+            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+        return gpu.model.temperature_thresholds[threshold]
+
+    def nvmlDeviceGetPerformanceState(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetPerformanceState", gpu)
+        return self.state(gpu.index).performance_state
+
+    def nvmlDeviceGetPersistenceMode(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetPersistenceMode", gpu)
+        return 1 if gpu.model.persistence_mode else 0
+
+    def nvmlDeviceGetComputeMode(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetComputeMode", gpu)
+        return COMPUTE_MODES[gpu.compute_mode]
+
+    def nvmlDeviceGetEccMode(self, gpu: SimGpu) -> list[int]:
+        self._gpu("nvmlDeviceGetEccMode", gpu)
+        return [1, 1]
+
+    def nvmlDeviceGetTotalEccErrors(self, gpu: SimGpu, error_type: int, counter_type: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetTotalEccErrors", gpu)
+        errors = {v: k for k, v in nvml.ECC_ERROR_TYPES.items()}[error_type]
+        counter = {v: k for k, v in nvml.ECC_COUNTERS.items()}[counter_type]
+        value: int = getattr(gpu.health, f"ecc_{errors}_{counter}")
+        return value
+
+    def nvmlDeviceGetRemappedRows(self, gpu: SimGpu) -> tuple[int, int, int, int]:
+        gpu = self._gpu("nvmlDeviceGetRemappedRows", gpu)
+        h = gpu.health
+        return (
+            h.remapped_rows_correctable,
+            h.remapped_rows_uncorrectable,
+            int(h.remapped_rows_pending),
+            int(h.remapped_rows_failed),
+        )
+
+    def nvmlDeviceGetRetiredPages(self, gpu: SimGpu, cause: int) -> list[int]:
+        gpu = self._gpu("nvmlDeviceGetRetiredPages", gpu)
+        h = gpu.health
+        count = (
+            h.retired_pages_multiple_single_bit
+            if cause == nvml.PAGE_RETIREMENT_CAUSES["multiple_single_bit"]
+            else h.retired_pages_double_bit
+        )
+        return [0x1000 * (k + 1) for k in range(count)]  # page addresses
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetRetiredPagesPendingStatus", gpu)
+        return int(gpu.health.retired_pages_pending)
+
+    # -- PCIe ----------------------------------------------------------------------------------
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetCurrPcieLinkGeneration", gpu)
+        return self.state(gpu.index).pcie_generation
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetMaxPcieLinkGeneration", gpu)
+        return gpu.model.pcie_generation
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetCurrPcieLinkWidth", gpu)
+        return self.state(gpu.index).pcie_width
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetMaxPcieLinkWidth", gpu)
+        return gpu.model.pcie_width
+
+    def nvmlDeviceGetPcieReplayCounter(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetPcieReplayCounter", gpu)
+        return gpu.health.pcie_replays
+
+    def nvmlDeviceGetPcieThroughput(self, gpu: SimGpu, counter: int) -> int:
+        """KB/s over a 20 ms window; blocks for ``pcie_sample_seconds`` like the driver."""
+        gpu = self._gpu("nvmlDeviceGetPcieThroughput", gpu)
+        if self.pcie_sample_seconds:
+            time.sleep(self.pcie_sample_seconds)
+        s = self.state(gpu.index)
+        if counter == nvml.PCIE_COUNTERS["tx"]:
+            return s.pcie_tx_kb_per_second
+        return s.pcie_rx_kb_per_second
+
+    # -- power and engines ---------------------------------------------------------------------
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetPowerManagementDefaultLimit", gpu)
+        return round(gpu.model.power_limit_watts * 1000)
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, gpu: SimGpu) -> list[int]:
+        gpu = self._gpu("nvmlDeviceGetPowerManagementLimitConstraints", gpu)
+        limit = gpu.model.power_limit_watts
+        return [round(limit * 250), round(limit * 1000)]  # a quarter of the limit … the limit
+
+    def nvmlDeviceGetEncoderUtilization(self, gpu: SimGpu) -> list[int]:
+        gpu = self._gpu("nvmlDeviceGetEncoderUtilization", gpu)
+        return [self.state(gpu.index).encoder_percent, 167000]
+
+    def nvmlDeviceGetDecoderUtilization(self, gpu: SimGpu) -> list[int]:
+        gpu = self._gpu("nvmlDeviceGetDecoderUtilization", gpu)
+        return [self.state(gpu.index).decoder_percent, 167000]
+
+    # -- MIG -------------------------------------------------------------------------------------
+    def nvmlDeviceGetMigMode(self, gpu: SimGpu) -> list[int]:
+        gpu = self._gpu("nvmlDeviceGetMigMode", gpu)
+        on = 1 if gpu.mig else 0
+        return [on, on]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, gpu: SimGpu) -> int:
+        self._gpu("nvmlDeviceGetMaxMigDeviceCount", gpu)
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, gpu: SimGpu, index: int) -> SimMig:
+        gpu = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", gpu)
+        if not gpu.mig:
+            raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+        if not 0 <= index < 7:
+            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+        if index >= len(gpu.mig):
+            raise nvml.make_error(nvml.error_code("NOT_FOUND"))
+        with self._lock:  # the same handle every time, as the driver's
+            return self._mig_handles.setdefault((gpu.index, index), SimMig(gpu, index))
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: SimMig) -> int:
+        self._check("nvmlDeviceGetGpuInstanceId", handle)
+        if not isinstance(handle, SimMig):
+            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+        return self.mig_state(handle.parent.index, handle.slot).gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: SimMig) -> int:
+        self._check("nvmlDeviceGetComputeInstanceId", handle)
+        if not isinstance(handle, SimMig):
+            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+        return self.mig_state(handle.parent.index, handle.slot).compute_instance_id
+
+    # -- events ----------------------------------------------------------------------------------
+    def nvmlEventSetCreate(self) -> SimEventSet:
+        self._check("nvmlEventSetCreate")
+        event_set = SimEventSet()
+        with self._events:
+            self.event_sets.append(event_set)
+        return event_set
+
+    def nvmlEventSetFree(self, event_set: SimEventSet) -> None:
+        self._check("nvmlEventSetFree")
+        with self._events:
+            event_set.freed = True
+            self.event_sets.remove(event_set)
+            self._events.notify_all()
+
+    def nvmlDeviceGetSupportedEventTypes(self, gpu: SimGpu) -> int:
+        gpu = self._gpu("nvmlDeviceGetSupportedEventTypes", gpu)
+        return gpu.model.supported_events
+
+    def nvmlDeviceRegisterEvents(
+        self, gpu: SimGpu, event_types: int, event_set: SimEventSet
+    ) -> None:
+        gpu = self._gpu("nvmlDeviceRegisterEvents", gpu)
+        if event_types & ~gpu.model.supported_events:
+            raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+        with self._events:
+            event_set.registered[gpu.index] = event_set.registered.get(gpu.index, 0) | event_types
+
+    def nvmlEventSetWait_v2(self, event_set: SimEventSet, timeout_ms: int) -> SimpleNamespace:
+        """The next event, waiting up to ``timeout_ms`` of real time; TIMEOUT otherwise."""
+        self._check("nvmlEventSetWait_v2")
+        deadline = time.monotonic() + timeout_ms / 1000
+        with self._events:
+            while True:
+                if event_set.freed:
+                    raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+                self._deliver_scheduled()
+                if event_set.queue:
+                    return event_set.queue.popleft()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise nvml.make_error(nvml.error_code("TIMEOUT"))
+                # Wake now and then: scheduled events follow the simulator's own clock.
+                self._events.wait(min(remaining, 0.05))
