@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,12 +35,14 @@ from gpu_exporter.client import (
     NoGpusAvailable,
     ServerError,
     ServerUnreachable,
+    api,
     choose,
     choose_raw,
     error_from_response,
     release,
     renew,
     resolve_url,
+    transport,
     use_gpus,
 )
 from gpu_exporter.nvml import Nvml
@@ -490,34 +492,32 @@ def simulated(*faults: Fault, gpus: int = 2) -> Nvml:
     return Nvml(sim, simulated=True)
 
 
-def test_without_a_server_use_gpus_chooses_locally_with_a_warning(
-    monkeypatch: pytest.MonkeyPatch, closed_port: int
-) -> None:
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: simulated(gpus=2))
+def test_without_a_server_use_gpus_chooses_locally_with_a_warning(closed_port: int) -> None:
+    two = lambda: simulated(gpus=2)  # noqa: E731
     url = f"http://127.0.0.1:{closed_port}"
     with contextlib.ExitStack() as stack:
         with pytest.warns(GpuExporterWarning, match="No lease protects this choice"):
-            gpus = stack.enter_context(use_gpus(1, url, exclude=[1]))
+            gpus = stack.enter_context(use_gpus(1, url, exclude=[1], open_nvml=two))
         assert gpus.local and gpus.lease_id is None and gpus.indices == (0,)
         assert os.environ["CUDA_VISIBLE_DEVICES"] == gpus.uuids[0]
         assert "GPU_LEASE" not in os.environ
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     with pytest.raises(NoGpusAvailable, match="0 of 2 GPUs qualify"):
-        client.choose_locally(1, {"exclude": "0,1"})
+        client.choose_locally(1, {"exclude": "0,1"}, open_nvml=two)
 
 
-def test_choosing_locally_applies_the_servers_filters(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: simulated(gpus=4))
+def test_choosing_locally_applies_the_servers_filters() -> None:
+    def choose_locally(n: int, filters: dict[str, Any]) -> Choice:
+        return client.choose_locally(n, filters, open_nvml=lambda: simulated(gpus=4))
+
     # The simulated loads: 0 busy (1 process), 1 idle, 2 sine, 3 light (1 process).
-    assert client.choose_locally(
-        1, {"max_procs": 0, "model": "a100", "include": [0, 1]}
-    ).indices == (1,)
-    assert client.choose_locally(2, {"min_total": "40GiB", "max_util": 0.99, "exclude": "1"}).local
-    assert client.choose_locally(1, {"sort": "pack", "max_mem_util": "100%"}).indices
+    assert choose_locally(1, {"max_procs": 0, "model": "a100", "include": [0, 1]}).indices == (1,)
+    assert choose_locally(2, {"min_total": "40GiB", "max_util": 0.99, "exclude": "1"}).local
+    assert choose_locally(1, {"sort": "pack", "max_mem_util": "100%"}).indices
     with pytest.raises(GpuExporterError, match="sort must be one of"):
-        client.choose_locally(1, {"sort": "fastest"})
+        choose_locally(1, {"sort": "fastest"})
     with pytest.raises(GpuExporterError, match="min_free"):
-        client.choose_locally(1, {"min_free": "lots"})
+        choose_locally(1, {"min_free": "lots"})
 
 
 @pytest.mark.parametrize(
@@ -528,32 +528,35 @@ def test_choosing_locally_applies_the_servers_filters(monkeypatch: pytest.Monkey
     ],
 )
 def test_without_a_server_or_a_gpu_use_gpus_refuses(
-    monkeypatch: pytest.MonkeyPatch, closed_port: int, nvml: Any, message: str
+    closed_port: int, nvml: Any, message: str
 ) -> None:
-    monkeypatch.setattr(client, "_open_local_nvml", nvml)
     url = f"http://127.0.0.1:{closed_port}"
-    with pytest.raises(GpuExporterError, match=message) as caught, use_gpus(1, url):
+    with (
+        pytest.raises(GpuExporterError, match=message) as caught,
+        use_gpus(1, url, open_nvml=nvml),
+    ):
         pytest.fail("the block must not run")
     assert "cannot reach gpu-exporter" in str(caught.value)
     assert not any(key in os.environ for key in ENV_KEYS)
 
 
-def test_the_local_fallback_can_be_turned_off_and_refuses_idle_for(
-    monkeypatch: pytest.MonkeyPatch, closed_port: int
-) -> None:
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: simulated())
+def test_the_local_fallback_can_be_turned_off_and_refuses_idle_for(closed_port: int) -> None:
     url = f"http://127.0.0.1:{closed_port}"
-    with pytest.raises(ServerUnreachable), use_gpus(1, url, local_fallback=False):
+    with (
+        pytest.raises(ServerUnreachable),
+        use_gpus(1, url, local_fallback=False, open_nvml=simulated),
+    ):
         pass
     with (
         pytest.raises(GpuExporterError, match="cannot apply idle_for"),
-        use_gpus(1, url, idle_for="5m"),
+        use_gpus(1, url, idle_for="5m", open_nvml=simulated),
     ):
         pass
 
 
-def test_doctests() -> None:
-    result = doctest.testmod(client)
+@pytest.mark.parametrize("module", [transport, api])
+def test_doctests(module: ModuleType) -> None:
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -15,14 +15,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from fake_exporter import ROOT, FakeExporter, RemoteExporter, _start_real, exporter_under_test
 
 from gpu_exporter import client
-from gpu_exporter.cli import main
+from gpu_exporter.cli import build_parser, main
+from gpu_exporter.client.run import run_main
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import Fault, SimulatedNvml
 
@@ -216,28 +217,36 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+def run_with_nvml(argv: list[str], nvml: Callable[[], Nvml]) -> int:
+    """`gpu-exporter run ARGV` in this process, choosing from ``nvml`` if no server answers."""
+    return run_main(build_parser().parse_args(["run", *argv]), open_nvml=nvml)
+
+
 def test_run_without_a_server_falls_back_to_local_nvml_with_a_warning(
-    closed_port_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    closed_port_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     nvml = Nvml(SimulatedNvml.with_gpus(2, clock=time.monotonic), simulated=True)
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: nvml)
-    assert main(["run", "--url", closed_port_url, "--", "sh", "-c", "exit 4"]) == 4
+    assert run_with_nvml(["--url", closed_port_url, "--", "sh", "-c", "exit 4"], lambda: nvml) == 4
     err = capsys.readouterr().err
     assert "warning: cannot reach gpu-exporter" in err and "No lease protects" in err
     assert "without a lease" in err
 
 
 def test_run_without_a_server_or_a_driver_refuses(
-    closed_port_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    closed_port_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     sim = SimulatedNvml([], faults=[Fault("nvmlInit", "DRIVER_NOT_LOADED")], clock=time.monotonic)
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: Nvml(sim, simulated=True))
+    no_driver = lambda: Nvml(sim, simulated=True)  # noqa: E731
     marker = Path(os.devnull)
-    assert main(["run", "--url", closed_port_url, "--", "sh", "-c", f"echo ran > {marker}"]) == 1
+    command = ["sh", "-c", f"echo ran > {marker}"]
+    assert run_with_nvml(["--url", closed_port_url, "--", *command], no_driver) == 1
     err = capsys.readouterr().err
     assert "cannot reach gpu-exporter" in err and "no NVIDIA driver" in err
     assert "refusing to run without a GPU" in err
-    assert main(["run", "--no-local-fallback", "--url", closed_port_url, "--", "true"]) == 1
+    assert (
+        run_with_nvml(["--no-local-fallback", "--url", closed_port_url, "--", "true"], no_driver)
+        == 1
+    )
     assert "choose locally" not in capsys.readouterr().err
 
 

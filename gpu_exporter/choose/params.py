@@ -1,7 +1,8 @@
 """``/choose`` and ``/cluster/choose`` parameters: each described once, parsed once, without Flask.
 
-:data:`PARAMS` is the one list of them. Each :class:`Param` carries its name, its parser, its
-help text and its JSON schema, and says where it applies. Everything else is built from it:
+:data:`PARAMS` is the one list of them. Each :class:`Param` carries its name, its reader
+(:mod:`gpu_exporter.choose.values`), its help text and its JSON schema, and says where it
+applies. Everything else is built from it:
 
 * the server's parser, :func:`parse_choose_args` / :func:`parse_cluster_args`, which the
   server (:mod:`gpu_exporter.web.app`), the client's local fallback
@@ -25,11 +26,23 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
 from gpu_exporter.choose.rank import MIG_MODES, SORTS, Filters
+from gpu_exporter.choose.values import (
+    Reader,
+    flag,
+    label,
+    not_empty,
+    one_of,
+    positive,
+    process_count,
+    selectors,
+    units,
+    whole_number,
+)
 from gpu_exporter.units import parse_bytes, parse_duration, parse_ratio
 
 MAX_N = 1024
@@ -59,89 +72,6 @@ def bad(param: str, message: str) -> NoReturn:
     raise ApiError(400, "invalid_parameter", message, param)
 
 
-# -- parsers: (name, query value) → the value, or a 400 naming the parameter -----------------
-
-Parse: TypeAlias = Callable[[str, str], Any]
-
-
-def _units(parse: Callable[[str], Any], maximum: float | None = None) -> Parse:
-    """A :mod:`gpu_exporter.units` parser; its message is prefixed with the name."""
-
-    def parse_value(name: str, text: str) -> Any:
-        try:
-            value = parse(text)
-        except ValueError as exc:
-            bad(name, f"{name}: {exc}")
-        if maximum is not None and value > maximum:
-            bad(name, f"{name}: at most {maximum:g} s, got {text!r}")
-        return value
-
-    return parse_value
-
-
-def _one_of(choices: tuple[str, ...]) -> Parse:
-    def parse_choice(name: str, text: str) -> str:
-        if text not in choices:
-            bad(name, f"{name} must be one of {', '.join(choices)}, got {text!r}")
-        return text
-
-    return parse_choice
-
-
-def _count(name: str, text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= MAX_N:
-        bad(name, f"{name} must be a whole number from 1 to {MAX_N}, got {text!r}")
-    return int(text)
-
-
-def _processes(name: str, text: str) -> int:
-    if not text.isdigit():
-        bad(name, f"{name} must be a whole number (0 = no processes), got {text!r}")
-    return int(text)
-
-
-def _owner(name: str, text: str) -> str:
-    if len(text) > MAX_OWNER_CHARS or not text.isprintable():
-        bad(name, f"{name} must be at most {MAX_OWNER_CHARS} printable characters")
-    return text
-
-
-def _model(name: str, text: str) -> str:
-    if not text.strip():
-        bad(name, f"{name} must not be empty")
-    return text
-
-
-def _selectors(name: str, text: str) -> tuple[str, ...]:
-    selectors = tuple(s.strip() for s in text.split(",") if s.strip())
-    for selector in selectors:
-        if not (
-            selector.isdigit() or selector.upper().startswith(("GPU-", "MIG-")) or ":" in selector
-        ):
-            bad(
-                name,
-                f"{name}: {selector!r} is not an NVML index, a UUID (GPU-…) or a PCI bus id",
-            )
-    return selectors
-
-
-def _spread(name: str, text: str) -> bool:
-    text = text.strip().lower()
-    if text not in ("0", "1", "false", "true"):
-        bad(name, f"{name} must be 0 or 1, got {text!r}")
-    return text in ("1", "true")
-
-
-_fleet_age = _units(parse_duration, MAX_FLEET_MAX_AGE_SECONDS)
-
-
-def _max_age(name: str, text: str) -> float:
-    value: float = _fleet_age(name, text)
-    if value <= 0:
-        bad(name, f"{name} must be more than 0")
-    return value
-
-
 # -- the parameters ---------------------------------------------------------------------------
 
 DURATION_SCHEMA: Mapping[str, Any] = {
@@ -158,7 +88,7 @@ class Param:
     """One query parameter: what it is called, how it is read, and what to tell people."""
 
     name: str
-    parse: Parse
+    parse: Reader  # (name, text) → value; ValueError with the message
     help: str  # the OpenAPI description
     schema: Mapping[str, Any]  # its JSON schema in the OpenAPI document
     default: Any = None  # the parsed value when it is not given
@@ -179,14 +109,14 @@ class Param:
 PARAMS: tuple[Param, ...] = (
     Param(
         "n",
-        _count,
+        whole_number(1, MAX_N),
         "How many GPUs (1-1024).",
         {"type": "integer", "minimum": 1, "maximum": MAX_N},
         default=1,
     ),
     Param(
         "format",
-        _one_of(CHOOSE_FORMATS),
+        one_of(CHOOSE_FORMATS),
         "uuid (default), index, env or json.",
         {"type": "string", "enum": list(CHOOSE_FORMATS)},
         default="uuid",
@@ -195,20 +125,20 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "lease",
-        _units(parse_duration),
+        units(parse_duration),
         "Claim the GPUs for this long (default 60s); 0 = advice only.",
         DURATION_SCHEMA,
         default=DEFAULT_LEASE_SECONDS,
     ),
     Param(
         "owner",
-        _owner,
+        label(MAX_OWNER_CHARS),
         "A label shown in /leases.",
         {"type": "string", "maxLength": MAX_OWNER_CHARS},
     ),
     Param(
         "wait",
-        _units(parse_duration, MAX_WAIT_SECONDS),
+        units(parse_duration, MAX_WAIT_SECONDS),
         "Wait up to this long (at most 1h) for enough GPUs, first come first served.",
         DURATION_SCHEMA,
         default=0.0,
@@ -217,7 +147,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "idle_for",
-        _units(parse_duration, MAX_WAIT_SECONDS),
+        units(parse_duration, MAX_WAIT_SECONDS),
         "Every sample of this window must meet the filters.",
         DURATION_SCHEMA,
         filter=True,
@@ -227,7 +157,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "sort",
-        _one_of(SORTS),
+        one_of(SORTS),
         "Ranking order.",
         {"type": "string", "enum": list(SORTS)},
         default="free",
@@ -237,7 +167,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "min_free",
-        _units(parse_bytes),
+        units(parse_bytes),
         "Free memory at least this.",
         _SIZE,
         filter=True,
@@ -247,7 +177,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "min_total",
-        _units(parse_bytes),
+        units(parse_bytes),
         "Total memory at least this.",
         _SIZE,
         filter=True,
@@ -257,7 +187,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "max_util",
-        _units(parse_ratio),
+        units(parse_ratio),
         "GPU utilization at most this.",
         _RATIO,
         filter=True,
@@ -267,7 +197,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "max_mem_util",
-        _units(parse_ratio),
+        units(parse_ratio),
         "Memory-controller utilization at most this.",
         _RATIO,
         filter=True,
@@ -277,7 +207,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "max_procs",
-        _processes,
+        process_count,
         "At most this many compute processes.",
         {"type": "integer", "minimum": 0},
         filter=True,
@@ -287,7 +217,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "model",
-        _model,
+        not_empty,
         "The GPU name contains this (case-insensitive).",
         {"type": "string"},
         filter=True,
@@ -297,7 +227,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "include",
-        _selectors,
+        selectors,
         "Only these GPUs: indices, UUIDs or prefixes, PCI bus ids.",
         _SELECTORS,
         default=(),
@@ -307,7 +237,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "exclude",
-        _selectors,
+        selectors,
         "Never these GPUs: indices, UUIDs or prefixes, PCI bus ids.",
         _SELECTORS,
         default=(),
@@ -318,7 +248,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "mig",
-        _one_of(MIG_MODES),
+        one_of(MIG_MODES),
         "MIG devices: deny (default, whole cards only), allow (whole cards and MIG devices) or "
         "only (MIG devices only). A MIG device is returned as its MIG-… UUID.",
         {"type": "string", "enum": list(MIG_MODES)},
@@ -329,7 +259,7 @@ PARAMS: tuple[Param, ...] = (
     # /cluster/choose only: where the GPUs may be, and how old the fleet's figures may be.
     Param(
         "spread",
-        _spread,
+        flag,
         "0 (default): all n GPUs on one host; 1: several hosts may share them.",
         {"type": "string", "enum": ["0", "1", "true", "false"]},
         default=False,
@@ -337,7 +267,7 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "max_age",
-        _max_age,
+        positive(units(parse_duration, MAX_FLEET_MAX_AGE_SECONDS)),
         "Fleet figures older than this (default 60s) are never used to hand out GPUs.",
         DURATION_SCHEMA,
         default=DEFAULT_FLEET_MAX_AGE_SECONDS,
@@ -402,7 +332,12 @@ def parsed(args: Args, name: str, parse: Any) -> Any:
 
 def value_of(args: Args, param: Param) -> Any:
     """``param`` read from ``args``: parsed when given, its default when not."""
-    return param.parse(param.name, args[param.name]) if param.name in args else param.default
+    if param.name not in args:
+        return param.default
+    try:
+        return param.parse(param.name, args[param.name])
+    except ValueError as exc:
+        bad(param.name, str(exc))
 
 
 def parse_choose_args(

@@ -39,13 +39,13 @@ from gpu_exporter.choose.params import (
 from gpu_exporter.choose.params import bad as _bad
 from gpu_exporter.choose.params import parsed as _parsed
 from gpu_exporter.choose.rank import Choice, NotEnoughGpus, Rejected, Window, score
-from gpu_exporter.client.fleet import ClusterService
 from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.counters import RequestCounter, XidCounter
 from gpu_exporter.export.exposition import Exposition
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import format_bytes, parse_duration
+from gpu_exporter.web.cluster import ClusterService
 from gpu_exporter.web.errors import error_response
 from gpu_exporter.web.limits import (
     DEFAULT_MAX_IN_FLIGHT,

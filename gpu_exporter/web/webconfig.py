@@ -59,7 +59,7 @@ from urllib.parse import parse_qs
 import bcrypt
 import yaml
 
-from gpu_exporter.client import is_loopback
+from gpu_exporter.client.transport import is_loopback
 
 log = logging.getLogger(__name__)
 
