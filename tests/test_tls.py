@@ -23,8 +23,9 @@ from test_cli import start, stop
 from tls_certs import CA, Issued
 
 from conftest import Stack
-from gpu_exporter.web.server import Server, free_port
+from gpu_exporter.web.server import Server
 from gpu_exporter.web.webconfig import WebConfigWatcher, secure
+from harness import free_port
 
 pytestmark = pytest.mark.slow
 
