@@ -6,7 +6,7 @@ Run from the repository root::
     .venv/bin/python bench/cluster.py --quick    # 50 hosts, a smoke run of a second or two
 
 The Prometheus answers are synthetic but shaped exactly as Prometheus' ``/api/v1/query``
-returns them: the series :func:`gpu_exporter.client.fleet.fleet_queries` asks for, with the
+returns them: the series :func:`gpu_exporter.choose.promql.fleet_queries` asks for, with the
 labels real targets carry (``instance``, ``job``, ``gpu``, ``uuid``; ``gpu_info`` with name,
 PCI bus id and driver versions). Loads are mixed: a third of the GPUs idle, the rest busy or
 partly used, 5 % leased, 1 % down, 1 % more targets down, a few hosts stale. Measured, each
@@ -16,8 +16,8 @@ as the median of ``--repeat`` runs:
 * **fetch**: the answers served over loopback HTTP by a tiny server and read through the same
   :func:`~gpu_exporter.client.fleet.query_prometheus` the chooser uses (transfer + JSON decoding;
   Prometheus' own evaluation is not in it — see docs/cluster.md);
-* **parse**: :func:`~gpu_exporter.client.fleet.parse_fleet` (series → per-host GpuSamples);
-* **rank**: :func:`~gpu_exporter.client.fleet.rank_fleet` for ``n=1``, ``n=2`` with filters, and
+* **parse**: :func:`~gpu_exporter.choose.promql.parse_fleet` (series → per-host GpuSamples);
+* **rank**: :func:`~gpu_exporter.choose.fleet.rank_fleet` for ``n=1``, ``n=2`` with filters, and
   ``spread``. Target: ≤ 50 ms for 10,000 GPUs.
 
 With ``--prometheus`` (needs the ``prometheus`` and ``promtool`` binaries, e.g. the Debian
@@ -60,15 +60,10 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import servers  # noqa: E402  (bench/servers.py: ports, readiness)
 
+from gpu_exporter.choose.fleet import rank_fleet  # noqa: E402
+from gpu_exporter.choose.promql import fleet_queries, needed_metrics, parse_fleet  # noqa: E402
 from gpu_exporter.choose.rank import Filters  # noqa: E402
-from gpu_exporter.client.fleet import (  # noqa: E402
-    fleet_queries,
-    http_get_json,
-    needed_metrics,
-    parse_fleet,
-    query_prometheus,
-    rank_fleet,
-)
+from gpu_exporter.client.fleet import http_get_json, query_prometheus  # noqa: E402
 
 GIB = 2**30
 GPUS_PER_HOST = 8

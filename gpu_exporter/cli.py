@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _selector(text: str, parser: argparse.ArgumentParser) -> str:
-    from gpu_exporter.client.fleet import check_selector
+    from gpu_exporter.choose.promql import check_selector
 
     try:
         return check_selector(text)
@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return choose_main(args)
     if args.command == "run":
-        from gpu_exporter.client.cli import run_main
+        from gpu_exporter.client.run import run_main
 
         return run_main(args)
     if args.command == "release":

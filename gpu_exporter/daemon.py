@@ -216,7 +216,7 @@ def build(
 
     cluster = None
     if config.prometheus_url:
-        from gpu_exporter.client.fleet import ClusterService
+        from gpu_exporter.web.cluster import ClusterService
 
         cluster = ClusterService(config.prometheus_url, config.prometheus_selector)
     waiters = Waiters(config.max_waiters, rejections=rejections)

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,9 +27,15 @@ from typing import Any
 
 import pytest
 
-from gpu_exporter.web.server import free_port
-
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (nothing listens there now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from gpu_exporter.choose.fleet import rank_fleet
+from gpu_exporter.choose.promql import parse_fleet
 from gpu_exporter.choose.rank import Filters
-from gpu_exporter.client.fleet import parse_fleet, rank_fleet
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "cluster.py"
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpu_exporter.cli import parse_listen_address
-from gpu_exporter.web.server import free_port
-from harness import get, start, stop, wait_ready
+from harness import free_port, get, start, stop, wait_ready
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
-"""The Python client against the /choose + /leases contract.
+"""The Python client against the real exporter's /choose and /leases.
 
-By default against tests/fake_exporter.py's fake; GPU_EXPORTER_TEST_SERVER=real runs the same
-tests against `gpu-exporter serve --simulate 4` (see that module). Nothing here needs a GPU.
+The server is tests/served.py's: daemon.build() over four simulated GPUs, served on a loopback
+thread. Nothing here needs a GPU.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
-from fake_exporter import FakeExporter, RemoteExporter, exporter_under_test, get_json
 
 from gpu_exporter import client
 from gpu_exporter.client import (
@@ -35,40 +33,35 @@ from gpu_exporter.client import (
     NoGpusAvailable,
     ServerError,
     ServerUnreachable,
+    api,
     choose,
     choose_raw,
     error_from_response,
     release,
     renew,
     resolve_url,
+    transport,
     use_gpus,
 )
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import Fault, SimulatedNvml
+from harness import free_port
+from served import Served, four_gpus, served
 
-Exporter = FakeExporter | RemoteExporter
 UUID = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]+$")
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPU_LEASE")
 
 
 @pytest.fixture
-def exporter(tmp_path: Path) -> Iterator[Exporter]:
-    with exporter_under_test(tmp_path) as ex:
+def exporter() -> Iterator[Served]:
+    with served() as ex:
         yield ex
-
-
-def fake_only(exporter: Exporter) -> FakeExporter:
-    if exporter.fake is None:
-        pytest.skip("needs the fake server's knobs")
-    return exporter.fake
 
 
 @pytest.fixture
 def closed_port() -> int:
     """A loopback port nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 @pytest.fixture(autouse=True)
@@ -78,15 +71,40 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key, raising=False)
 
 
-def lease_of(exporter: Exporter, lease_id: str) -> dict[str, Any] | None:
-    leases = get_json(exporter.url + "/leases")["leases"]
-    return next((lease for lease in leases if lease["id"] == lease_id), None)
+def lease_of(exporter: Served, lease_id: str) -> dict[str, Any] | None:
+    return next((lease for lease in exporter.leases() if lease["id"] == lease_id), None)
+
+
+@contextlib.contextmanager
+def back_after(exporter: Served, failures: int) -> Iterator[None]:
+    """Serve again once the client has logged ``failures`` failed renewals, and not before.
+
+    The restart happens inside the logging call, on the renewing thread, so the next renewal
+    finds the server up however slow the machine is.
+    """
+
+    class Restarter(logging.Handler):
+        seen = 0
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "could not renew" in record.getMessage():
+                self.seen += 1
+                if self.seen == failures:
+                    exporter.serve_again()
+
+    handler = Restarter()
+    logger = logging.getLogger("gpu_exporter.client")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 # -- choose ------------------------------------------------------------------------------
 
 
-def test_choose_leases_gpus_and_parses_the_json_answer(exporter: Exporter) -> None:
+def test_choose_leases_gpus_and_parses_the_json_answer(exporter: Served) -> None:
     before = time.time()
     gpus = choose(2, exporter.url)
     assert len(gpus.uuids) == len(gpus.indices) == 2
@@ -115,7 +133,7 @@ def test_choose_leases_gpus_and_parses_the_json_answer(exporter: Exporter) -> No
     ],
 )
 def test_text_formats_come_back_as_sent_with_the_lease_header(
-    exporter: Exporter, fmt: str, pattern: str
+    exporter: Served, fmt: str, pattern: str
 ) -> None:
     answer = choose_raw(2, exporter.url, format=fmt)
     match = re.fullmatch(pattern, answer.body)
@@ -126,7 +144,7 @@ def test_text_formats_come_back_as_sent_with_the_lease_header(
     release(answer.lease_id, exporter.url)
 
 
-def test_json_format_lease_matches_the_header(exporter: Exporter) -> None:
+def test_json_format_lease_matches_the_header(exporter: Served) -> None:
     answer = choose_raw(1, exporter.url, format="json", owner="test-suite")
     data = json.loads(answer.body)
     assert data["n"] == 1 and len(data["chosen"]) == 1
@@ -137,7 +155,7 @@ def test_json_format_lease_matches_the_header(exporter: Exporter) -> None:
     assert "snapshot_age_seconds" in data
 
 
-def test_lease_zero_is_advice_only(exporter: Exporter) -> None:
+def test_lease_zero_is_advice_only(exporter: Served) -> None:
     gpus = choose(1, exporter.url, lease=0)
     assert gpus.lease_id is None and gpus.expires_at is None and gpus.lease is None
     assert choose_raw(1, exporter.url, lease=0).lease_id is None
@@ -145,7 +163,7 @@ def test_lease_zero_is_advice_only(exporter: Exporter) -> None:
     release(gpus)  # nothing to release: a no-op
 
 
-def test_leased_gpus_are_not_handed_out_twice(exporter: Exporter) -> None:
+def test_leased_gpus_are_not_handed_out_twice(exporter: Served) -> None:
     first = choose(2, exporter.url)
     second = choose(2, exporter.url)
     assert not set(first.uuids) & set(second.uuids)
@@ -156,15 +174,14 @@ def test_leased_gpus_are_not_handed_out_twice(exporter: Exporter) -> None:
     assert set(third.uuids) == set(first.uuids)
 
 
-def test_filters_are_passed_through(exporter: Exporter) -> None:
+def test_filters_are_passed_through(exporter: Served) -> None:
     gpus = choose(2, exporter.url, exclude=[0, 1], lease=0)
     assert set(gpus.indices) == {2, 3}
     with pytest.raises(NoGpusAvailable):
         choose(1, exporter.url, include="0", exclude="0", lease=0)
 
 
-def test_filter_names_and_values_reach_the_query_string(exporter: Exporter) -> None:
-    fake = fake_only(exporter)
+def test_filter_names_and_values_reach_the_query_string(exporter: Served) -> None:
     choose(
         1,
         exporter.url,
@@ -178,7 +195,7 @@ def test_filter_names_and_values_reach_the_query_string(exporter: Exporter) -> N
         model="A100",
         sort=None,
     )
-    method, path, params = fake.requests[-1]
+    method, path, params = exporter.requests[-1]
     assert (method, path) == ("POST", "/choose")
     assert params == {
         "n": "1",
@@ -194,7 +211,7 @@ def test_filter_names_and_values_reach_the_query_string(exporter: Exporter) -> N
     }
 
 
-def test_wait_holds_the_request_until_gpus_are_released(exporter: Exporter) -> None:
+def test_wait_holds_the_request_until_gpus_are_released(exporter: Served) -> None:
     held = choose(4, exporter.url)
     timer = threading.Timer(0.2, release, (held,))
     started = time.monotonic()
@@ -210,7 +227,7 @@ def test_wait_holds_the_request_until_gpus_are_released(exporter: Exporter) -> N
 # -- renew, release, leases ---------------------------------------------------------------
 
 
-def test_renew_extends_the_lease(exporter: Exporter) -> None:
+def test_renew_extends_the_lease(exporter: Served) -> None:
     gpus = choose(1, exporter.url, lease="30s")
     assert gpus.expires_at is not None
     renewed = renew(gpus, "120s")
@@ -219,7 +236,7 @@ def test_renew_extends_the_lease(exporter: Exporter) -> None:
     assert [lease.id for lease in client.leases(exporter.url)] == [gpus.lease_id]
 
 
-def test_unknown_leases_raise_lease_not_found(exporter: Exporter) -> None:
+def test_unknown_leases_raise_lease_not_found(exporter: Served) -> None:
     gpus = choose(1, exporter.url)
     release(gpus)
     with pytest.raises(LeaseNotFound) as caught:
@@ -231,7 +248,7 @@ def test_unknown_leases_raise_lease_not_found(exporter: Exporter) -> None:
         renew("no-such-lease/../x", url=exporter.url)
 
 
-def test_an_expired_lease_frees_its_gpus(exporter: Exporter) -> None:
+def test_an_expired_lease_frees_its_gpus(exporter: Served) -> None:
     gpus = choose(4, exporter.url, lease="200ms")
     deadline = time.monotonic() + 3
     while gpus.lease_id in exporter.lease_ids() and time.monotonic() < deadline:
@@ -244,7 +261,7 @@ def test_an_expired_lease_frees_its_gpus(exporter: Exporter) -> None:
 # -- errors ------------------------------------------------------------------------------
 
 
-def test_not_enough_gpus_is_no_gpus_available(exporter: Exporter) -> None:
+def test_not_enough_gpus_is_no_gpus_available(exporter: Served) -> None:
     with pytest.raises(NoGpusAvailable) as caught:
         choose(99, exporter.url)
     exc = caught.value
@@ -253,7 +270,7 @@ def test_not_enough_gpus_is_no_gpus_available(exporter: Exporter) -> None:
     assert "99 requested" in str(exc) and str(exc) == exc.message
 
 
-def test_unknown_parameter_is_a_server_error_naming_it(exporter: Exporter) -> None:
+def test_unknown_parameter_is_a_server_error_naming_it(exporter: Served) -> None:
     with pytest.raises(ServerError) as caught:
         choose(1, exporter.url, bogus="1")
     exc = caught.value
@@ -262,31 +279,61 @@ def test_unknown_parameter_is_a_server_error_naming_it(exporter: Exporter) -> No
     assert "bogus" in exc.message
 
 
-def test_bad_value_is_a_server_error_naming_the_parameter(exporter: Exporter) -> None:
+def test_bad_value_is_a_server_error_naming_the_parameter(exporter: Served) -> None:
     with pytest.raises(ServerError) as caught:
         choose(1, exporter.url, min_free="lots")
     assert (caught.value.status, caught.value.code) == (400, "invalid_parameter")
     assert caught.value.param == "min_free"
 
 
+@contextlib.contextmanager
+def lease_too_long() -> Iterator[str]:
+    with served(max_lease_seconds=30) as ex:  # choose() asks for 60 s
+        yield ex.url
+
+
+@contextlib.contextmanager
+def nvml_down() -> Iterator[str]:
+    with served(four_gpus(faults=[Fault("nvmlInit", "DRIVER_NOT_LOADED")])) as ex:
+        yield ex.url
+
+
+@contextlib.contextmanager
+def sampler_stuck() -> Iterator[str]:
+    with served(sampling=False, max_age_seconds=0.05) as ex:  # one sample, never another
+        time.sleep(0.1)
+        yield ex.url
+
+
+@contextlib.contextmanager
+def all_leased() -> Iterator[str]:
+    with served() as ex:
+        choose(4, ex.url)
+        yield ex.url
+
+
 @pytest.mark.parametrize(
-    ("status", "code", "expected"),
+    ("condition", "status", "code", "param", "message", "expected"),
     [
-        (429, "too_many_leases", ServerError),
-        (503, "nvml_unavailable", ServerError),
-        (503, "snapshot_stale", ServerError),
-        (503, "not_enough_gpus", NoGpusAvailable),
+        (lease_too_long, 429, "lease_too_long", "lease", r"lease 60 s is longer", ServerError),
+        (nvml_down, 503, "nvml_unavailable", None, r"NVML is not available: ", ServerError),
+        (sampler_stuck, 503, "snapshot_stale", None, r"the last sample is .* old", ServerError),
+        (all_leased, 503, "not_enough_gpus", None, r"0 of 4 GPUs qualify", NoGpusAvailable),
     ],
 )
 def test_error_statuses_map_to_exceptions(
-    exporter: Exporter, status: int, code: str, expected: type[ServerError]
+    condition: Any,
+    status: int,
+    code: str,
+    param: str | None,
+    message: str,
+    expected: type[ServerError],
 ) -> None:
-    fake_only(exporter).fail_next(status, code, f"said {code}", "n")
-    with pytest.raises(ServerError) as caught:
-        choose(1, exporter.url)
+    with condition() as url, pytest.raises(ServerError) as caught:
+        choose(1, url)
     assert type(caught.value) is expected
-    assert (caught.value.status, caught.value.code, caught.value.param) == (status, code, "n")
-    assert str(caught.value) == f"said {code}"
+    assert (caught.value.status, caught.value.code, caught.value.param) == (status, code, param)
+    assert re.match(message, str(caught.value)) and str(caught.value) == caught.value.message
 
 
 def test_plain_text_and_odd_error_bodies() -> None:
@@ -354,7 +401,7 @@ def test_choice_env_and_device_list() -> None:
 
 
 def test_use_gpus_sets_and_restores_the_environment_and_releases(
-    exporter: Exporter, monkeypatch: pytest.MonkeyPatch
+    exporter: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
     monkeypatch.setenv(client.URL_ENV, exporter.url)
@@ -373,7 +420,7 @@ def test_use_gpus_sets_and_restores_the_environment_and_releases(
     assert gpus.lease_id not in exporter.lease_ids()
 
 
-def test_use_gpus_releases_and_restores_on_an_exception(exporter: Exporter) -> None:
+def test_use_gpus_releases_and_restores_on_an_exception(exporter: Served) -> None:
     held: list[str | None] = []
 
     def job() -> None:
@@ -388,7 +435,7 @@ def test_use_gpus_releases_and_restores_on_an_exception(exporter: Exporter) -> N
     assert not any(key in os.environ for key in ENV_KEYS)
 
 
-def test_use_gpus_renews_the_lease_in_the_background(exporter: Exporter) -> None:
+def test_use_gpus_renews_the_lease_in_the_background(exporter: Served) -> None:
     session = use_gpus(1, exporter.url, lease="300ms")
     with session as gpus:
         assert session.keeper is not None and session.keeper.running
@@ -413,7 +460,7 @@ def wait_until_stopped(keeper: LeaseKeeper, seconds: float = 2) -> None:
 
 
 def test_keeper_stops_quietly_when_the_server_ends_the_lease_early(
-    exporter: Exporter, caplog: pytest.LogCaptureFixture
+    exporter: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="gpu_exporter.client")
     gpus = choose(1, exporter.url, lease="30s")
@@ -427,22 +474,29 @@ def test_keeper_stops_quietly_when_the_server_ends_the_lease_early(
     assert f"lease {gpus.lease_id} ended before it expired" in caplog.text
 
 
+@pytest.fixture
+def restartable() -> Iterator[Served]:
+    """An exporter that can stop serving and serve again on the same port."""
+    with served(port=free_port()) as ex:
+        yield ex
+
+
 def test_keeper_reports_a_lease_that_expired_for_want_of_renewal(
-    exporter: Exporter, caplog: pytest.LogCaptureFixture
+    restartable: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake = fake_only(exporter)
+    exporter = restartable
     gpus = choose(1, exporter.url, lease="300ms")
-    for _ in range(4):  # 0.4 s of failed renewals: longer than the TTL
-        fake.fail_next(503, "not_ready", "restarting")
-    keeper = LeaseKeeper(gpus).start()
-    wait_until_stopped(keeper)
+    exporter.stop_serving()  # renewals every 0.1 s fail until the server is back
+    with back_after(exporter, failures=4):  # 0.4 s of failed renewals: longer than the TTL
+        keeper = LeaseKeeper(gpus).start()
+        wait_until_stopped(keeper)
     assert keeper.ended == "expired" and keeper.lost
     assert caplog.text.count("could not renew") == 4
     assert f"lease {gpus.lease_id} expired before it could be renewed" in caplog.text
     assert caplog.records[-1].levelno == logging.ERROR
 
 
-def test_advisory_use_gpus_runs_no_keeper(exporter: Exporter) -> None:
+def test_advisory_use_gpus_runs_no_keeper(exporter: Served) -> None:
     session = use_gpus(1, exporter.url, lease=0)
     with session as gpus:
         assert gpus.lease_id is None and session.keeper is None
@@ -450,14 +504,14 @@ def test_advisory_use_gpus_runs_no_keeper(exporter: Exporter) -> None:
         assert os.environ["CUDA_VISIBLE_DEVICES"] == gpus.uuids[0]
 
 
-def test_use_gpus_fails_cleanly_when_no_gpus_qualify(exporter: Exporter) -> None:
+def test_use_gpus_fails_cleanly_when_no_gpus_qualify(exporter: Served) -> None:
     with pytest.raises(NoGpusAvailable), use_gpus(99, exporter.url):
         pytest.fail("the block must not run")
     assert not any(key in os.environ for key in ENV_KEYS)
 
 
 def test_use_gpus_warns_when_cuda_is_already_initialised(
-    exporter: Exporter, monkeypatch: pytest.MonkeyPatch
+    exporter: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True))
     monkeypatch.setitem(sys.modules, "torch", torch)
@@ -490,34 +544,32 @@ def simulated(*faults: Fault, gpus: int = 2) -> Nvml:
     return Nvml(sim, simulated=True)
 
 
-def test_without_a_server_use_gpus_chooses_locally_with_a_warning(
-    monkeypatch: pytest.MonkeyPatch, closed_port: int
-) -> None:
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: simulated(gpus=2))
+def test_without_a_server_use_gpus_chooses_locally_with_a_warning(closed_port: int) -> None:
+    two = lambda: simulated(gpus=2)  # noqa: E731
     url = f"http://127.0.0.1:{closed_port}"
     with contextlib.ExitStack() as stack:
         with pytest.warns(GpuExporterWarning, match="No lease protects this choice"):
-            gpus = stack.enter_context(use_gpus(1, url, exclude=[1]))
+            gpus = stack.enter_context(use_gpus(1, url, exclude=[1], open_nvml=two))
         assert gpus.local and gpus.lease_id is None and gpus.indices == (0,)
         assert os.environ["CUDA_VISIBLE_DEVICES"] == gpus.uuids[0]
         assert "GPU_LEASE" not in os.environ
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     with pytest.raises(NoGpusAvailable, match="0 of 2 GPUs qualify"):
-        client.choose_locally(1, {"exclude": "0,1"})
+        client.choose_locally(1, {"exclude": "0,1"}, open_nvml=two)
 
 
-def test_choosing_locally_applies_the_servers_filters(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: simulated(gpus=4))
+def test_choosing_locally_applies_the_servers_filters() -> None:
+    def choose_locally(n: int, filters: dict[str, Any]) -> Choice:
+        return client.choose_locally(n, filters, open_nvml=lambda: simulated(gpus=4))
+
     # The simulated loads: 0 busy (1 process), 1 idle, 2 sine, 3 light (1 process).
-    assert client.choose_locally(
-        1, {"max_procs": 0, "model": "a100", "include": [0, 1]}
-    ).indices == (1,)
-    assert client.choose_locally(2, {"min_total": "40GiB", "max_util": 0.99, "exclude": "1"}).local
-    assert client.choose_locally(1, {"sort": "pack", "max_mem_util": "100%"}).indices
+    assert choose_locally(1, {"max_procs": 0, "model": "a100", "include": [0, 1]}).indices == (1,)
+    assert choose_locally(2, {"min_total": "40GiB", "max_util": 0.99, "exclude": "1"}).local
+    assert choose_locally(1, {"sort": "pack", "max_mem_util": "100%"}).indices
     with pytest.raises(GpuExporterError, match="sort must be one of"):
-        client.choose_locally(1, {"sort": "fastest"})
+        choose_locally(1, {"sort": "fastest"})
     with pytest.raises(GpuExporterError, match="min_free"):
-        client.choose_locally(1, {"min_free": "lots"})
+        choose_locally(1, {"min_free": "lots"})
 
 
 @pytest.mark.parametrize(
@@ -528,32 +580,35 @@ def test_choosing_locally_applies_the_servers_filters(monkeypatch: pytest.Monkey
     ],
 )
 def test_without_a_server_or_a_gpu_use_gpus_refuses(
-    monkeypatch: pytest.MonkeyPatch, closed_port: int, nvml: Any, message: str
+    closed_port: int, nvml: Any, message: str
 ) -> None:
-    monkeypatch.setattr(client, "_open_local_nvml", nvml)
     url = f"http://127.0.0.1:{closed_port}"
-    with pytest.raises(GpuExporterError, match=message) as caught, use_gpus(1, url):
+    with (
+        pytest.raises(GpuExporterError, match=message) as caught,
+        use_gpus(1, url, open_nvml=nvml),
+    ):
         pytest.fail("the block must not run")
     assert "cannot reach gpu-exporter" in str(caught.value)
     assert not any(key in os.environ for key in ENV_KEYS)
 
 
-def test_the_local_fallback_can_be_turned_off_and_refuses_idle_for(
-    monkeypatch: pytest.MonkeyPatch, closed_port: int
-) -> None:
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: simulated())
+def test_the_local_fallback_can_be_turned_off_and_refuses_idle_for(closed_port: int) -> None:
     url = f"http://127.0.0.1:{closed_port}"
-    with pytest.raises(ServerUnreachable), use_gpus(1, url, local_fallback=False):
+    with (
+        pytest.raises(ServerUnreachable),
+        use_gpus(1, url, local_fallback=False, open_nvml=simulated),
+    ):
         pass
     with (
         pytest.raises(GpuExporterError, match="cannot apply idle_for"),
-        use_gpus(1, url, idle_for="5m"),
+        use_gpus(1, url, idle_for="5m", open_nvml=simulated),
     ):
         pass
 
 
-def test_doctests() -> None:
-    result = doctest.testmod(client)
+@pytest.mark.parametrize("module", [transport, api])
+def test_doctests(module: ModuleType) -> None:
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -576,21 +631,37 @@ def test_import_stays_cheap_and_use_gpus_is_exported_lazily() -> None:
     assert "has no attribute 'nope'" in out
 
 
+def test_the_client_loads_nothing_of_the_server() -> None:
+    """Jobs import the client before (and without) any framework: no Flask, no NVML."""
+    code = (
+        "import sys\n"
+        "import gpu_exporter.client, gpu_exporter.client.cli, gpu_exporter.client.run\n"
+        "server = ('flask', 'werkzeug', 'prometheus_client', 'pynvml')\n"
+        "ours = ('gpu_exporter.nvml', 'gpu_exporter.collect', 'gpu_exporter.web')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in server or m.startswith(ours)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    assert out == "[]\n"
+
+
 def test_keeper_logs_and_retries_when_the_server_is_briefly_away(
-    exporter: Exporter, caplog: pytest.LogCaptureFixture
+    restartable: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake = fake_only(exporter)
+    exporter = restartable
     gpus = choose(1, exporter.url, lease="5s")
-    fake.fail_next(503, "not_ready", "restarting")
-    keeper = LeaseKeeper(gpus)
-    keeper.interval_seconds = 0.05  # quick turns; the lease itself cannot run out meanwhile
-    keeper.start()
-    try:
-        deadline = time.monotonic() + 2
-        while keeper.renewals < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-    finally:
-        keeper.stop()
+    exporter.stop_serving()
+    with back_after(exporter, failures=1):
+        keeper = LeaseKeeper(gpus)
+        keeper.interval_seconds = 0.05  # quick turns; the lease itself cannot run out meanwhile
+        keeper.start()
+        try:
+            deadline = time.monotonic() + 2
+            while keeper.renewals < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            keeper.stop()
     assert keeper.renewals >= 2 and not keeper.lost
     assert caplog.record_tuples[0][1] == logging.WARNING
-    assert "could not renew" in caplog.text and "restarting" in caplog.text
+    assert "could not renew" in caplog.text and "connection refused" in caplog.text

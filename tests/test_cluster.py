@@ -9,20 +9,17 @@ from typing import Any
 import pytest
 
 from gpu_exporter import client
+from gpu_exporter.choose.fleet import Fleet, Host, rank_fleet
 from gpu_exporter.choose.params import ApiError, parse_cluster_args
+from gpu_exporter.choose.promql import fleet_queries, parse_fleet
 from gpu_exporter.choose.rank import Filters
 from gpu_exporter.client import Choice, ServerUnreachable
 from gpu_exporter.client.fleet import (
     ClusterChoice,
-    Fleet,
-    Host,
     SourceUnavailable,
     choose_fleet,
-    fleet_queries,
     http_claimer,
-    parse_fleet,
     place,
-    rank_fleet,
 )
 
 NOW = 1_800_000_000.0
@@ -457,10 +454,9 @@ def test_the_claim_rechecks_the_point_filters_on_the_host() -> None:
         seen.update(kwargs, n=n, url=url)
         return claimed(Host(url, "h"), n, kwargs["include"])
 
-    with pytest.MonkeyPatch().context() as mp:
-        mp.setattr(client, "choose", fake_choose)
-        fleet = Fleet((), "prometheus", NOW, window_checked=True)
-        http_claimer(args, req, fleet, 5.0)(Host("http://h:9400", "h"), 2, ("GPU-a", "GPU-b"))
+    fleet = Fleet((), "prometheus", NOW, window_checked=True)
+    claim = http_claimer(args, req, fleet, 5.0, choose_on_host=fake_choose)
+    claim(Host("http://h:9400", "h"), 2, ("GPU-a", "GPU-b"))
     assert seen["include"] == ("GPU-a", "GPU-b") and seen["n"] == 2
     assert (seen["max_util"], seen["model"], seen["lease"]) == ("10%", "A100", "10m")
     assert "idle_for" not in seen  # judged from Prometheus' longer history instead

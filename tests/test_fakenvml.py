@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import fakenvml
 from fakenvml import FakeGpu
-from gpu_exporter.web.server import free_port
+from harness import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

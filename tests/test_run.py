@@ -1,7 +1,8 @@
 """`gpu-exporter choose` and `gpu-exporter run` against the /choose + /leases contract.
 
 `run` is tested as a real process (signals, exit statuses, the child's environment);
-`choose` in this process through cli.main. Server: see tests/fake_exporter.py.
+`choose` in this process through cli.main. The server is the real one, on a loopback thread
+of this process (tests/served.py).
 """
 
 from __future__ import annotations
@@ -11,22 +12,24 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fake_exporter import ROOT, FakeExporter, RemoteExporter, _start_real, exporter_under_test
 
 from gpu_exporter import client
-from gpu_exporter.cli import main
+from gpu_exporter.choose.rank import Filters
+from gpu_exporter.cli import build_parser, main
+from gpu_exporter.client.run import run_main
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import Fault, SimulatedNvml
+from harness import ROOT, free_port, get
+from harness import exporter as real_exporter
+from served import Served, served
 
-Exporter = FakeExporter | RemoteExporter
 ENV_LINE = re.compile(
     r"export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=(?P<gpus>GPU-[0-9a-f-]+) "
     r"GPU_LEASE=(?P<lease>\S+)\n"
@@ -34,16 +37,10 @@ ENV_LINE = re.compile(
 
 
 @pytest.fixture
-def exporter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Exporter]:
-    with exporter_under_test(tmp_path) as ex:
+def exporter(monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    with served() as ex:
         monkeypatch.setenv(client.URL_ENV, ex.url)
         yield ex
-
-
-def fake_only(exporter: Exporter) -> FakeExporter:
-    if exporter.fake is None:
-        pytest.skip("needs the fake server's knobs")
-    return exporter.fake
 
 
 def cli(*args: str, **popen: object) -> subprocess.Popen[str]:
@@ -84,7 +81,7 @@ def read_line(proc: subprocess.Popen[str], timeout: float = 10) -> str:
 # -- run ---------------------------------------------------------------------------------
 
 
-def test_run_gives_the_command_its_gpu_and_releases_after(exporter: Exporter) -> None:
+def test_run_gives_the_command_its_gpu_and_releases_after(exporter: Served) -> None:
     status, out, err = run(
         "run",
         "-n",
@@ -100,11 +97,10 @@ def test_run_gives_the_command_its_gpu_and_releases_after(exporter: Exporter) ->
     assert order == "PCI_BUS_ID"
     assert lease not in exporter.lease_ids()
     assert "gpu-exporter run: GPU " in err and lease in err and uuid in err
-    if exporter.fake is not None:
-        assert ("DELETE", f"/leases/{lease}", {}) in exporter.fake.requests
+    assert ("DELETE", f"/leases/{lease}", {}) in exporter.requests
 
 
-def test_run_takes_the_command_without_a_separator_and_filters(exporter: Exporter) -> None:
+def test_run_takes_the_command_without_a_separator_and_filters(exporter: Served) -> None:
     status, out, err = run(
         "run",
         "-q",
@@ -129,7 +125,7 @@ def test_run_takes_the_command_without_a_separator_and_filters(exporter: Exporte
 @pytest.mark.parametrize(
     ("script", "expected"), [("exit 7", 7), ("exit 0", 0), ("kill -TERM $$", 128 + 15)]
 )
-def test_run_exits_with_the_commands_status(exporter: Exporter, script: str, expected: int) -> None:
+def test_run_exits_with_the_commands_status(exporter: Served, script: str, expected: int) -> None:
     status, _, err = run("run", "-q", "--", "sh", "-c", script)
     assert status == expected, err
     assert exporter.lease_ids() == set()
@@ -149,7 +145,7 @@ print("not interrupted", flush=True)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_run_forwards_signals_to_the_command(exporter: Exporter, signum: signal.Signals) -> None:
+def test_run_forwards_signals_to_the_command(exporter: Served, signum: signal.Signals) -> None:
     proc = cli("run", "-q", "--", sys.executable, "-c", CHILD)
     try:
         assert read_line(proc) == "ready\n"
@@ -165,7 +161,7 @@ def test_run_forwards_signals_to_the_command(exporter: Exporter, signum: signal.
     assert exporter.lease_ids() == set()
 
 
-def test_run_renews_the_lease_while_the_command_runs(exporter: Exporter) -> None:
+def test_run_renews_the_lease_while_the_command_runs(exporter: Served) -> None:
     check = (
         "import os, time; from gpu_exporter.client import leases\n"
         "time.sleep(3)  # three times the TTL\n"
@@ -178,14 +174,14 @@ def test_run_renews_the_lease_while_the_command_runs(exporter: Exporter) -> None
     assert exporter.lease_ids() == set()
 
 
-def test_run_does_not_start_the_command_when_no_gpus_qualify(exporter: Exporter) -> None:
+def test_run_does_not_start_the_command_when_no_gpus_qualify(exporter: Served) -> None:
     status, out, err = run("run", "-n", "99", "--", "sh", "-c", "echo ran")
     assert status == 3
     assert out == ""
     assert err.startswith("gpu-exporter run: error: ") and err.count("\n") == 1
 
 
-def test_run_reports_a_missing_command(exporter: Exporter) -> None:
+def test_run_reports_a_missing_command(exporter: Served) -> None:
     status, _, err = run("run", "--", "no-such-command-here")
     assert status == 127
     assert "cannot run 'no-such-command-here'" in err
@@ -193,7 +189,7 @@ def test_run_reports_a_missing_command(exporter: Exporter) -> None:
 
 
 def test_run_warns_before_replacing_a_schedulers_cuda_visible_devices(
-    exporter: Exporter,
+    exporter: Served,
 ) -> None:
     proc = cli(
         "run", "--", sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])",
@@ -211,33 +207,39 @@ def test_run_needs_a_command() -> None:
 
 @pytest.fixture
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+def run_with_nvml(argv: list[str], nvml: Callable[[], Nvml]) -> int:
+    """`gpu-exporter run ARGV` in this process, choosing from ``nvml`` if no server answers."""
+    return run_main(build_parser().parse_args(["run", *argv]), open_nvml=nvml)
 
 
 def test_run_without_a_server_falls_back_to_local_nvml_with_a_warning(
-    closed_port_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    closed_port_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     nvml = Nvml(SimulatedNvml.with_gpus(2, clock=time.monotonic), simulated=True)
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: nvml)
-    assert main(["run", "--url", closed_port_url, "--", "sh", "-c", "exit 4"]) == 4
+    assert run_with_nvml(["--url", closed_port_url, "--", "sh", "-c", "exit 4"], lambda: nvml) == 4
     err = capsys.readouterr().err
     assert "warning: cannot reach gpu-exporter" in err and "No lease protects" in err
     assert "without a lease" in err
 
 
 def test_run_without_a_server_or_a_driver_refuses(
-    closed_port_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    closed_port_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     sim = SimulatedNvml([], faults=[Fault("nvmlInit", "DRIVER_NOT_LOADED")], clock=time.monotonic)
-    monkeypatch.setattr(client, "_open_local_nvml", lambda: Nvml(sim, simulated=True))
+    no_driver = lambda: Nvml(sim, simulated=True)  # noqa: E731
     marker = Path(os.devnull)
-    assert main(["run", "--url", closed_port_url, "--", "sh", "-c", f"echo ran > {marker}"]) == 1
+    command = ["sh", "-c", f"echo ran > {marker}"]
+    assert run_with_nvml(["--url", closed_port_url, "--", *command], no_driver) == 1
     err = capsys.readouterr().err
     assert "cannot reach gpu-exporter" in err and "no NVIDIA driver" in err
     assert "refusing to run without a GPU" in err
-    assert main(["run", "--no-local-fallback", "--url", closed_port_url, "--", "true"]) == 1
+    assert (
+        run_with_nvml(["--no-local-fallback", "--url", closed_port_url, "--", "true"], no_driver)
+        == 1
+    )
     assert "choose locally" not in capsys.readouterr().err
 
 
@@ -245,7 +247,7 @@ def test_run_without_a_server_or_a_driver_refuses(
 
 
 def test_choose_env_format_prints_an_export_line_with_the_lease(
-    exporter: Exporter, capsys: pytest.CaptureFixture[str]
+    exporter: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["choose", "--format", "env"]) == 0
     out = capsys.readouterr().out
@@ -255,7 +257,7 @@ def test_choose_env_format_prints_an_export_line_with_the_lease(
 
 
 def test_choose_prints_exactly_what_choose_answers(
-    exporter: Exporter, capsys: pytest.CaptureFixture[str]
+    exporter: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["choose", "-n", "2", "--lease", "0", "--url", exporter.url]) == 0
     out = capsys.readouterr().out
@@ -269,9 +271,8 @@ def test_choose_prints_exactly_what_choose_answers(
 
 
 def test_choose_passes_every_flag_to_the_server(
-    exporter: Exporter, capsys: pytest.CaptureFixture[str]
+    exporter: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake = fake_only(exporter)
     argv = ["choose", "-n", "1", "--lease", "2m", "--wait", "1s", "--owner", "me"]
     filters = {
         "--min-free": "1GiB",
@@ -288,7 +289,7 @@ def test_choose_passes_every_flag_to_the_server(
     for flag, value in filters.items():
         argv += [flag, value]
     assert main(argv) == 0, capsys.readouterr().err
-    method, path, params = fake.requests[-1]
+    method, path, params = exporter.requests[-1]
     assert (method, path) == ("POST", "/choose")
     assert params == {
         "n": "1",
@@ -309,7 +310,7 @@ def test_choose_passes_every_flag_to_the_server(
     ],
 )
 def test_choose_errors_are_one_line_and_an_exit_status(
-    exporter: Exporter,
+    exporter: Served,
     capsys: pytest.CaptureFixture[str],
     argv: list[str],
     status: int,
@@ -326,16 +327,30 @@ def test_choose_errors_are_one_line_and_an_exit_status(
     )
 
 
-def test_choose_exits_3_on_fake_503_and_1_on_429(
-    exporter: Exporter, capsys: pytest.CaptureFixture[str]
+def test_choose_exits_3_on_503_and_1_on_429(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake = fake_only(exporter)
-    fake.fail_next(503, "not_enough_gpus", "0 of 4 GPUs qualify, 1 requested")
-    assert main(["choose"]) == 3
-    assert capsys.readouterr().err == "error: 0 of 4 GPUs qualify, 1 requested\n"
-    fake.fail_next(429, "lease_limit", "127.0.0.1 already holds 4 GPUs (limit 4)")
-    assert main(["choose"]) == 1
-    assert capsys.readouterr().err == "error: 127.0.0.1 already holds 4 GPUs (limit 4)\n"
+    with served(max_gpus_per_requester=1) as exporter:
+        monkeypatch.setenv(client.URL_ENV, exporter.url)
+        # Jobs on four other machines hold a GPU each: every GPU.
+        leases, snapshot = exporter.daemon.leases, exporter.daemon.cache.get()
+        held = [
+            leases.claim(snapshot, 1, Filters(), ttl_seconds=60, requester=f"10.0.0.{i}")[1]
+            for i in range(4)
+        ]
+        assert main(["choose"]) == 3
+        err = capsys.readouterr().err
+        assert err.startswith("error: 0 of 4 GPUs qualify, 1 requested") and err.count("\n") == 1
+        for lease in held:
+            assert lease is not None
+            leases.release(lease.id)
+        assert main(["choose"]) == 0  # this host now holds one GPU: its limit
+        capsys.readouterr()
+        assert main(["choose"]) == 1
+        assert capsys.readouterr().err == (
+            "error: 127.0.0.1 holds 1 GPUs in leases; 1 more would exceed the limit of 1 per "
+            "requester\n"
+        )
 
 
 @pytest.mark.parametrize("argv", [["-n", "0"], ["--lease", "forever"], ["--format", "yaml"]])
@@ -349,7 +364,7 @@ def test_choose_rejects_bad_flags_with_status_2(
 
 
 def test_choose_and_run_read_the_url_from_the_environment(
-    exporter: Exporter,
+    exporter: Served,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     closed_port_url: str,
@@ -393,7 +408,7 @@ TAKE_TERMINAL = (
 )
 
 
-def test_ctrl_c_on_a_terminal_reaches_the_command_once(exporter: Exporter) -> None:
+def test_ctrl_c_on_a_terminal_reaches_the_command_once(exporter: Served) -> None:
     """The terminal sends ^C's SIGINT to the whole foreground group: no second copy from us."""
     command = ["run", "-q", "--", sys.executable, "-c", COUNTING_CHILD]
     master, slave = os.openpty()
@@ -423,10 +438,9 @@ def test_ctrl_c_on_a_terminal_reaches_the_command_once(exporter: Exporter) -> No
 
 
 @pytest.mark.slow
-def test_run_against_the_real_server(tmp_path: Path) -> None:
-    """Whatever GPU_EXPORTER_TEST_SERVER says: one round trip through `gpu-exporter serve`."""
-    real = _start_real(tmp_path)
-    try:
+def test_run_against_the_real_server() -> None:
+    """One round trip through `gpu-exporter serve` itself, a process of its own."""
+    with real_exporter("--simulate", "4", "--interval", "0.2") as real:
         proc = cli(
             "run",
             "-n",
@@ -434,7 +448,7 @@ def test_run_against_the_real_server(tmp_path: Path) -> None:
             "--lease",
             "300ms",
             "--url",
-            real.url,
+            real.base,
             "--",
             sys.executable,
             "-c",
@@ -443,18 +457,14 @@ def test_run_against_the_real_server(tmp_path: Path) -> None:
         status, out, err = finish(proc)
         assert status == 0, err
         assert len(out.strip().split(",")) == 2
-        assert real.lease_ids() == set()
-        assert main(["choose", "--url", real.url, "-n", "99"]) == 3
-    finally:
-        assert real.proc is not None
-        real.proc.terminate()
-        real.proc.communicate(timeout=10)
+        assert json.loads(get(real.base + "/leases")[1])["leases"] == []
+        assert main(["choose", "--url", real.base, "-n", "99"]) == 3
 
 
 # -- release -----------------------------------------------------------------------------
 
 
-def test_release_gives_back_the_lease_in_gpu_lease(exporter: Exporter) -> None:
+def test_release_gives_back_the_lease_in_gpu_lease(exporter: Served) -> None:
     status, out, _ = run("choose", "--format", "env")
     lease = ENV_LINE.fullmatch(out).group("lease")  # type: ignore[union-attr]
     assert lease in exporter.lease_ids()
@@ -467,7 +477,7 @@ def test_release_gives_back_the_lease_in_gpu_lease(exporter: Exporter) -> None:
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
-def test_release_without_a_lease_is_a_usage_error(exporter: Exporter) -> None:
+def test_release_without_a_lease_is_a_usage_error(exporter: Served) -> None:
     env = {k: v for k, v in os.environ.items() if k != "GPU_LEASE"}
     status, _, err = finish(cli("release", env=env))
     assert status == 2 and err == "error: no lease given and GPU_LEASE is not set\n"

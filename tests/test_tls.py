@@ -24,8 +24,8 @@ from tls_certs import CA, Issued
 
 from conftest import build_stack
 from gpu_exporter.simulate import SimulatedNvml
-from gpu_exporter.web.server import free_port
 from gpu_exporter.web.webconfig import WebConfigWatcher
+from harness import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,12 +1,22 @@
-"""``/choose`` and ``/cluster/choose`` parameters: parsed and validated once, without Flask.
+"""``/choose`` and ``/cluster/choose`` parameters: each described once, parsed once, without Flask.
 
-The server (:mod:`gpu_exporter.web.app`), the client's local fallback (:mod:`gpu_exporter.client`)
-and the cluster chooser (:mod:`gpu_exporter.client.fleet`) all read parameters through
-:func:`parse_choose_args`, so a value means the same everywhere and is refused with the same
-message. ``args`` is anything with ``in``, ``[]``, ``.get`` and iteration — a plain ``dict``
-of strings or Werkzeug's ``MultiDict`` (whose ``getlist`` also catches repeated parameters).
+:data:`PARAMS` is the one list of them. Each :class:`Param` carries its name, its reader
+(:mod:`gpu_exporter.choose.values`), its help text and its JSON schema, and says where it
+applies. Everything else is built from it:
 
-Every refusal is an :class:`ApiError` carrying the HTTP status, a code and the parameter.
+* the server's parser, :func:`parse_choose_args` / :func:`parse_cluster_args`, which the
+  server (:mod:`gpu_exporter.web.app`), the client's local fallback
+  (:mod:`gpu_exporter.client.local`) and the cluster chooser (:mod:`gpu_exporter.client.fleet`)
+  all read parameters through, so a value means the same everywhere and is refused with the
+  same message;
+* the OpenAPI document's parameter lists (:mod:`gpu_exporter.web.openapi`);
+* the filter flags of ``gpu-exporter choose`` and ``run`` (:mod:`gpu_exporter.client.cli`),
+  the filters choosing locally can apply (:data:`LOCAL_FILTERS`) and those a host checks again
+  when a cluster choice claims there (:data:`POINT_FILTERS`).
+
+``args`` is anything with ``in``, ``[]``, ``.get`` and iteration — a plain ``dict`` of strings
+or Werkzeug's ``MultiDict`` (whose ``getlist`` also catches repeated parameters). Every refusal
+is an :class:`ApiError` carrying the HTTP status, a code and the parameter.
 
 >>> parse_choose_args({"n": "2", "min_free": "8GiB"}).filters.min_free_bytes
 8589934592
@@ -21,27 +31,27 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
 from gpu_exporter.choose.rank import MIG_MODES, SORTS, Filters
+from gpu_exporter.choose.values import (
+    Reader,
+    flag,
+    label,
+    not_empty,
+    one_of,
+    positive,
+    process_count,
+    selectors,
+    units,
+    whole_number,
+)
 from gpu_exporter.units import parse_bytes, parse_duration, parse_ratio
 
 MAX_N = 1024
 MAX_WAIT_SECONDS = 3600.0
 DEFAULT_LEASE_SECONDS = 60.0
-CHOOSE_PARAMS = (
-    "n", "format", "lease", "owner", "wait", "idle_for", "sort",
-    "min_free", "min_total", "max_util", "max_mem_util", "max_procs", "model", "include", "exclude",
-    "mig",
-)  # fmt: skip
 CHOOSE_FORMATS = ("uuid", "index", "env", "json")
-# /cluster/choose: every /choose parameter but mig (it hands out whole cards only), plus where
-# the GPUs may be and how old the fleet's figures may be.
-CLUSTER_PARAMS = (*(p for p in CHOOSE_PARAMS if p != "mig"), "spread", "max_age")
 DEFAULT_FLEET_MAX_AGE_SECONDS = 60.0  # four missed scrapes at Prometheus' usual 15 s
 MAX_FLEET_MAX_AGE_SECONDS = 3600.0
-# Filters a host's /choose checks again, on its own fresh sample, when a cluster choice claims.
-POINT_FILTERS = (
-    "min_free", "min_total", "max_util", "max_mem_util", "max_procs", "model", "exclude",
-)  # fmt: skip
-
+MAX_OWNER_CHARS = 64
 
 Args: TypeAlias = Mapping[str, str]
 """What the parsers read: a ``dict[str, str]`` or a Werkzeug ``MultiDict`` (a dict too)."""
@@ -60,6 +70,219 @@ class ApiError(Exception):
 
 def bad(param: str, message: str) -> NoReturn:
     raise ApiError(400, "invalid_parameter", message, param)
+
+
+# -- the parameters ---------------------------------------------------------------------------
+
+DURATION_SCHEMA: Mapping[str, Any] = {
+    "type": "string",
+    "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*(ms|s|m|h)?\s*$",
+}
+_SIZE = {"type": "string", "examples": ["8GiB", "500MB", "1073741824"]}
+_RATIO = {"type": "string", "examples": ["0.3", "30%"]}
+_SELECTORS = {"type": "string", "examples": ["0,GPU-5a1e", "00000000:3B:00.0"]}
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One query parameter: what it is called, how it is read, and what to tell people."""
+
+    name: str
+    parse: Reader  # (name, text) → value; ValueError with the message
+    help: str  # the OpenAPI description
+    schema: Mapping[str, Any]  # its JSON schema in the OpenAPI document
+    default: Any = None  # the parsed value when it is not given
+    filter: bool = False  # narrows or orders the GPUs; the client passes it on by name
+    flag: tuple[str, str] | None = None  # (metavar, help) of its `gpu-exporter choose` flag
+    local: bool = False  # choosing from this host's NVML (no exporter) can apply it
+    recheck: bool = False  # a host checks it again, on its own sample, when a cluster claims
+    choose: bool = True  # /choose takes it
+    cluster: bool = True  # /cluster/choose takes it
+    cluster_help: str | None = None  # its OpenAPI description there, where it differs
+
+    @property
+    def option(self) -> str:
+        """The command-line flag: ``--min-free`` for ``min_free``."""
+        return "--" + self.name.replace("_", "-")
+
+
+PARAMS: tuple[Param, ...] = (
+    Param(
+        "n",
+        whole_number(1, MAX_N),
+        "How many GPUs (1-1024).",
+        {"type": "integer", "minimum": 1, "maximum": MAX_N},
+        default=1,
+    ),
+    Param(
+        "format",
+        one_of(CHOOSE_FORMATS),
+        "uuid (default), index, env or json.",
+        {"type": "string", "enum": list(CHOOSE_FORMATS)},
+        default="uuid",
+        cluster_help="uuid (default): 'HOST GPU-a,GPU-b' per host; index: 'HOST 0,1'; env: an "
+        "export line with GPU_HOST and GPU_EXPORTER_URL (one host only); json.",
+    ),
+    Param(
+        "lease",
+        units(parse_duration),
+        "Claim the GPUs for this long (default 60s); 0 = advice only.",
+        DURATION_SCHEMA,
+        default=DEFAULT_LEASE_SECONDS,
+    ),
+    Param(
+        "owner",
+        label(MAX_OWNER_CHARS),
+        "A label shown in /leases.",
+        {"type": "string", "maxLength": MAX_OWNER_CHARS},
+    ),
+    Param(
+        "wait",
+        units(parse_duration, MAX_WAIT_SECONDS),
+        "Wait up to this long (at most 1h) for enough GPUs, first come first served.",
+        DURATION_SCHEMA,
+        default=0.0,
+        cluster_help="Read the fleet again every 5 s for up to this long (at most 1h) until "
+        "enough GPUs qualify; no first-come-first-served order across the fleet.",
+    ),
+    Param(
+        "idle_for",
+        units(parse_duration, MAX_WAIT_SECONDS),
+        "Every sample of this window must meet the filters.",
+        DURATION_SCHEMA,
+        filter=True,
+        flag=("DURATION", "only GPUs that have been idle at least this long: 5m"),
+        cluster_help="Every GPU must have met the filters throughout this window, by "
+        "Prometheus' range functions (max_over_time, min_over_time).",
+    ),
+    Param(
+        "sort",
+        one_of(SORTS),
+        "Ranking order.",
+        {"type": "string", "enum": list(SORTS)},
+        default="free",
+        filter=True,
+        flag=("ORDER", "ranking: free (default), free_ratio, util, power or pack"),
+        local=True,
+    ),
+    Param(
+        "min_free",
+        units(parse_bytes),
+        "Free memory at least this.",
+        _SIZE,
+        filter=True,
+        flag=("SIZE", "free memory at least this: 8GiB, 500MB (8G means GiB)"),
+        local=True,
+        recheck=True,
+    ),
+    Param(
+        "min_total",
+        units(parse_bytes),
+        "Total memory at least this.",
+        _SIZE,
+        filter=True,
+        flag=("SIZE", "total memory at least this"),
+        local=True,
+        recheck=True,
+    ),
+    Param(
+        "max_util",
+        units(parse_ratio),
+        "GPU utilization at most this.",
+        _RATIO,
+        filter=True,
+        flag=("RATIO", "utilization at most this: 0.1 or 10%"),
+        local=True,
+        recheck=True,
+    ),
+    Param(
+        "max_mem_util",
+        units(parse_ratio),
+        "Memory-controller utilization at most this.",
+        _RATIO,
+        filter=True,
+        flag=("RATIO", "memory-bandwidth utilization at most this"),
+        local=True,
+        recheck=True,
+    ),
+    Param(
+        "max_procs",
+        process_count,
+        "At most this many compute processes.",
+        {"type": "integer", "minimum": 0},
+        filter=True,
+        flag=("N", "at most N compute processes already on the GPU"),
+        local=True,
+        recheck=True,
+    ),
+    Param(
+        "model",
+        not_empty,
+        "The GPU name contains this (case-insensitive).",
+        {"type": "string"},
+        filter=True,
+        flag=("NAME", "only this GPU model (as /choose's model parameter matches it)"),
+        local=True,
+        recheck=True,
+    ),
+    Param(
+        "include",
+        selectors,
+        "Only these GPUs: indices, UUIDs or prefixes, PCI bus ids.",
+        _SELECTORS,
+        default=(),
+        filter=True,
+        flag=("GPUS", "only these GPUs: NVML indices, UUIDs or prefixes, PCI bus ids"),
+        local=True,
+    ),
+    Param(
+        "exclude",
+        selectors,
+        "Never these GPUs: indices, UUIDs or prefixes, PCI bus ids.",
+        _SELECTORS,
+        default=(),
+        filter=True,
+        flag=("GPUS", "never these GPUs: NVML indices, UUIDs or prefixes, PCI bus ids"),
+        local=True,
+        recheck=True,
+    ),
+    Param(
+        "mig",
+        one_of(MIG_MODES),
+        "MIG devices: deny (default, whole cards only), allow (whole cards and MIG devices) or "
+        "only (MIG devices only). A MIG device is returned as its MIG-… UUID.",
+        {"type": "string", "enum": list(MIG_MODES)},
+        default="deny",
+        filter=True,
+        cluster=False,  # /cluster/choose hands out whole cards only
+    ),
+    # /cluster/choose only: where the GPUs may be, and how old the fleet's figures may be.
+    Param(
+        "spread",
+        flag,
+        "0 (default): all n GPUs on one host; 1: several hosts may share them.",
+        {"type": "string", "enum": ["0", "1", "true", "false"]},
+        default=False,
+        choose=False,
+    ),
+    Param(
+        "max_age",
+        positive(units(parse_duration, MAX_FLEET_MAX_AGE_SECONDS)),
+        "Fleet figures older than this (default 60s) are never used to hand out GPUs.",
+        DURATION_SCHEMA,
+        default=DEFAULT_FLEET_MAX_AGE_SECONDS,
+        choose=False,
+    ),
+)
+BY_NAME: Mapping[str, Param] = {p.name: p for p in PARAMS}
+CHOOSE_PARAMS = tuple(p.name for p in PARAMS if p.choose)
+CLUSTER_PARAMS = tuple(p.name for p in PARAMS if p.cluster)
+FILTERS = tuple(p.name for p in PARAMS if p.filter)
+LOCAL_FILTERS = tuple(p.name for p in PARAMS if p.local)
+POINT_FILTERS = tuple(p.name for p in PARAMS if p.recheck)
+
+
+# -- parsing -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,96 +330,55 @@ def parsed(args: Args, name: str, parse: Any) -> Any:
         bad(name, f"{name}: {exc}")
 
 
-def _duration(args: Args, name: str, maximum: float) -> float | None:
-    value: float | None = parsed(args, name, parse_duration)
-    if value is not None and value > maximum:
-        bad(name, f"{name}: at most {maximum:g} s, got {args[name]!r}")
-    return value
-
-
-def _selectors(args: Args, name: str) -> tuple[str, ...]:
-    selectors = tuple(s.strip() for s in args.get(name, "").split(",") if s.strip())
-    for selector in selectors:
-        if not (
-            selector.isdigit() or selector.upper().startswith(("GPU-", "MIG-")) or ":" in selector
-        ):
-            bad(
-                name,
-                f"{name}: {selector!r} is not an NVML index, a UUID (GPU-…) or a PCI bus id",
-            )
-    return selectors
+def value_of(args: Args, param: Param) -> Any:
+    """``param`` read from ``args``: parsed when given, its default when not."""
+    if param.name not in args:
+        return param.default
+    try:
+        return param.parse(param.name, args[param.name])
+    except ValueError as exc:
+        bad(param.name, str(exc))
 
 
 def parse_choose_args(
     args: Args, *, allowed: tuple[str, ...] = CHOOSE_PARAMS, endpoint: str = "/choose"
 ) -> ChooseRequest:
-    """Validate ``/choose``'s query string strictly."""
+    """Validate ``/choose``'s query string strictly, parameter by parameter in table order."""
     check_params(args, allowed, endpoint)
-    raw_n = args.get("n", "1")
-    if not raw_n.isdigit() or not 1 <= int(raw_n) <= MAX_N:
-        bad("n", f"n must be a whole number from 1 to {MAX_N}, got {raw_n!r}")
-    fmt = args.get("format", "uuid")
-    if fmt not in CHOOSE_FORMATS:
-        bad("format", f"format must be one of {', '.join(CHOOSE_FORMATS)}, got {fmt!r}")
-    sort = args.get("sort", "free")
-    if sort not in SORTS:
-        bad("sort", f"sort must be one of {', '.join(SORTS)}, got {sort!r}")
-    raw_procs = args.get("max_procs")
-    if raw_procs is not None and not raw_procs.isdigit():
-        bad("max_procs", f"max_procs must be a whole number (0 = no processes), got {raw_procs!r}")
-    owner = args.get("owner")
-    if owner is not None and (len(owner) > 64 or not owner.isprintable()):
-        bad("owner", "owner must be at most 64 printable characters")
-    model = args.get("model")
-    if model is not None and not model.strip():
-        bad("model", "model must not be empty")
-    mig = args.get("mig", "deny")
-    if mig not in MIG_MODES:
-        bad("mig", f"mig must be one of {', '.join(MIG_MODES)}, got {mig!r}")
-    if mig != "deny" and fmt == "index":
+    v = {p.name: value_of(args, p) for p in PARAMS if p.choose}
+    if v["mig"] != "deny" and v["format"] == "index":
         bad(
             "format",
             "format=index cannot name MIG devices (CUDA takes their MIG-… UUID); "
             "use format=uuid or env",
         )
-    lease = parsed(args, "lease", parse_duration)
     filters = Filters(
-        min_free_bytes=parsed(args, "min_free", parse_bytes),
-        max_util_ratio=parsed(args, "max_util", parse_ratio),
-        exclude=_selectors(args, "exclude"),
-        min_total_bytes=parsed(args, "min_total", parse_bytes),
-        max_mem_util_ratio=parsed(args, "max_mem_util", parse_ratio),
-        max_procs=None if raw_procs is None else int(raw_procs),
-        model=model,
-        include=_selectors(args, "include"),
-        mig=mig,
+        min_free_bytes=v["min_free"],
+        max_util_ratio=v["max_util"],
+        exclude=v["exclude"],
+        min_total_bytes=v["min_total"],
+        max_mem_util_ratio=v["max_mem_util"],
+        max_procs=v["max_procs"],
+        model=v["model"],
+        include=v["include"],
+        mig=v["mig"],
     )
     return ChooseRequest(
-        n=int(raw_n),
-        format=fmt,
+        n=v["n"],
+        format=v["format"],
         filters=filters,
-        sort=sort,
-        lease_seconds=DEFAULT_LEASE_SECONDS if lease is None else lease,
-        owner=owner,
-        wait_seconds=_duration(args, "wait", MAX_WAIT_SECONDS) or 0.0,
-        idle_for_seconds=_duration(args, "idle_for", MAX_WAIT_SECONDS),
+        sort=v["sort"],
+        lease_seconds=v["lease"],
+        owner=v["owner"],
+        wait_seconds=v["wait"],
+        idle_for_seconds=v["idle_for"],
     )
 
 
 def parse_cluster_args(args: Args) -> ClusterRequest:
     """Validate ``/cluster/choose``'s query string: ``/choose``'s, plus spread and max_age."""
     req = parse_choose_args(args, allowed=CLUSTER_PARAMS, endpoint="/cluster/choose")
-    raw_spread = args.get("spread", "0").strip().lower()
-    if raw_spread not in ("0", "1", "false", "true"):
-        bad("spread", f"spread must be 0 or 1, got {raw_spread!r}")
-    spread = raw_spread in ("1", "true")
+    spread = value_of(args, BY_NAME["spread"])
     if spread and req.format == "env":
         bad("format", "format=env names one host; with spread=1 ask for format=json or uuid")
-    max_age = _duration(args, "max_age", MAX_FLEET_MAX_AGE_SECONDS)
-    if max_age is not None and max_age <= 0:
-        bad("max_age", "max_age must be more than 0")
-    return ClusterRequest(
-        req,
-        spread=spread,
-        max_age_seconds=DEFAULT_FLEET_MAX_AGE_SECONDS if max_age is None else max_age,
-    )
+    return ClusterRequest(req, spread=spread, max_age_seconds=value_of(args, BY_NAME["max_age"]))

@@ -1,8 +1,8 @@
 """The OpenAPI 3 document for the HTTP API, served at ``/openapi.json``.
 
-Built from the same tuples the handlers validate against (``CHOOSE_PARAMS``,
-``CHOOSE_FORMATS``, ``SORTS``), and checked by tests against the Flask routes and by a
-schemathesis run against the app.
+The query parameters of ``/choose`` and ``/cluster/choose`` come from the table the handlers
+parse them with (:data:`gpu_exporter.choose.params.PARAMS`: names, help, schemas); the
+document is checked by tests against the Flask routes and by a schemathesis run against the app.
 """
 
 from __future__ import annotations
@@ -10,68 +10,23 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_exporter import __version__
-from gpu_exporter.choose.rank import MIG_MODES, SORTS
+from gpu_exporter.choose.params import DURATION_SCHEMA, PARAMS
 
-_DURATION = {"type": "string", "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*(ms|s|m|h)?\s*$"}
-_SIZE = {"type": "string", "examples": ["8GiB", "500MB", "1073741824"]}
-_RATIO = {"type": "string", "examples": ["0.3", "30%"]}
-_SELECTORS = {"type": "string", "examples": ["0,GPU-5a1e", "00000000:3B:00.0"]}
 
-_CHOOSE_PARAMETERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "n": ("How many GPUs (1-1024).", {"type": "integer", "minimum": 1, "maximum": 1024}),
-    "format": (
-        "uuid (default), index, env or json.",
-        {"type": "string", "enum": ["uuid", "index", "env", "json"]},
-    ),
-    "lease": ("Claim the GPUs for this long (default 60s); 0 = advice only.", _DURATION),
-    "owner": ("A label shown in /leases.", {"type": "string", "maxLength": 64}),
-    "wait": (
-        "Wait up to this long (at most 1h) for enough GPUs, first come first served.",
-        _DURATION,
-    ),
-    "idle_for": ("Every sample of this window must meet the filters.", _DURATION),
-    "sort": ("Ranking order.", {"type": "string", "enum": list(SORTS)}),
-    "min_free": ("Free memory at least this.", _SIZE),
-    "min_total": ("Total memory at least this.", _SIZE),
-    "max_util": ("GPU utilization at most this.", _RATIO),
-    "max_mem_util": ("Memory-controller utilization at most this.", _RATIO),
-    "max_procs": ("At most this many compute processes.", {"type": "integer", "minimum": 0}),
-    "model": ("The GPU name contains this (case-insensitive).", {"type": "string"}),
-    "include": ("Only these GPUs: indices, UUIDs or prefixes, PCI bus ids.", _SELECTORS),
-    "exclude": ("Never these GPUs: indices, UUIDs or prefixes, PCI bus ids.", _SELECTORS),
-    "mig": (
-        "MIG devices: deny (default, whole cards only), allow (whole cards and MIG devices) or "
-        "only (MIG devices only). A MIG device is returned as its MIG-… UUID.",
-        {"type": "string", "enum": list(MIG_MODES)},
-    ),
-}
+def _query_parameters(cluster: bool) -> list[dict[str, Any]]:
+    """``/choose``'s (or ``/cluster/choose``'s) parameters, from :data:`PARAMS`."""
+    return [
+        {
+            "name": p.name,
+            "in": "query",
+            "required": False,
+            "description": (p.cluster_help or p.help) if cluster else p.help,
+            "schema": dict(p.schema),
+        }
+        for p in PARAMS
+        if (p.cluster if cluster else p.choose)
+    ]
 
-_CLUSTER_PARAMETERS: dict[str, tuple[str, dict[str, Any]]] = {
-    **{k: v for k, v in _CHOOSE_PARAMETERS.items() if k != "mig"},  # whole cards only
-    "format": (
-        "uuid (default): 'HOST GPU-a,GPU-b' per host; index: 'HOST 0,1'; env: an export line "
-        "with GPU_HOST and GPU_EXPORTER_URL (one host only); json.",
-        {"type": "string", "enum": ["uuid", "index", "env", "json"]},
-    ),
-    "wait": (
-        "Read the fleet again every 5 s for up to this long (at most 1h) until enough GPUs "
-        "qualify; no first-come-first-served order across the fleet.",
-        _DURATION,
-    ),
-    "idle_for": (
-        "Every GPU must have met the filters throughout this window, by Prometheus' range "
-        "functions (max_over_time, min_over_time).",
-        _DURATION,
-    ),
-    "spread": (
-        "0 (default): all n GPUs on one host; 1: several hosts may share them.",
-        {"type": "string", "enum": ["0", "1", "true", "false"]},
-    ),
-    "max_age": (
-        "Fleet figures older than this (default 60s) are never used to hand out GPUs.",
-        _DURATION,
-    ),
-}
 
 _ERROR = {
     "type": "object",
@@ -162,10 +117,6 @@ def _text(description: str) -> dict[str, Any]:
 
 
 def document() -> dict[str, Any]:
-    choose_params = [
-        {"name": name, "in": "query", "required": False, "description": d, "schema": schema}
-        for name, (d, schema) in _CHOOSE_PARAMETERS.items()
-    ]
     choose_ok = {
         "description": "The chosen GPUs (and the lease, unless lease=0).",
         "headers": {"X-GPU-Lease": {"schema": {"type": "string"}, "description": "Lease id."}},
@@ -176,16 +127,13 @@ def document() -> dict[str, Any]:
     }
     choose_op = {
         "summary": "Choose the freest GPUs and claim them with a lease",
-        "parameters": choose_params,
+        "parameters": _query_parameters(cluster=False),
         "responses": {"200": choose_ok, **_errors(400, 414, 429, 503)},
     }
     cluster_op = {
         "summary": "Choose GPUs across the hosts Prometheus scrapes; the host's exporter leases "
         "them",
-        "parameters": [
-            {"name": name, "in": "query", "required": False, "description": d, "schema": schema}
-            for name, (d, schema) in _CLUSTER_PARAMETERS.items()
-        ],
+        "parameters": _query_parameters(cluster=True),
         "responses": {
             "200": {
                 "description": "Where the GPUs are, and the lease each host granted.",
@@ -262,7 +210,12 @@ def document() -> dict[str, Any]:
                     "summary": "Extend a lease",
                     "parameters": [
                         lease_id,
-                        {"name": "ttl", "in": "query", "required": False, "schema": _DURATION},
+                        {
+                            "name": "ttl",
+                            "in": "query",
+                            "required": False,
+                            "schema": DURATION_SCHEMA,
+                        },
                     ],
                     "responses": {
                         "200": _json(lease_ref, "The renewed lease."),

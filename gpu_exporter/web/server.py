@@ -196,11 +196,3 @@ class Server:
 def _in_use(exc: OSError) -> bool:
     cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
     return cause.errno == errno.EADDRINUSE or "in use" in str(exc).lower()
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (for tests and examples)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port

@@ -23,7 +23,7 @@ from gpu_exporter.export.exposition import Exposition
 from gpu_exporter.web.limits import DEFAULT_MAX_IN_FLIGHT
 
 if TYPE_CHECKING:
-    from gpu_exporter.client.fleet import ClusterService
+    from gpu_exporter.web.cluster import ClusterService
     from gpu_exporter.web.webconfig import WebConfigWatcher
 
 EXTENSION = "gpu_exporter"  # the key in app.extensions

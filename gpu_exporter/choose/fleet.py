@@ -1,0 +1,135 @@
+"""The fleet as data, and its ranking: pure, no I/O (the client reads the fleet and claims).
+
+A fleet is every host's GPUs as the same :class:`~gpu_exporter.model.GpuSample` objects
+``/choose`` ranks, built from Prometheus' answers (:func:`gpu_exporter.choose.promql.parse_fleet`)
+or, without Prometheus, from each exporter's own ``/gpus`` and ``/leases``
+(:func:`host_from_snapshot`). :func:`rank_fleet` then puts every host's GPUs through the same
+pure functions ``/choose`` uses (:func:`gpu_exporter.choose.rank.rank`). By default all ``n``
+GPUs must be on ONE host; hosts are ordered by their n-th best GPU (then the better ones), so a
+host whose weakest pick is best wins. ``spread`` lets the GPUs come from several hosts, filling
+the best host first.
+
+A host whose figures are older than ``max_age`` is never used to hand out GPUs: it is passed
+over with the reason (its :attr:`Host.problem`). Reading the fleet and claiming GPUs on the
+chosen host are :mod:`gpu_exporter.client.fleet`'s.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass, fields
+from typing import Any
+
+from gpu_exporter.choose.rank import Filters, NotEnoughGpus, SortKey, Window, rank, sort_key
+from gpu_exporter.model import GpuSample
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """One exporter as the fleet view saw it."""
+
+    url: str  # the exporter's base URL: where claims go
+    instance: str  # the target's instance label (or the host as named in --hosts)
+    gpus: tuple[GpuSample, ...] = ()
+    leased: tuple[str, ...] = ()  # UUIDs a lease held when the figures were taken
+    problem: str | None = None  # why this host is not used at all
+    window: Window | None = None  # idle_for, from Prometheus' range functions
+    age_seconds: float | None = None  # how old its figures are
+
+    @property
+    def name(self) -> str:
+        """The host name of the exporter's URL: what ``GPU_HOST`` says."""
+        return urllib.parse.urlsplit(self.url).hostname or self.instance
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    hosts: tuple[Host, ...]
+    source: str  # "prometheus" or "hosts"
+    evaluated_at: float  # Unix time the figures describe
+    window_checked: bool = False  # idle_for was judged from the fleet's history
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A host that can serve the request, with its qualifying GPUs best first."""
+
+    host: Host
+    qualified: tuple[GpuSample, ...]
+    key: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRanking:
+    candidates: tuple[Candidate, ...]  # best first
+    passed_over: tuple[tuple[Host, str], ...]  # hosts that cannot serve it, and why
+
+
+def base_url(text: str, default_port: int | None = None) -> str:
+    """``host``, ``host:port`` or a URL → a base URL without a trailing slash.
+
+    >>> base_url("node1", 9400), base_url("node1:9401", 9400), base_url("http://p:9090/")
+    ('http://node1:9400', 'http://node1:9401', 'http://p:9090')
+    """
+    text = text.strip().rstrip("/")
+    if "://" in text:
+        return text
+    if default_port is not None and urllib.parse.urlsplit("//" + text).port is None:
+        text = f"{text}:{default_port}"
+    return "http://" + text
+
+
+# -- ranking ---------------------------------------------------------------------------------
+
+
+def rank_fleet(
+    fleet: Fleet, n: int, filters: Filters, *, sort: str = "free", spread: bool = False
+) -> FleetRanking:
+    """Hosts that can serve ``n`` GPUs (any host with one, with ``spread``), best first.
+
+    Each host's GPUs go through :func:`gpu_exporter.choose.rank.rank` exactly as ``/choose`` ranks
+    them; a GPU a lease held at the last scrape is passed over like a leased one there.
+    """
+    candidates: list[Candidate] = []
+    passed: list[tuple[Host, str]] = []
+    for host in fleet.hosts:
+        if host.problem is not None:
+            passed.append((host, host.problem))
+            continue
+        held = "leased (at the last scrape)" if fleet.source == "prometheus" else "leased"
+        leased = {u: held for u in host.leased}
+        ranking = rank(host.gpus, filters, sort=sort, window=host.window, leased=leased)
+        needed = 1 if spread else n
+        if len(ranking.qualified) < needed:
+            passed.append((host, str(NotEnoughGpus(needed, ranking))))
+            continue
+        keys: tuple[SortKey, ...]
+        if spread:
+            keys = (sort_key(ranking.qualified[0], sort),)
+        else:  # the weakest of the n picks decides, then the stronger ones
+            keys = tuple(sort_key(g, sort) for g in reversed(ranking.qualified[:n]))
+        candidates.append(Candidate(host, ranking.qualified, (keys, host.url)))
+    candidates.sort(key=lambda c: c.key)
+    return FleetRanking(tuple(candidates), tuple(passed))
+
+
+def host_from_snapshot(
+    url: str, name: str, snapshot: Any, held: Any, max_age_seconds: float
+) -> Host:
+    """A :class:`Host` from an exporter's ``/gpus`` and ``/leases`` answers."""
+    known = {f.name for f in fields(GpuSample)}
+    gpus = tuple(
+        GpuSample(**{k: v for k, v in g.items() if k in known})
+        for g in snapshot["gpus"]
+        if not str(g.get("uuid", "")).startswith("MIG-")
+    )
+    leased = tuple(u for lease in held.get("leases", ()) for u in lease.get("gpus", ()))
+    age = snapshot.get("snapshot_age_seconds")
+    problem = None
+    if not snapshot.get("nvml_up"):
+        problem = f"NVML is down there: {snapshot.get('nvml_error')}"
+    elif age is None or age > max_age_seconds:
+        problem = f"its last sample is {age} s old (max_age {max_age_seconds:g} s)"
+    elif not gpus:
+        problem = "no GPUs"
+    return Host(url, name, gpus, leased, problem, age_seconds=age)

@@ -1,0 +1,108 @@
+"""Readers of single query values for :data:`gpu_exporter.choose.params.PARAMS`.
+
+A reader takes the parameter's name and its text and returns the value, or raises ValueError
+with the whole message a client sees (it names the parameter), e.g. ``min_free: expected a
+size such as 8GiB, 500MB or a byte count, got 'lots'``.
+
+>>> whole_number(1, 1024)("n", "2"), selectors("exclude", "0, GPU-5a1e")
+(2, ('0', 'GPU-5a1e'))
+>>> flag("spread", " True ")
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+Reader: TypeAlias = Callable[[str, str], Any]
+"""(parameter name, query value) → the value; ValueError says why not."""
+
+
+def units(parse: Callable[[str], Any], maximum: float | None = None) -> Reader:
+    """A :mod:`gpu_exporter.units` parser (sizes, ratios, durations), at most ``maximum`` s."""
+
+    def read(name: str, text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        if maximum is not None and value > maximum:
+            raise ValueError(f"{name}: at most {maximum:g} s, got {text!r}")
+        return value
+
+    return read
+
+
+def positive(reader: Reader) -> Reader:
+    """``reader``, refusing 0 (and less)."""
+
+    def read(name: str, text: str) -> Any:
+        value = reader(name, text)
+        if value <= 0:
+            raise ValueError(f"{name} must be more than 0")
+        return value
+
+    return read
+
+
+def one_of(choices: tuple[str, ...]) -> Reader:
+    def read(name: str, text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return read
+
+
+def whole_number(least: int, most: int) -> Reader:
+    def read(name: str, text: str) -> int:
+        if not text.isdigit() or not least <= int(text) <= most:
+            raise ValueError(f"{name} must be a whole number from {least} to {most}, got {text!r}")
+        return int(text)
+
+    return read
+
+
+def process_count(name: str, text: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"{name} must be a whole number (0 = no processes), got {text!r}")
+    return int(text)
+
+
+def label(most: int) -> Reader:
+    """Printable text of at most ``most`` characters (an owner shown in /leases)."""
+
+    def read(name: str, text: str) -> str:
+        if len(text) > most or not text.isprintable():
+            raise ValueError(f"{name} must be at most {most} printable characters")
+        return text
+
+    return read
+
+
+def not_empty(name: str, text: str) -> str:
+    if not text.strip():
+        raise ValueError(f"{name} must not be empty")
+    return text
+
+
+def selectors(name: str, text: str) -> tuple[str, ...]:
+    """GPUs named by NVML index, UUID (or its prefix) or PCI bus id, comma-separated."""
+    found = tuple(s.strip() for s in text.split(",") if s.strip())
+    for selector in found:
+        if not (
+            selector.isdigit() or selector.upper().startswith(("GPU-", "MIG-")) or ":" in selector
+        ):
+            raise ValueError(
+                f"{name}: {selector!r} is not an NVML index, a UUID (GPU-…) or a PCI bus id"
+            )
+    return found
+
+
+def flag(name: str, text: str) -> bool:
+    """``0``/``1`` (or ``false``/``true``, any case, spaces around)."""
+    text = text.strip().lower()
+    if text not in ("0", "1", "false", "true"):
+        raise ValueError(f"{name} must be 0 or 1, got {text!r}")
+    return text in ("1", "true")

@@ -1,0 +1,330 @@
+"""One exporter's API: choose GPUs there (:func:`choose_host`, :func:`choose_raw`), and renew,
+release or list its leases; :class:`Choice` and :class:`Lease` are what comes back.
+
+Choosing across a fleet (:mod:`gpu_exporter.client.fleet`) claims through
+:func:`choose_host` on the host it picked; :func:`gpu_exporter.client.choose` is the front door
+to both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Final, TypeAlias
+
+from gpu_exporter.choose.params import BY_NAME
+from gpu_exporter.client.transport import (
+    DEFAULT_TIMEOUT_SECONDS,
+    URL_ENV,
+    GpuExporterError,
+    json_body,
+    request,
+    resolve_url,
+    str_or_none,
+)
+from gpu_exporter.units import parse_duration
+
+DEFAULT_LEASE: Final = "60s"
+LEASE_HEADER: Final = "X-GPU-Lease"
+Duration: TypeAlias = str | float | timedelta
+"""``"90s"``, ``"10m"``, ``"500ms"``, a number of seconds, or a :class:`~datetime.timedelta`."""
+FilterValue: TypeAlias = str | int | float | Iterable[str | int] | None
+"""A ``/choose`` filter value; an iterable is sent comma-separated, ``None`` not at all."""
+
+
+# -- results -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A claim on GPUs, as the server keeps it. Times are Unix seconds."""
+
+    id: str
+    gpus: tuple[str, ...]  # UUIDs
+    created_at: float
+    expires_at: float
+    owner: str | None = None
+    requester: str | None = None
+
+    @property
+    def ttl_seconds(self) -> float:
+        """How long the server granted (it may cap what was asked for)."""
+        return max(0.0, self.expires_at - self.created_at)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Lease:
+        try:
+            return cls(
+                id=str(data["id"]),
+                gpus=tuple(str(u) for u in data.get("gpus") or ()),
+                created_at=float(data["created_at"]),
+                expires_at=float(data["expires_at"]),
+                owner=str_or_none(data.get("owner")),
+                requester=str_or_none(data.get("requester")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise GpuExporterError(f"malformed lease in the server's answer: {data!r}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """GPUs chosen for this job, best first, and the lease that reserves them.
+
+    ``uuids`` name the cards for ``CUDA_VISIBLE_DEVICES``; ``indices`` are their NVML
+    (``nvidia-smi``) indices. ``lease_id`` is ``None`` when nothing reserves them (``lease=0``,
+    or ``local``: chosen from this host's NVML because no server answered).
+    """
+
+    uuids: tuple[str, ...]
+    indices: tuple[int, ...]
+    lease_id: str | None
+    expires_at: float | None  # Unix time; None without a lease
+    url: str  # the server asked (and to renew and release at)
+    lease: Lease | None = field(default=None, compare=False)
+    local: bool = False
+    details: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The server's whole JSON answer: every chosen GPU's figures, why others were passed over."""
+    host: str | None = None
+    """Set when chosen across a fleet (``prometheus=``/``hosts=``): the host the GPUs are on."""
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        """``"GPU-a,GPU-b"``: CUDA then numbers these cards 0, 1, … in this order."""
+        return ",".join(self.uuids)
+
+    def env(self) -> dict[str, str]:
+        """The environment variables a process needs to use exactly these GPUs.
+
+        >>> Choice(("GPU-a", "GPU-b"), (0, 3), "l1", None, "http://h:9400").env()
+        ... # doctest: +NORMALIZE_WHITESPACE
+        {'CUDA_DEVICE_ORDER': 'PCI_BUS_ID', 'CUDA_VISIBLE_DEVICES': 'GPU-a,GPU-b',
+         'GPU_LEASE': 'l1'}
+        """
+        env = {}
+        if self.host is not None:  # chosen across a fleet: where to run, and whom to ask
+            env["GPU_HOST"] = self.host
+            env[URL_ENV] = self.url
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        if self.lease_id is not None:
+            env["GPU_LEASE"] = self.lease_id
+        return env
+
+    @classmethod
+    def from_json(cls, data: Any, *, url: str, lease_header: str | None = None) -> Choice:
+        """Build from ``/choose?format=json``'s answer (and its ``X-GPU-Lease`` header)."""
+        try:
+            chosen = data["chosen"]
+            uuids = tuple(str(g["uuid"]) for g in chosen)
+            indices = tuple(int(g["index"]) for g in chosen)
+            raw_lease = data.get("lease")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise GpuExporterError(f"unexpected answer from {url}/choose: {data!r}") from exc
+        lease = Lease.from_json(raw_lease) if raw_lease else None
+        lease_id = lease.id if lease is not None else lease_header
+        return cls(
+            uuids=uuids,
+            indices=indices,
+            lease_id=lease_id,
+            expires_at=lease.expires_at if lease is not None else None,
+            url=url,
+            lease=lease,
+            details=data,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChooseAnswer:
+    """``/choose``'s answer as the server wrote it (for ``gpu-exporter choose``)."""
+
+    body: str  # e.g. "GPU-a,GPU-b" and a newline, exactly as sent
+    lease_id: str | None  # the X-GPU-Lease header
+    url: str
+
+
+# -- query values ------------------------------------------------------------------------
+
+
+def format_duration(value: Duration) -> str:
+    """A duration as a query value: strings pass through, numbers are seconds.
+
+    >>> [format_duration(d) for d in (60, 0.3, timedelta(minutes=2), "10m")]
+    ['60', '0.3', '120', '10m']
+    """
+    if isinstance(value, str):
+        return value.strip()
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"expected a duration of 0 seconds or more, got {value!r}")
+    text = f"{seconds:.3f}".rstrip("0").rstrip(".")
+    return text or "0"
+
+
+def duration_seconds(value: Duration) -> float | None:
+    """Seconds in ``value``, or None where this client cannot tell (the server will judge)."""
+    if isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ValueError:
+            return None
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def filter_value(name: str, value: FilterValue) -> str:
+    """A filter's value as ``/choose`` takes it: ``[0, 1]`` → ``"0,1"``, ``0.5`` → ``"0.5"``."""
+    if isinstance(value, bool):
+        raise TypeError(f"filter {name}: expected a number or text, got {value!r}")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return format(value, "g") if isinstance(value, float) else str(value)
+    if isinstance(value, Iterable):
+        return ",".join(str(v) for v in value)
+    raise TypeError(f"filter {name}: unsupported value {value!r}")
+
+
+def choose_params(
+    n: int,
+    fmt: str,
+    lease: Duration | None,
+    wait: Duration | None,
+    owner: str | None,
+    filters: Mapping[str, FilterValue],
+) -> dict[str, str]:
+    """``/choose``'s query; a name the server does not know is sent on for it to refuse."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a whole number of 1 or more, got {n!r}")
+    params = {"n": str(n), "format": fmt}
+    if lease is not None:
+        params["lease"] = format_duration(lease)
+    if wait is not None:
+        params["wait"] = format_duration(wait)
+    if owner is not None:
+        params["owner"] = owner
+    for name, value in filters.items():
+        if name in BY_NAME and BY_NAME[name].choose and not BY_NAME[name].filter:
+            raise TypeError(f"{name} is not a filter")
+        if value is not None:
+            params[name] = filter_value(name, value)
+    return params
+
+
+# -- the endpoints -----------------------------------------------------------------------
+
+
+def choose_raw(
+    n: int = 1,
+    url: str | None = None,
+    *,
+    format: str = "uuid",
+    lease: Duration | None = DEFAULT_LEASE,
+    wait: Duration | None = None,
+    owner: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    **filters: FilterValue,
+) -> ChooseAnswer:
+    """Ask ``/choose`` and return its body untouched (``"GPU-a,GPU-b\\n"``) and lease id.
+
+    Same arguments as :func:`gpu_exporter.client.choose`, plus ``format`` (``uuid``,
+    ``index``, ``env``, ``json``).
+    """
+    base = resolve_url(url)
+    params = choose_params(n, format, lease, wait, owner, filters)
+    waited = duration_seconds(wait) if wait is not None else None
+    resp = request("POST", base, "/choose", params, timeout=timeout + (waited or 0.0))
+    body = resp.body.decode("utf-8", "replace")
+    return ChooseAnswer(body, resp.header(LEASE_HEADER), base)
+
+
+def choose_host(
+    n: int,
+    url: str | None,
+    *,
+    lease: Duration | None,
+    wait: Duration | None,
+    owner: str | None,
+    timeout: float,
+    **filters: FilterValue,
+) -> Choice:
+    """:func:`gpu_exporter.client.choose` on the one exporter at ``url``."""
+    answer = choose_raw(
+        n, url, format="json", lease=lease, wait=wait, owner=owner, timeout=timeout, **filters
+    )
+    try:
+        data = json.loads(answer.body)
+    except ValueError:
+        raise GpuExporterError(
+            f"{answer.url}/choose: expected JSON, got {answer.body[:200]!r}"
+        ) from None
+    return Choice.from_json(data, url=answer.url, lease_header=answer.lease_id)
+
+
+def release(
+    choice_or_id: Choice | Lease | str,
+    url: str | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+) -> None:
+    """Give the GPUs back now. A :class:`Choice` without a lease is a no-op.
+
+    Raises :class:`~gpu_exporter.client.LeaseNotFound` if the server no longer holds it
+    (released, expired, or let go once the job's work showed on its GPUs).
+    """
+    lease_id, base = _lease_ref(choice_or_id, url)
+    if lease_id is None:
+        return
+    request("DELETE", base, _lease_path(lease_id), timeout=timeout, lease_endpoint=True)
+
+
+def renew(
+    choice_or_id: Choice | Lease | str,
+    ttl: Duration | None = None,
+    url: str | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+) -> Lease:
+    """Extend the lease to ``ttl`` from now (the server's default when None); the new lease.
+
+    Raises :class:`~gpu_exporter.client.LeaseNotFound` once the lease has ended; if it
+    expired, its GPUs may be someone else's by then (see
+    :class:`~gpu_exporter.client.LeaseKeeper`).
+    """
+    lease_id, base = _lease_ref(choice_or_id, url)
+    if lease_id is None:
+        raise GpuExporterError("nothing to renew: this choice holds no lease")
+    params = {"ttl": format_duration(ttl)} if ttl is not None else None
+    resp = request(
+        "POST",
+        base,
+        _lease_path(lease_id, "/renew"),
+        params,
+        timeout=timeout,
+        lease_endpoint=True,
+    )
+    return Lease.from_json(json_body(resp, f"{base}/leases/{lease_id}/renew"))
+
+
+def leases(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> list[Lease]:
+    """Every lease the server holds now."""
+    base = resolve_url(url)
+    data = json_body(request("GET", base, "/leases", timeout=timeout), f"{base}/leases")
+    try:
+        return [Lease.from_json(item) for item in data["leases"]]
+    except (KeyError, TypeError) as exc:
+        raise GpuExporterError(f"unexpected answer from {base}/leases: {data!r}") from exc
+
+
+def _lease_ref(choice_or_id: Choice | Lease | str, url: str | None) -> tuple[str | None, str]:
+    if isinstance(choice_or_id, Choice):
+        return choice_or_id.lease_id, url or choice_or_id.url
+    if isinstance(choice_or_id, Lease):
+        return choice_or_id.id, resolve_url(url)
+    return choice_or_id, resolve_url(url)
+
+
+def _lease_path(lease_id: str, suffix: str = "") -> str:
+    return "/leases/" + urllib.parse.quote(lease_id, safe="") + suffix

@@ -1,0 +1,270 @@
+"""The client's one HTTP stack: where the server is, one exchange with it, and its errors.
+
+Standard library only, and ``urllib.request`` is imported on the first request, not before, so
+``gpu-exporter --help`` and ``import gpu_exporter.client`` stay cheap. Everything the client
+asks goes through :func:`send`: an exporter's endpoints through :func:`request` (with basic
+auth from ``$GPU_EXPORTER_USER``/``$GPU_EXPORTER_PASSWORD``, and an error status raised as the
+matching :class:`ServerError`), Prometheus and the fleet's ``/gpus`` through
+:mod:`gpu_exporter.client.fleet`. A loopback address is never sent through a proxy.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Final
+
+DEFAULT_URL: Final = "http://localhost:9400"
+URL_ENV: Final = "GPU_EXPORTER_URL"
+USER_ENV: Final = "GPU_EXPORTER_USER"
+PASSWORD_ENV: Final = "GPU_EXPORTER_PASSWORD"
+DEFAULT_TIMEOUT_SECONDS: Final = 10.0
+USER_AGENT: Final = "gpu-exporter-client"
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+class GpuExporterError(Exception):
+    """Anything that kept GPUs from being chosen, renewed or released."""
+
+
+class GpuExporterWarning(RuntimeWarning):
+    """A choice was made, but something about it deserves attention (no lease, CUDA already up)."""
+
+
+class ServerUnreachable(GpuExporterError):
+    """No answer from the server: not running, wrong URL, or too slow."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url = url
+        self.reason = reason
+        super().__init__(
+            f"cannot reach gpu-exporter at {url}: {reason} "
+            f"(is it running? the URL comes from --url, ${URL_ENV} or {DEFAULT_URL})"
+        )
+
+
+class ServerError(GpuExporterError):
+    """The server answered with an error. ``str()`` is the server's message."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        url: str | None = None,
+    ) -> None:
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.url = url
+        super().__init__(message)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(status={self.status}, code={self.code!r}, "
+            f"message={self.message!r}, param={self.param!r})"
+        )
+
+
+class NoGpusAvailable(ServerError):
+    """Fewer GPUs qualify than were asked for (503 ``not_enough_gpus``); the message says why."""
+
+
+class LeaseNotFound(ServerError):
+    """The lease is not (or no longer) held: released already, or expired (404)."""
+
+
+def error_from_response(
+    status: int, body: bytes, *, url: str | None = None, lease_endpoint: bool = False
+) -> ServerError:
+    """The exception for an error answer: a JSON ``{"error": {...}}`` body or one plain line.
+
+    >>> e = error_from_response(503, b'{"error": {"code": "not_enough_gpus", "message": "0 of 2"}}')
+    >>> type(e).__name__, e.status, e.code, str(e)
+    ('NoGpusAvailable', 503, 'not_enough_gpus', '0 of 2')
+    >>> e = error_from_response(400, b"error: n must be a whole number\\n")
+    >>> type(e).__name__, e.code, e.message
+    ('ServerError', None, 'n must be a whole number')
+    """
+    code = param = None
+    message = ""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        code = str_or_none(error.get("code"))
+        param = str_or_none(error.get("param"))
+        message = str(error.get("message") or "")
+    elif text:
+        message = text.splitlines()[0].removeprefix("error:").strip()
+    if not message:
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = ""
+        message = f"HTTP {status} {phrase}".strip()
+    cls: type[ServerError] = ServerError
+    if status == 503 and code == "not_enough_gpus":
+        cls = NoGpusAvailable
+    elif status == 404 and lease_endpoint:
+        cls = LeaseNotFound
+    return cls(status, message, code=code, param=param, url=url)
+
+
+def str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+# -- where, and one exchange -------------------------------------------------------------
+
+
+def resolve_url(url: str | None = None) -> str:
+    """The server to ask: ``url``, else ``$GPU_EXPORTER_URL``, else ``http://localhost:9400``.
+
+    A bare ``host:port`` gets ``http://``; a trailing slash is dropped.
+
+    >>> resolve_url("gpuhost:9400/")
+    'http://gpuhost:9400'
+    """
+    chosen = url or os.environ.get(URL_ENV) or DEFAULT_URL
+    chosen = chosen.strip().rstrip("/")
+    if "://" not in chosen:
+        chosen = "http://" + chosen
+    return chosen
+
+
+def is_loopback(host: str | None) -> bool:
+    """``127.0.0.1``, ``::1``, ``localhost``: yes; every interface ("", None) and names: no."""
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        """A header's value (any case), None when absent or empty."""
+        for key, value in self.headers.items():
+            if key.lower() == name.lower():
+                return value.strip() or None
+        return None
+
+
+def send(
+    method: str,
+    url: str,
+    *,
+    timeout: float,
+    credentials: bool = True,
+    user_agent: str = USER_AGENT,
+    server: str | None = None,
+) -> Response:
+    """One HTTP exchange; every status comes back as a :class:`Response`.
+
+    ``credentials``: send basic auth from the environment (to an exporter, never elsewhere).
+    Raises :class:`ServerUnreachable` (naming ``server``, else the URL's origin) when nothing
+    answers in ``timeout`` seconds.
+    """
+    import http.client  # here, not at the top: `gpu-exporter --help` need not load them
+    import urllib.error
+    import urllib.request
+
+    split = urllib.parse.urlsplit(url)
+    server = server or f"{split.scheme}://{split.netloc}"
+    req = urllib.request.Request(
+        url,
+        data=b"" if method in ("POST", "PUT") else None,
+        method=method,
+        headers={
+            "Accept": "application/json",
+            "User-Agent": user_agent,
+            **(_credentials() if credentials else {}),
+        },
+    )
+    handlers: list[urllib.request.BaseHandler] = []
+    if is_loopback(split.hostname):
+        handlers.append(urllib.request.ProxyHandler({}))  # never send localhost to a proxy
+    opener = urllib.request.build_opener(*handlers)
+    try:
+        with opener.open(req, timeout=timeout) as resp:
+            return Response(resp.status, dict(resp.headers.items()), resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            body = exc.read()
+        except OSError:
+            body = b""
+        finally:
+            exc.close()
+        return Response(exc.code, dict(exc.headers.items()) if exc.headers else {}, body)
+    except urllib.error.URLError as exc:
+        raise ServerUnreachable(server, _reason(exc.reason, timeout)) from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise ServerUnreachable(server, _reason(exc, timeout)) from None
+
+
+def request(
+    method: str,
+    base: str,
+    path: str,
+    params: Mapping[str, str] | None = None,
+    *,
+    timeout: float,
+    lease_endpoint: bool = False,
+) -> Response:
+    """One exchange with the exporter at ``base``; an error status raises a :class:`ServerError`."""
+    url = base + path + ("?" + urllib.parse.urlencode(params) if params else "")
+    resp = send(method, url, timeout=timeout, server=base)
+    if resp.status >= 400:
+        raise error_from_response(resp.status, resp.body, url=base, lease_endpoint=lease_endpoint)
+    return resp
+
+
+def json_body(resp: Response, what: str) -> Any:
+    """The answer's JSON; anything else is a :class:`GpuExporterError` naming ``what``."""
+    try:
+        return json.loads(resp.body)
+    except ValueError:
+        raise GpuExporterError(f"{what}: expected JSON, got {resp.body[:200]!r}") from None
+
+
+def _credentials() -> dict[str, str]:
+    """An ``Authorization`` header from ``$GPU_EXPORTER_USER``/``$GPU_EXPORTER_PASSWORD``."""
+    import base64
+
+    user = os.environ.get(USER_ENV)
+    if not user:
+        return {}
+    token = f"{user}:{os.environ.get(PASSWORD_ENV, '')}".encode()
+    return {"Authorization": "Basic " + base64.b64encode(token).decode("ascii")}
+
+
+def _reason(exc: object, timeout: float) -> str:
+    if isinstance(exc, TimeoutError):  # socket.timeout is TimeoutError
+        return f"no answer within {timeout:g} s"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
