@@ -29,6 +29,7 @@ from flask import Flask
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.registry import Collector
 
+from gpu_exporter import __version__
 from gpu_exporter.choose.claim import Claimer, Waiters
 from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.clock import Clock, SystemClock
@@ -204,7 +205,7 @@ def build(
         xids=xids,
         pcie=pcie,
         process_series_limit=config.process_series_limit,
-        **({"version": version} if version is not None else {}),
+        version=version if version is not None else __version__,
     )
     registry.register(gpu_collector)
     # Collectors rendered on every scrape, after the cached GPU part; same order as registered.

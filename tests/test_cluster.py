@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pytest
 
+from conftest import build_stack
 from gpu_exporter import client
 from gpu_exporter.choose.fleet import Fleet, Host, rank_fleet
 from gpu_exporter.choose.params import ApiError, parse_cluster_args
@@ -21,6 +24,8 @@ from gpu_exporter.client.fleet import (
     http_claimer,
     place,
 )
+from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.web.cluster import ClusterService
 
 NOW = 1_800_000_000.0
 GIB = 2**30
@@ -571,3 +576,45 @@ def test_serve_refuses_a_selector_that_is_not_label_matchers(
         main(["serve", "--prometheus-url", "p:9090", "--prometheus-selector", "up or vector(1)"])
     assert info.value.code == 2
     assert "--prometheus-selector: expected label matchers" in capsys.readouterr().err
+
+
+# -- /cluster/choose waits as /choose does -------------------------------------------------
+
+
+def cluster_stack(**config: Any) -> Any:
+    """An exporter serving /cluster/choose over a fleet where no GPU qualifies (all busy)."""
+    s = build_stack(lambda c: SimulatedNvml.with_gpus(1, clock=c.monotonic), **config)
+    busy = host_results({"a:9400": gpu("a:9400", 0, util=0.9)})
+    s.daemon.services.cluster = ClusterService("prom:9090", fetch=fake_fetch({"prometheus": busy}))
+    return s
+
+
+def test_cluster_waiters_take_the_same_slots_as_choose_waiters() -> None:
+    s = cluster_stack(max_waiters=0)
+    resp = s.client.get("/cluster/choose?n=1&max_util=10%&wait=6s&format=json")
+    assert resp.status_code == 503
+    assert resp.get_json()["error"]["code"] == "too_many_waiters"
+    assert s.daemon.rejections.counts() == {"too_many_waiters": 1}
+    assert s.daemon.services.waiters.active == 0
+
+
+def test_shutdown_ends_a_waiting_cluster_choice_at_once() -> None:
+    s = cluster_stack()
+    answers: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: answers.append(
+            s.client.get("/cluster/choose?n=1&max_util=10%&wait=1m&format=json")
+        )
+    )
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while s.daemon.services.waiters.active == 0:  # it waits for GPUs, holding a slot
+        assert time.monotonic() < deadline, "the cluster choice never started waiting"
+        time.sleep(0.01)
+    stopped_at = time.monotonic()
+    s.daemon.stopping.set()
+    waiter.join(10)
+    assert time.monotonic() - stopped_at < 1.0
+    assert answers[0].status_code == 503
+    assert answers[0].get_json()["error"]["code"] == "shutting_down"
+    assert s.daemon.services.waiters.active == 0

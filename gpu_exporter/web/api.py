@@ -90,7 +90,7 @@ def cluster_choose_route() -> Response:
             "not_configured",
             "this exporter has no fleet view: start it with --prometheus-url",
         )
-    result = cluster.choose(request.args.to_dict())
+    result = cluster.choose(request.args.to_dict(), services().waiters)
     fmt = req.choose.format
     if fmt == "json":
         resp = jsonify(result.to_json())

@@ -2,15 +2,19 @@
 
 The choosing itself is the client's (:func:`gpu_exporter.client.fleet.choose_fleet`): the
 exporter reads the fleet from Prometheus and claims on the chosen host's ``/choose``, exactly as
-``gpu-exporter choose --prometheus`` would.
+``gpu-exporter choose --prometheus`` would. Waiting (``wait=``) is the same as ``/choose``'s:
+it takes one of the shared ``--max-waiters`` slots (:class:`~gpu_exporter.choose.claim.Waiters`)
+and ends at once with ``shutting_down`` when the exporter stops.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpu_exporter.client.fleet import ClusterChoice, choose_fleet
+from gpu_exporter.choose.claim import Waiters
+from gpu_exporter.client.fleet import ClusterChoice, Fetch, choose_fleet, http_get_json
 from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS
 
 
@@ -21,8 +25,26 @@ class ClusterService:
     prometheus: str
     selector: str = ""  # label matchers narrowing the fleet (--prometheus-selector)
     timeout: float = DEFAULT_TIMEOUT_SECONDS
+    fetch: Fetch = http_get_json  # how Prometheus and the hosts are read
 
-    def choose(self, args: Mapping[str, str]) -> ClusterChoice:
-        return choose_fleet(
-            args, prometheus=self.prometheus, selector=self.selector, timeout=self.timeout
-        )
+    def choose(self, args: Mapping[str, str], waiters: Waiters) -> ClusterChoice:
+        """Choose and claim for ``args``; waits between fleet reads as a waiter of ``waiters``."""
+        with contextlib.ExitStack() as slot:
+            waiting = False
+
+            def pause(seconds: float) -> None:
+                nonlocal waiting
+                waiters.check()
+                if not waiting:  # the first pause: from now on this request waits for GPUs
+                    slot.enter_context(waiters.slot())
+                    waiting = True
+                waiters.sleep(seconds)
+
+            return choose_fleet(
+                args,
+                prometheus=self.prometheus,
+                selector=self.selector,
+                timeout=self.timeout,
+                fetch=self.fetch,
+                sleep=pause,
+            )
