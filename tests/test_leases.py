@@ -468,8 +468,7 @@ def _wait_for_queue(s: Stack, length: int) -> None:
 
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        with s.leases.changed:
-            if len(s.leases._queue) >= length:
-                return
+        if s.leases.queued >= length:
+            return
         time.sleep(0.01)
     raise AssertionError("waiter did not queue")

@@ -305,6 +305,12 @@ class LeaseTable:
             return lease
 
     # -- the queue of claimers ----------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Claimers in the queue now: being served, waiting for their turn or for GPUs."""
+        with self._lock:
+            return len(self._queue)
+
     def enqueue(self) -> object:
         """Join the queue of claimers; the returned ticket must be passed to :meth:`dequeue`."""
         ticket = object()

@@ -267,6 +267,13 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
         self._thread.start()
 
+    def stuck(self) -> tuple[str, ...]:
+        """The workers whose NVML call is still running past its deadline or in flight now:
+        ``"library"`` and ``"gpu<index>"``. A stuck one takes no new call until it returns."""
+        workers = {"library": self._library}
+        workers.update((f"gpu{index}", w) for index, w in sorted(self._gpu_workers.items()))
+        return tuple(name for name, worker in workers.items() if worker.busy)
+
     def stop(self, timeout_seconds: float = 5.0) -> None:
         """Stop sampling and shut NVML down, within about ``timeout_seconds`` in all.
 
