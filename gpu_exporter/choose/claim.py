@@ -27,7 +27,7 @@ from typing import Protocol
 
 from gpu_exporter.choose.leases import Lease, LeaseTable
 from gpu_exporter.choose.params import ApiError, ChooseRequest
-from gpu_exporter.choose.rank import Choice, NotEnoughGpus, Window
+from gpu_exporter.choose.rank import NotEnoughGpus, Selection, Window
 from gpu_exporter.clock import Clock
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.model import Snapshot
@@ -137,7 +137,7 @@ class Claimed:
     """A served ``/choose``: what was chosen, the lease (None for advice), and from which
     sample, with the monotonic time it was read at (for the sample's age)."""
 
-    choice: Choice
+    choice: Selection
     lease: Lease | None
     snapshot: Snapshot
     monotonic_now: float

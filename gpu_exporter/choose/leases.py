@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpu_exporter.choose.rank import Choice, Filters, Window, choose
+from gpu_exporter.choose.rank import Filters, Selection, Window, choose
 from gpu_exporter.clock import Clock
 from gpu_exporter.model import GpuSample, Snapshot, all_devices
 
@@ -226,7 +226,7 @@ class LeaseTable:
         owner: str | None = None,
         sort: str = "free",
         window: Window | None = None,
-    ) -> tuple[Choice, Lease | None]:
+    ) -> tuple[Selection, Lease | None]:
         """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them.
 
         Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`LeaseError`.

@@ -79,7 +79,10 @@ class Ranking:
 
 
 @dataclass(frozen=True, slots=True)
-class Choice:
+class Selection:
+    """What :func:`choose` picked, and why every other GPU was not picked. (The client's
+    :class:`gpu_exporter.client.Choice` is what a caller gets back over HTTP.)"""
+
     chosen: tuple[GpuSample, ...]  # best first, exactly as many as requested
     not_chosen: tuple[Rejected, ...]  # every other GPU, each with its reasons
 
@@ -317,7 +320,7 @@ def choose(
     sort: str = "free",
     window: Window | None = None,
     leased: Mapping[str, str] | None = None,
-) -> Choice:
+) -> Selection:
     """The ``n`` best qualifying GPUs; raises :class:`NotEnoughGpus` if fewer qualify."""
     if n < 1:
         raise ValueError("n must be at least 1")
@@ -333,4 +336,4 @@ def choose(
         ranking.rejected + passed_over,
         key=lambda r: (r.gpu.index, r.gpu.is_mig_device, _instance_order(r.gpu)),
     )
-    return Choice(chosen, tuple(not_chosen))
+    return Selection(chosen, tuple(not_chosen))

@@ -21,7 +21,7 @@ from gpu_exporter.choose.params import (
     parse_cluster_args,
     parsed,
 )
-from gpu_exporter.choose.rank import Choice, Rejected, score
+from gpu_exporter.choose.rank import Rejected, Selection, score
 from gpu_exporter.units import parse_duration
 from gpu_exporter.web.pages import gpu_json
 from gpu_exporter.web.services import services
@@ -33,7 +33,7 @@ def _rejected_json(r: Rejected) -> dict[str, Any]:
     return {"index": r.gpu.index, "uuid": r.gpu.uuid, "reasons": list(r.reasons)}
 
 
-def choice_text(choice: Choice, lease: Lease | None, fmt: str) -> str:
+def choice_text(choice: Selection, lease: Lease | None, fmt: str) -> str:
     """The text formats of a successful ``/choose``, newline-terminated."""
     uuids = ",".join(g.uuid for g in choice.chosen)
     if fmt == "index":
