@@ -277,7 +277,6 @@ PARAMS: tuple[Param, ...] = (
 BY_NAME: Mapping[str, Param] = {p.name: p for p in PARAMS}
 CHOOSE_PARAMS = tuple(p.name for p in PARAMS if p.choose)
 CLUSTER_PARAMS = tuple(p.name for p in PARAMS if p.cluster)
-FILTERS = tuple(p.name for p in PARAMS if p.filter)
 LOCAL_FILTERS = tuple(p.name for p in PARAMS if p.local)
 POINT_FILTERS = tuple(p.name for p in PARAMS if p.recheck)
 
