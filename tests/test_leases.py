@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import FakeClock, Stack, build_stack, sim_of
-from gpu_exporter.choose.leases import ARRIVAL_BYTES, LeaseError, LeaseTable
+from gpu_exporter.choose.lease import ARRIVAL_BYTES
+from gpu_exporter.choose.leases import LeaseError, LeaseTable
 from gpu_exporter.choose.rank import Filters, NotEnoughGpus
 from gpu_exporter.simulate import Fault, Load, SimGpu
 from gpu_exporter.web.server import Server

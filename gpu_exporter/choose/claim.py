@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpu_exporter.choose.leases import Lease, LeaseTable
+from gpu_exporter.choose.lease import Lease
+from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.params import ApiError, ChooseRequest
 from gpu_exporter.choose.rank import NotEnoughGpus, Selection, Window
 from gpu_exporter.clock import Clock

@@ -1,46 +1,32 @@
 """Leases: ``/choose`` selects AND claims GPUs under one lock, so concurrent jobs never share.
 
-A lease holds GPUs (by UUID) until the first of:
-
-* it is released (``DELETE /leases/<id>``) or its TTL runs out (``POST …/renew`` extends it);
-* the claimant's work shows up on that GPU — a new compute process, or memory use up by more
-  than :data:`ARRIVAL_BYTES` since the lease began — after which NVML's own figures keep
-  other jobs away and the lease is no longer needed for that GPU;
-* the GPU disappears or goes down (reported in the log and in
-  ``gpu_exporter_leases_dropped_total``).
-
-The table is written to ``<state-dir>/leases.json`` (atomically: temporary file, fsync,
-rename) on every change and read back at start, so a restart never re-issues GPUs that were
-just handed out. Expiry uses the wall clock for that reason.
+What a lease is and what ends it early is :mod:`gpu_exporter.choose.lease`'s. The table is
+written to ``<state-dir>/leases.json`` (:mod:`gpu_exporter.choose.statefile`) on every change
+and read back at start, so a restart never re-issues GPUs that were just handed out. Expiry
+uses the wall clock for that reason.
 
 Reads never change the table (a scrape must not fsync ``leases.json`` or wake waiters): they
-show what :func:`settle` would keep, and :meth:`~LeaseTable.prune` commits it on every
-published sample (the daemon subscribes it to the snapshot cache) and before each change.
+show what :func:`~gpu_exporter.choose.lease.settle` would keep, and
+:meth:`~LeaseTable.prune` commits it on every published sample (the daemon subscribes it to
+the snapshot cache) and before each change.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
 import secrets
-import tempfile
 import threading
 from collections import Counter, deque
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
+from gpu_exporter.choose.lease import Held, Lease, settle
 from gpu_exporter.choose.rank import Filters, Selection, Window, choose
+from gpu_exporter.choose.statefile import StateFile
 from gpu_exporter.clock import Clock
-from gpu_exporter.model import GpuSample, Snapshot, all_devices
+from gpu_exporter.model import Snapshot
 
 log = logging.getLogger(__name__)
-
-ARRIVAL_BYTES = 256 * 2**20  # a memory rise this large means the claimant's job has started
-STATE_VERSION = 1
 
 
 class LeaseError(Exception):
@@ -52,120 +38,6 @@ class LeaseError(Exception):
         self.code = code
         self.message = message
         self.param = param
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """One GPU inside a lease, with what it looked like when it was claimed."""
-
-    uuid: str
-    index: int
-    processes_at_claim: int | None
-    memory_used_at_claim: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    id: str
-    gpus: tuple[Held, ...]
-    created_at: float  # Unix time
-    expires_at: float
-    requester: str  # client address
-    owner: str | None = None  # free-form label from ?owner=
-
-    @property
-    def uuids(self) -> tuple[str, ...]:
-        return tuple(g.uuid for g in self.gpus)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "gpus": list(self.uuids),
-            "indices": [g.index for g in self.gpus],
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-            "requester": self.requester,
-            "owner": self.owner,
-        }
-
-    def to_state(self) -> dict[str, Any]:
-        return {
-            **self.to_json(),
-            "held": [
-                [g.uuid, g.index, g.processes_at_claim, g.memory_used_at_claim] for g in self.gpus
-            ],
-        }
-
-    @classmethod
-    def from_state(cls, data: dict[str, Any]) -> Lease:
-        return cls(
-            id=str(data["id"]),
-            gpus=tuple(Held(str(u), int(i), p, m) for u, i, p, m in data["held"]),
-            created_at=float(data["created_at"]),
-            expires_at=float(data["expires_at"]),
-            requester=str(data["requester"]),
-            owner=data.get("owner"),
-        )
-
-
-def _arrived(held: Held, gpu: GpuSample) -> bool:
-    procs, used = gpu.compute_processes, gpu.memory_used_bytes
-    if (
-        procs is not None
-        and held.processes_at_claim is not None
-        and procs > held.processes_at_claim
-    ):
-        return True
-    if used is not None and held.memory_used_at_claim is not None:
-        return used - held.memory_used_at_claim >= ARRIVAL_BYTES
-    return False
-
-
-@dataclass(frozen=True, slots=True)
-class Drop:
-    """One GPU let go from a lease before its expiry, and why: gone, down or arrived."""
-
-    lease_id: str
-    uuid: str
-    reason: str
-
-
-def settle(
-    leases: Mapping[str, Lease], snapshot: Snapshot | None, now: float
-) -> tuple[dict[str, Lease], list[Drop]]:
-    """The leases still in force at wall time ``now`` after ``snapshot``, and the GPUs it let go.
-
-    Pure: the table's reads show the result, :meth:`LeaseTable.prune` commits it. A snapshot
-    taken before a lease began says nothing about that lease's GPUs.
-    """
-    live = {lease.id: lease for lease in leases.values() if lease.expires_at > now}
-    if snapshot is None or not snapshot.nvml_up:
-        return live, []
-    by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
-    kept: dict[str, Lease] = {}
-    drops: list[Drop] = []
-    for lease in live.values():
-        if snapshot.taken_at_seconds <= lease.created_at:
-            kept[lease.id] = lease
-            continue
-        keep = []
-        for held in lease.gpus:
-            gpu = by_uuid.get(held.uuid)
-            reason = (
-                "gone" if gpu is None
-                else "down" if not gpu.up
-                else "arrived" if _arrived(held, gpu)
-                else None
-            )  # fmt: skip
-            if reason is None:
-                keep.append(held)
-            else:
-                drops.append(Drop(lease.id, held.uuid, reason))
-        if len(keep) == len(lease.gpus):
-            kept[lease.id] = lease
-        elif keep:
-            kept[lease.id] = replace(lease, gpus=tuple(keep))
-    return kept, drops
 
 
 class LeaseTable:
@@ -180,7 +52,7 @@ class LeaseTable:
         max_gpus_per_requester: int = 0,
     ) -> None:
         self._clock = clock
-        self._state_file = state_file
+        self._state = StateFile(state_file) if state_file is not None else None
         self.max_ttl_seconds = max_ttl_seconds
         self.max_gpus_per_requester = max_gpus_per_requester
         self._leases: dict[str, Lease] = {}
@@ -189,8 +61,8 @@ class LeaseTable:
         self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
         self._queue: deque[object] = deque()  # claimers, first come first served
         self._waiting: set[object] = set()  # claimers that failed once and are waiting
-        if state_file is not None:
-            self._load(state_file)
+        if self._state is not None:
+            self._load(self._state)
 
     # -- queries: they never change the table, save it or wake anyone -----------------------
     def active(self, snapshot: Snapshot | None = None) -> tuple[Lease, ...]:
@@ -366,41 +238,11 @@ class LeaseTable:
         self.changed.notify_all()
 
     def _save(self) -> None:
-        if self._state_file is None:
-            return
-        data = {"version": STATE_VERSION, "leases": [x.to_state() for x in self._leases.values()]}
-        try:
-            _write_atomically(self._state_file, json.dumps(data, indent=1))
-        except OSError as exc:
-            log.error("cannot save leases to %s: %s", self._state_file, exc)
+        if self._state is not None:
+            self._state.save(self._leases.values())
 
-    def _load(self, path: Path) -> None:
-        try:
-            data = json.loads(path.read_text())
-            leases = [Lease.from_state(x) for x in data["leases"]]
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            bad = path.with_suffix(".corrupt")
-            log.error("cannot read leases from %s (%s); moved it to %s", path, exc, bad)
-            with contextlib.suppress(OSError):
-                path.replace(bad)
-            return
+    def _load(self, state: StateFile) -> None:
         now = self._clock.time()
-        self._leases = {x.id: x for x in leases if x.expires_at > now}
-        log.info("restored %d active leases from %s", len(self._leases), path)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        self._leases = {x.id: x for x in state.load() if x.expires_at > now}
+        if self._leases:
+            log.info("restored %d active leases from %s", len(self._leases), state.path)

@@ -11,7 +11,8 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 
-from gpu_exporter.choose.leases import Lease, LeaseError
+from gpu_exporter.choose.lease import Lease
+from gpu_exporter.choose.leases import LeaseError
 from gpu_exporter.choose.params import (
     DEFAULT_LEASE_SECONDS,
     ApiError,

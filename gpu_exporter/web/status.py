@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_exporter.choose.leases import Lease
+from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.rank import Filters, rank
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import format_bytes

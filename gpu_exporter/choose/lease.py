@@ -1,0 +1,138 @@
+"""One lease as data, and :func:`settle`: which leases and GPUs are still in force.
+
+A lease holds GPUs (by UUID) until the first of:
+
+* it is released (``DELETE /leases/<id>``) or its TTL runs out (``POST …/renew`` extends it);
+* the claimant's work shows up on that GPU — a new compute process, or memory use up by more
+  than :data:`ARRIVAL_BYTES` since the lease began — after which NVML's own figures keep
+  other jobs away and the lease is no longer needed for that GPU;
+* the GPU disappears or goes down (reported in the log and in
+  ``gpu_exporter_leases_dropped_total``).
+
+Pure data and pure functions: :class:`~gpu_exporter.choose.leases.LeaseTable` holds the
+lock, and :mod:`gpu_exporter.choose.statefile` the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gpu_exporter.model import GpuSample, Snapshot, all_devices
+
+ARRIVAL_BYTES = 256 * 2**20  # a memory rise this large means the claimant's job has started
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One GPU inside a lease, with what it looked like when it was claimed."""
+
+    uuid: str
+    index: int
+    processes_at_claim: int | None
+    memory_used_at_claim: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    id: str
+    gpus: tuple[Held, ...]
+    created_at: float  # Unix time
+    expires_at: float
+    requester: str  # client address
+    owner: str | None = None  # free-form label from ?owner=
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(g.uuid for g in self.gpus)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "gpus": list(self.uuids),
+            "indices": [g.index for g in self.gpus],
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "requester": self.requester,
+            "owner": self.owner,
+        }
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            **self.to_json(),
+            "held": [
+                [g.uuid, g.index, g.processes_at_claim, g.memory_used_at_claim] for g in self.gpus
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, data: dict[str, Any]) -> Lease:
+        return cls(
+            id=str(data["id"]),
+            gpus=tuple(Held(str(u), int(i), p, m) for u, i, p, m in data["held"]),
+            created_at=float(data["created_at"]),
+            expires_at=float(data["expires_at"]),
+            requester=str(data["requester"]),
+            owner=data.get("owner"),
+        )
+
+
+def _arrived(held: Held, gpu: GpuSample) -> bool:
+    procs, used = gpu.compute_processes, gpu.memory_used_bytes
+    if (
+        procs is not None
+        and held.processes_at_claim is not None
+        and procs > held.processes_at_claim
+    ):
+        return True
+    if used is not None and held.memory_used_at_claim is not None:
+        return used - held.memory_used_at_claim >= ARRIVAL_BYTES
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """One GPU let go from a lease before its expiry, and why: gone, down or arrived."""
+
+    lease_id: str
+    uuid: str
+    reason: str
+
+
+def settle(
+    leases: Mapping[str, Lease], snapshot: Snapshot | None, now: float
+) -> tuple[dict[str, Lease], list[Drop]]:
+    """The leases still in force at wall time ``now`` after ``snapshot``, and the GPUs it let go.
+
+    Pure: the table's reads show the result, :meth:`LeaseTable.prune` commits it. A snapshot
+    taken before a lease began says nothing about that lease's GPUs.
+    """
+    live = {lease.id: lease for lease in leases.values() if lease.expires_at > now}
+    if snapshot is None or not snapshot.nvml_up:
+        return live, []
+    by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
+    kept: dict[str, Lease] = {}
+    drops: list[Drop] = []
+    for lease in live.values():
+        if snapshot.taken_at_seconds <= lease.created_at:
+            kept[lease.id] = lease
+            continue
+        keep = []
+        for held in lease.gpus:
+            gpu = by_uuid.get(held.uuid)
+            reason = (
+                "gone" if gpu is None
+                else "down" if not gpu.up
+                else "arrived" if _arrived(held, gpu)
+                else None
+            )  # fmt: skip
+            if reason is None:
+                keep.append(held)
+            else:
+                drops.append(Drop(lease.id, held.uuid, reason))
+        if len(keep) == len(lease.gpus):
+            kept[lease.id] = lease
+        elif keep:
+            kept[lease.id] = replace(lease, gpus=tuple(keep))
+    return kept, drops
