@@ -471,10 +471,27 @@ def test_release_gives_back_the_lease_in_gpu_lease(exporter: Served) -> None:
     proc = cli("release", env={**os.environ, "GPU_LEASE": lease})
     assert finish(proc) == (0, "", "")
     assert lease not in exporter.lease_ids()
-    # Twice: the lease is gone, which is its own exit status and one line.
+    # Twice: the job is over either way, so a script ending in `release` still succeeds,
+    # with one line saying nothing was released; --strict makes it its own exit status.
     status, out, err = run("release", lease)
+    assert status == 0 and out == ""
+    assert err.startswith("gpu-exporter: note: nothing to release: ") and err.count("\n") == 1
+    status, out, err = run("release", "--strict", lease)
     assert status == 4 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_a_lease_records_who_asked_by_default(
+    exporter: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --owner the login name goes with the claim, so the status page says who
+    holds what; --owner '' sends none."""
+    monkeypatch.setenv("LOGNAME", "alice")
+    assert main(["choose", "-n", "1"]) == 0
+    assert exporter.requests[-1][2]["owner"] == "alice"
+    assert {lease.owner for lease in exporter.daemon.leases.active()} == {"alice"}
+    assert main(["choose", "-n", "1", "--owner", ""]) == 0
+    assert "owner" not in exporter.requests[-1][2]
 
 
 def test_release_without_a_lease_is_a_usage_error(exporter: Served) -> None:

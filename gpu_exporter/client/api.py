@@ -8,6 +8,7 @@ to both.
 
 from __future__ import annotations
 
+import getpass
 import json
 import math
 import urllib.parse
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final, TypeAlias
 
-from gpu_exporter.choose.params import BY_NAME
+from gpu_exporter.choose.params import BY_NAME, MAX_OWNER_CHARS
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,
     URL_ENV,
@@ -34,6 +35,17 @@ Duration: TypeAlias = str | float | timedelta
 """``"90s"``, ``"10m"``, ``"500ms"``, a number of seconds, or a :class:`~datetime.timedelta`."""
 FilterValue: TypeAlias = str | int | float | Iterable[str | int] | None
 """A ``/choose`` filter value; an iterable is sent comma-separated, ``None`` not at all."""
+
+
+def default_owner() -> str | None:
+    """The login name (``$LOGNAME``/``$USER``, else the password database), so the status page
+    and ``/leases`` say who holds what; None where there is none, or it is no valid label."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError, ImportError):  # a container user with no passwd entry
+        return None
+    ok = 0 < len(name) <= MAX_OWNER_CHARS and name.isprintable()
+    return name if ok else None
 
 
 # -- results -----------------------------------------------------------------------------
@@ -203,7 +215,8 @@ def choose_params(
         params["lease"] = format_duration(lease)
     if wait is not None:
         params["wait"] = format_duration(wait)
-    if owner is not None:
+    owner = default_owner() if owner is None else owner
+    if owner:  # "" sends none
         params["owner"] = owner
     for name, value in filters.items():
         if name in BY_NAME and BY_NAME[name].choose and not BY_NAME[name].filter:

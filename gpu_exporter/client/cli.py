@@ -2,7 +2,8 @@
 
 ``choose`` prints exactly what the server's ``/choose`` prints, so it drops into scripts::
 
-    eval "$(gpu-exporter choose -n 2 --format env)"   # CUDA_VISIBLE_DEVICES, GPU_LEASE, …
+    env=$(gpu-exporter choose -n 2 --format env) || exit 1
+    eval "$env"   # CUDA_VISIBLE_DEVICES, GPU_LEASE, …
 
 ``run`` leases GPUs for as long as a command runs, and no longer (:mod:`gpu_exporter.client.run`)::
 
@@ -92,7 +93,13 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DURATION",
         help="wait up to this long for enough GPUs to qualify, e.g. 10m (default: fail at once)",
     )
-    parser.add_argument("--owner", default=None, metavar="LABEL", help="a label for the lease")
+    parser.add_argument(
+        "--owner",
+        default=None,
+        metavar="LABEL",
+        help="who holds the lease, shown on the status page and in /leases "
+        "(default: your login name; '' for none)",
+    )
     fleet = parser.add_argument_group(
         "across hosts (instead of --url): all N GPUs on one host, leased by its exporter"
     )
@@ -271,9 +278,10 @@ def add_release_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "release",
         help="give leased GPUs back now",
         description="Release a lease before it expires, e.g. at the end of a job script that "
-        'ran eval "$(gpu-exporter choose --format env)".',
-        epilog="Exit status: 0 released, 4 no such lease (expired, released, or let go once "
-        "the job's work showed on its GPUs), 1 otherwise.",
+        "took its GPUs with gpu-exporter choose --format env.",
+        epilog="Exit status: 0 released, or already ended (expired, released, or let go once "
+        "the job's work showed on its GPUs: a note on stderr); 4 already ended, with --strict; "
+        "1 otherwise.",
     )
     parser.add_argument(
         "lease",
@@ -287,6 +295,11 @@ def add_release_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         default=None,
         help=f"the gpu-exporter that granted it (default ${URL_ENV}, else {DEFAULT_URL})",
     )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 4 if the lease had already ended (default: 0, with a note)",
+    )
 
 
 def release_main(args: argparse.Namespace) -> int:
@@ -297,8 +310,12 @@ def release_main(args: argparse.Namespace) -> int:
     try:
         release(args.lease, args.url)
     except LeaseNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_NO_LEASE
+        # The job is over either way; a script ending with `gpu-exporter release` must not
+        # fail because the lease ran out or was let go a moment earlier.
+        if args.strict:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_NO_LEASE
+        print(f"gpu-exporter: note: nothing to release: {exc}", file=sys.stderr)
     except GpuExporterError as exc:
         return fail(exc)
     return 0
