@@ -18,7 +18,11 @@ RUN pip install . && rm -rf /src
 
 # The device nodes NVML opens are world-readable unless the driver was loaded with a
 # restrictive NVreg_DeviceFileMode, so root is not needed.
-RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin gpu-exporter
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin gpu-exporter \
+    && install -d -o gpu-exporter -g gpu-exporter -m 0750 /var/lib/gpu-exporter
+# Leases are kept here (mount a volume to keep them across containers); the exporter refuses
+# to start without a writable state directory, and the user has no home to default to.
+ENV GPU_EXPORTER_STATE_DIR=/var/lib/gpu-exporter
 USER 10001
 WORKDIR /
 

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir",
         default=_env("state-dir", None),
         metavar="DIR",
-        help="keep leases in DIR/leases.json so a restart never re-issues claimed GPUs "
+        help="keep leases in DIR/leases.json so a restart never re-issues claimed GPUs; DIR "
+        "must be writable and is locked: one exporter per DIR "
         "(default: $STATE_DIRECTORY as systemd sets it, else ~/.local/state/gpu-exporter)",
     )
     serve.add_argument(

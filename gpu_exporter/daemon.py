@@ -16,6 +16,7 @@ PCIe sampler, web-config watcher, exposition), :meth:`Daemon.serve` binds and se
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -32,6 +33,7 @@ from prometheus_client.registry import Collector
 from gpu_exporter import __version__
 from gpu_exporter.choose.claim import Claimer, Waiters
 from gpu_exporter.choose.leases import LeaseTable
+from gpu_exporter.choose.statefile import StateDirError, StateLock, lock_state_dir, probe_dir
 from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.background import NvmlThread
 from gpu_exporter.collect.cache import SnapshotCache, new_cache
@@ -148,18 +150,22 @@ def open_nvml(config: ServeConfig, clock: Clock) -> Nvml:
 
 
 def state_file(state_dir: str | None) -> Path | None:
-    """``<state-dir>/leases.json``, or None (with a warning) when the directory is unusable."""
+    """``<state-dir>/leases.json`` (None: leases in memory only), once the directory is made
+    and a file in it was written. Raises :class:`BuildError` when it cannot be: an exporter
+    that cannot save its leases must not hand them out."""
     if state_dir is None:
         return None
-    path = Path(state_dir)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        if not os.access(path, os.W_OK):
-            raise PermissionError(f"{path} is not writable")
-    except OSError as exc:
-        log.warning("leases will not survive a restart: cannot use --state-dir %s (%s)", path, exc)
-        return None
-    return path / "leases.json"
+        probe_dir(Path(state_dir))
+    except StateDirError as exc:
+        raise BuildError(str(exc)) from None
+    return Path(state_dir) / "leases.json"
+
+
+def listen_address(config: ServeConfig) -> str:
+    """``127.0.0.1:9400``, ``[::1]:9400`` or ``:9400`` (every interface), as configured."""
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"{host}:{config.port}"
 
 
 def build(
@@ -299,9 +305,13 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
 def serve(config: ServeConfig) -> int:
     """``gpu-exporter serve``: build, bind, start, serve until SIGTERM/SIGINT; exit status."""
     limit_malloc_arenas()
+    lock: StateLock | None = None
     try:
+        # Held until the process ends: a second exporter on this directory refuses to start.
+        if config.state_dir is not None:
+            lock = lock_state_dir(Path(config.state_dir), listen_address(config))
         daemon = build(config)
-    except BuildError as exc:
+    except (BuildError, StateDirError) as exc:
         log.error("%s", exc)
         return 2
     try:
@@ -309,6 +319,9 @@ def serve(config: ServeConfig) -> int:
     except ListenError as exc:
         log.error("%s", exc)
         return 1
+    if lock is not None:
+        with contextlib.suppress(OSError):  # only the note for a second exporter's error
+            lock.note(server.address)
 
     # NVML is initialised on the sampler thread of this (serving) process — never before a fork.
     daemon.start()

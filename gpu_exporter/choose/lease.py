@@ -67,15 +67,76 @@ class Lease:
         }
 
     @classmethod
-    def from_state(cls, data: dict[str, Any]) -> Lease:
+    def from_state(cls, data: object) -> Lease:
+        """The lease :meth:`to_state` wrote; :class:`ValueError` (and nothing else) for any entry
+        of the wrong shape or type, so one bad entry in ``leases.json`` is skipped, not served."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a lease must be an object, not {_kind(data)}")
+        held = data.get("held")
+        if not isinstance(held, list) or not held:
+            raise ValueError("'held' must be a non-empty list")
+        created_at = _timestamp(data, "created_at")
+        expires_at = _timestamp(data, "expires_at")
+        if expires_at < created_at:
+            raise ValueError("'expires_at' is before 'created_at'")
+        owner = data.get("owner")
+        if owner is not None and not isinstance(owner, str):
+            raise ValueError(f"'owner' must be a string or null, not {_kind(owner)}")
         return cls(
-            id=str(data["id"]),
-            gpus=tuple(Held(str(u), int(i), p, m) for u, i, p, m in data["held"]),
-            created_at=float(data["created_at"]),
-            expires_at=float(data["expires_at"]),
-            requester=str(data["requester"]),
-            owner=data.get("owner"),
+            id=_text(data, "id"),
+            gpus=tuple(_held(x) for x in held),
+            created_at=created_at,
+            expires_at=expires_at,
+            requester=_text(data, "requester"),
+            owner=owner,
         )
+
+
+# Bounds of the numbers a valid leases.json holds: what datetime can show, what NVML reports.
+MAX_UNIX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z
+MAX_INDEX = 2**31 - 1
+MAX_COUNT = 2**63 - 1
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _text(data: dict[Any, Any], key: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key!r} must be a non-empty string, not {_kind(value)}")
+    return value
+
+
+def _timestamp(data: dict[Any, Any], key: str) -> float:
+    value = data.get(key)
+    # bool is an int; compare before float() so that a huge int cannot overflow
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key!r} must be a number, not {_kind(value)}")
+    if not 0 <= value <= MAX_UNIX_TIME:  # also false for NaN
+        raise ValueError(f"{key!r} is not a Unix time: {value!r}")
+    return float(value)
+
+
+def _count(value: object, what: str, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise ValueError(f"{what} must be an integer from 0 to {limit}, not {value!r:.40}")
+    return value
+
+
+def _held(entry: object) -> Held:
+    if not isinstance(entry, list) or len(entry) != 4:
+        raise ValueError("each 'held' entry must be [uuid, index, processes, memory_used]")
+    uuid, index, procs, used = entry
+    if not isinstance(uuid, str) or not uuid:
+        raise ValueError(f"a held GPU's uuid must be a non-empty string, not {_kind(uuid)}")
+    return Held(
+        uuid,
+        _count(index, "a held GPU's index", MAX_INDEX),
+        None if procs is None else _count(procs, "a held GPU's process count", MAX_COUNT),
+        None if used is None else _count(used, "a held GPU's memory used", MAX_COUNT),
+    )
 
 
 def _arrived(held: Held, gpu: GpuSample) -> bool:

@@ -5,6 +5,17 @@ written to ``<state-dir>/leases.json`` (:mod:`gpu_exporter.choose.statefile`) on
 and read back at start, so a restart never re-issues GPUs that were just handed out. Expiry
 uses the wall clock for that reason.
 
+A change that holds GPUs longer (a claim, a renewal) is made only once it is saved: if
+``leases.json`` cannot be written it is rolled back and refused with 503 ``state_unwritable``.
+A change that lets GPUs go (a release, expiry, an early end) takes effect at once even then:
+the worst a restart can do with the stale file is keep those GPUs until the old expiry. While
+writes fail, :attr:`LeaseTable.state_problem` says why (``/readyz``) and every published
+sample tries the write again, so readiness comes back by itself once the disk is fixed.
+
+Leases restored from the file are kept only for GPUs this host has: the first sample with
+NVML up drops the others (``not_on_this_host``), e.g. when two exporters once shared a
+state directory.
+
 Reads never change the table (a scrape must not fsync ``leases.json`` or wake waiters): they
 show what :func:`~gpu_exporter.choose.lease.settle` would keep, and
 :meth:`~LeaseTable.prune` commits it on every published sample (the daemon subscribes it to
@@ -22,9 +33,9 @@ from pathlib import Path
 
 from gpu_exporter.choose.lease import Held, Lease, settle
 from gpu_exporter.choose.rank import Filters, Selection, Window, choose
-from gpu_exporter.choose.statefile import StateFile
+from gpu_exporter.choose.statefile import StateFile, StateWriteError
 from gpu_exporter.clock import Clock
-from gpu_exporter.model import Snapshot
+from gpu_exporter.model import Snapshot, all_devices
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +58,12 @@ class LeaseTable:
         self,
         clock: Clock,
         *,
-        state_file: Path | None = None,
+        state_file: Path | StateFile | None = None,
         max_ttl_seconds: float = 3600.0,
         max_gpus_per_requester: int = 0,
     ) -> None:
         self._clock = clock
-        self._state = StateFile(state_file) if state_file is not None else None
+        self._state = StateFile(state_file) if isinstance(state_file, Path) else state_file
         self.max_ttl_seconds = max_ttl_seconds
         self.max_gpus_per_requester = max_gpus_per_requester
         self._leases: dict[str, Lease] = {}
@@ -61,6 +72,8 @@ class LeaseTable:
         self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
         self._queue: deque[object] = deque()  # claimers, first come first served
         self._waiting: set[object] = set()  # claimers that failed once and are waiting
+        self._unsaved = False  # the last write failed: retried on every prune
+        self._restored: set[str] = set()  # ids loaded from the file, not yet seen on a sample
         if self._state is not None:
             self._load(self._state)
 
@@ -76,6 +89,16 @@ class LeaseTable:
     def holders(self, snapshot: Snapshot | None = None) -> dict[str, Lease]:
         """UUID → the lease holding it."""
         return {uuid: lease for lease in self.active(snapshot) for uuid in lease.uuids}
+
+    @property
+    def state_problem(self) -> str | None:
+        """Why the last write of ``leases.json`` failed, until one succeeds (``/readyz``)."""
+        return self._state.problem if self._state is not None else None
+
+    @property
+    def state_write_errors(self) -> int:
+        """Writes of ``leases.json`` that failed since start."""
+        return self._state.write_errors if self._state is not None else 0
 
     def get(self, lease_id: str) -> Lease:
         with self._lock:
@@ -148,8 +171,7 @@ class LeaseTable:
                 requester=requester,
                 owner=owner,
             )
-            self._leases[lease.id] = lease
-            self._changed()
+            self._hold(lease, None, "no GPU was claimed")
             return choice, lease
 
     def release(self, lease_id: str) -> Lease:
@@ -171,9 +193,10 @@ class LeaseTable:
             )
         with self._lock:
             self._prune(None)
-            lease = replace(self.get(lease_id), expires_at=self._clock.time() + ttl_seconds)
-            self._leases[lease_id] = lease
-            self._changed()
+            old = self.get(lease_id)
+            lease = replace(old, expires_at=self._clock.time() + ttl_seconds)
+            left = old.expires_at - self._clock.time()
+            self._hold(lease, old, f"the lease was not renewed (it ends in {left:.0f} s)")
             return lease
 
     # -- the queue of claimers ----------------------------------------------------------------
@@ -218,11 +241,19 @@ class LeaseTable:
 
     # -- housekeeping -----------------------------------------------------------------------
     def prune(self, snapshot: Snapshot | None = None) -> None:
-        """Commit what :func:`settle` keeps; save and wake waiters if a lease or GPU went."""
+        """Commit what :func:`settle` keeps; save and wake waiters if a lease or GPU went.
+
+        After a failed write, the table is written again here (once per published sample)
+        until a write succeeds, so :attr:`state_problem` clears by itself.
+        """
         with self._lock:
             self._prune(snapshot)
+            if self._unsaved:
+                self._save()
 
     def _prune(self, snapshot: Snapshot | None) -> None:
+        if self._restored and snapshot is not None and snapshot.nvml_up and snapshot.sequence:
+            self._drop_foreign(snapshot)
         kept, drops = settle(self._leases, snapshot, self._clock.time())
         if kept == self._leases:
             return
@@ -233,16 +264,75 @@ class LeaseTable:
         self._leases = kept
         self._changed()
 
+    def _drop_foreign(self, snapshot: Snapshot) -> None:
+        """Once, at the first sample: keep restored leases only for GPUs this host has."""
+        here = {g.uuid for g in all_devices(snapshot.gpus)}
+        foreign = 0
+        for lease_id in self._restored & self._leases.keys():
+            lease = self._leases[lease_id]
+            keep = tuple(g for g in lease.gpus if g.uuid in here)
+            foreign += len(lease.gpus) - len(keep)
+            if not keep:
+                del self._leases[lease_id]
+            elif len(keep) < len(lease.gpus):
+                self._leases[lease_id] = replace(lease, gpus=keep)
+        self._restored = set()
+        if foreign:
+            self.dropped["not_on_this_host"] += foreign
+            log.warning(
+                "dropped %d GPUs of leases restored from %s that this host does not have "
+                "(did another exporter use this --state-dir?)",
+                foreign,
+                self._state.path if self._state is not None else "the state file",
+            )
+            self._changed()
+
+    def _hold(self, lease: Lease, old: Lease | None, refused: str) -> None:
+        """Put ``lease`` in the table (replacing ``old``) only if the table can be saved;
+        otherwise undo and raise ``state_unwritable`` (503), saying ``refused``."""
+        self._leases[lease.id] = lease
+        failure = self._save()
+        if failure is not None:
+            if old is None:
+                del self._leases[lease.id]
+            else:
+                self._leases[lease.id] = old
+            raise LeaseError(503, "state_unwritable", f"{failure}; {refused}")
+        self.changed.notify_all()
+
     def _changed(self) -> None:
+        """A change that lets GPUs go: in force at once, saved if the file can be written."""
         self._save()
         self.changed.notify_all()
 
-    def _save(self) -> None:
-        if self._state is not None:
+    def _save(self) -> StateWriteError | None:
+        """Write the table; the failure (already counted and logged), or None."""
+        if self._state is None:
+            return None
+        try:
             self._state.save(self._leases.values())
+        except StateWriteError as exc:
+            self._unsaved = True
+            return exc
+        self._unsaved = False
+        return None
 
     def _load(self, state: StateFile) -> None:
         now = self._clock.time()
-        self._leases = {x.id: x for x in state.load() if x.expires_at > now}
+        loaded = state.load()
+        latest = now + self.max_ttl_seconds  # no renewal reaches further
+        leases = [x for x in loaded.leases if x.expires_at > now]
+        clamped = sum(1 for x in leases if x.expires_at > latest)
+        self._leases = {x.id: replace(x, expires_at=min(x.expires_at, latest)) for x in leases}
+        self._restored = set(self._leases)
         if self._leases:
             log.info("restored %d active leases from %s", len(self._leases), state.path)
+        if clamped:
+            log.warning(
+                "%d leases in %s ended more than --max-lease (%g s) from now; they now end then",
+                clamped,
+                state.path,
+                self.max_ttl_seconds,
+            )
+        if loaded.skipped or clamped:
+            self._save()  # the good entries, as they are now in force

@@ -39,6 +39,7 @@ from gpu_exporter.export.spec import (
     PROCESS_MEMORY,
     REQUESTS_REJECTED,
     SAMPLE_DURATION,
+    STATE_WRITE_ERRORS,
     WEB_CONFIG_OK,
     WEB_CONFIG_RELOADS,
     XID_ERRORS,
@@ -59,6 +60,11 @@ class Leases(Protocol):
     @property
     def dropped(self) -> Mapping[str, int]:
         """GPUs released from leases before expiry, by reason."""
+        ...
+
+    @property
+    def state_write_errors(self) -> int:
+        """Writes of the state file that failed."""
         ...
 
 
@@ -228,6 +234,9 @@ def lease_families(
     for reason, count in sorted(leases.dropped.items()):
         dropped.add_metric([reason], count)
     yield dropped
+    write_errors = _family(STATE_WRITE_ERRORS)
+    write_errors.add_metric([], leases.state_write_errors)
+    yield write_errors
 
 
 def _counts(spec: MetricSpec, counter: RequestCounter) -> Metric:

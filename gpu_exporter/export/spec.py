@@ -374,10 +374,20 @@ CHOOSE_REQUESTS = MetricSpec(
 LEASES_DROPPED = MetricSpec(
     "gpu_exporter_lease_gpus_released_total",
     "counter",
-    "GPUs released from leases before expiry: arrived (the job showed up), down, gone.",
+    "GPUs released from leases before expiry: arrived (the job showed up), down, gone, "
+    "not_on_this_host (restored from --state-dir for a GPU this host does not have).",
     ("reason",),
     "the lease table",
     unit="GPUs",
+)
+STATE_WRITE_ERRORS = MetricSpec(
+    "gpu_exporter_state_write_errors_total",
+    "counter",
+    "Writes of <--state-dir>/leases.json that failed (full or read-only file system); while "
+    "they fail, /choose claims nothing (503 state_unwritable) and /readyz is 503.",
+    (),
+    "the lease table",
+    unit="writes",
 )
 REQUESTS_REJECTED = MetricSpec(
     "gpu_exporter_requests_rejected_total",
@@ -417,6 +427,7 @@ EXPORTER_METRICS = (
     FIELD_SUPPORTED,
     CHOOSE_REQUESTS,
     LEASES_DROPPED,
+    STATE_WRITE_ERRORS,
     REQUESTS_REJECTED,
     WEB_CONFIG_RELOADS,
     WEB_CONFIG_OK,

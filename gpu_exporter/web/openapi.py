@@ -92,8 +92,9 @@ def _errors(*statuses: int, **override: str) -> dict[str, Any]:
         414: "The query string is longer than 4096 bytes (uri_too_long).",
         503: "Not enough GPUs qualify (not_enough_gpus), NVML is unavailable "
         "(nvml_unavailable), the sample is stale (snapshot_stale), the server is at its "
-        "request or waiter limit (too_many_requests with Retry-After, too_many_waiters), or "
-        "it is shutting down (shutting_down).",
+        "request or waiter limit (too_many_requests with Retry-After, too_many_waiters), "
+        "the lease could not be saved to --state-dir (state_unwritable: nothing was claimed "
+        "or renewed), or it is shutting down (shutting_down).",
     }
     described.update({int(k.removeprefix("s")): v for k, v in override.items()})
     return {
@@ -219,7 +220,7 @@ def document() -> dict[str, Any]:
                     ],
                     "responses": {
                         "200": _json(lease_ref, "The renewed lease."),
-                        **_errors(400, 404, 429),
+                        **_errors(400, 404, 429, 503),
                     },
                 }
             },
@@ -233,7 +234,7 @@ def document() -> dict[str, Any]:
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _text("ok")}}},
             "/readyz": {
                 "get": {
-                    "summary": "Readiness: NVML up and the sample fresh",
+                    "summary": "Readiness: NVML up, the sample fresh, leases can be saved",
                     "responses": {"200": _text("ready"), "503": _text("not ready: <reason>")},
                 }
             },

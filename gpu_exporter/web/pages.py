@@ -67,8 +67,9 @@ def healthz() -> Response:
 def readyz() -> Response:
     svc = services()
     problem = snapshot_problem(svc.cache.get(), svc.clock.monotonic(), svc.max_age_seconds)
-    if problem is not None:
-        return Response(f"not ready: {problem.message}\n", 503, mimetype="text/plain")
+    message = problem.message if problem is not None else svc.leases.state_problem
+    if message is not None:  # no sample to choose from, or leases cannot be saved
+        return Response(f"not ready: {message}\n", 503, mimetype="text/plain")
     return Response("ready\n", mimetype="text/plain")
 
 

@@ -1,0 +1,397 @@
+"""The state directory: a lease that cannot be saved is not granted, a malformed
+``leases.json`` never breaks a page, one exporter per directory, and restored leases only
+for GPUs this host has. Through the real server (a socket) and real processes where the
+point is what a user sees."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import harness
+from conftest import FakeClock, build_stack, sim_of
+from gpu_exporter.choose.lease import Lease
+from gpu_exporter.choose.leases import LeaseError, LeaseTable
+from gpu_exporter.choose.rank import Filters
+from gpu_exporter.choose.statefile import StateFile, write_atomically
+from gpu_exporter.simulate import Load, SimGpu
+from served import four_gpus, served
+
+A100 = "NVIDIA A100-SXM4-80GB"
+FOREIGN = SimGpu(50, A100, Load("idle")).uuid  # a GPU none of these hosts has
+
+
+def idle_sim(n: int) -> Any:
+    return sim_of(*(SimGpu(i, A100, Load("idle")) for i in range(n)))
+
+
+def http(url: str, method: str = "GET", *, json_body: bool = False) -> tuple[int, str]:
+    """Status and body; HTTP errors are answers, not exceptions."""
+    headers = {"Accept": "application/json"} if json_body else {}
+    req = urllib.request.Request(url, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_for(url: str, status: int, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        code, body = http(url)
+        if code == status:
+            return body
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} answered {code} {body!r}, not {status}")
+        time.sleep(0.05)
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+# -- a lease that cannot be saved is not granted ---------------------------------------------
+
+
+class Disk:
+    """``leases.json``'s writer, which a test can make fail as a full disk does."""
+
+    def __init__(self) -> None:
+        self.error: OSError | None = None
+
+    def __call__(self, path: Path, text: str) -> None:
+        if self.error is not None:
+            raise self.error
+        write_atomically(path, text)
+
+
+def test_a_claim_or_renewal_that_cannot_be_saved_is_rolled_back(tmp_path: Path) -> None:
+    s = build_stack(idle_sim(2))
+    snapshot = s.sample()
+    disk, path = Disk(), tmp_path / "leases.json"
+    table = LeaseTable(s.clock, state_file=StateFile(path, write=disk))
+    _, kept = table.claim(snapshot, 1, Filters(), ttl_seconds=60, requester="a")
+    assert kept is not None
+
+    disk.error = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(LeaseError) as refused:
+        table.claim(snapshot, 1, Filters(), ttl_seconds=60, requester="b")
+    assert (refused.value.status, refused.value.code) == (503, "state_unwritable")
+    assert str(path) in refused.value.message
+    assert "No space left on device (ENOSPC)" in refused.value.message
+    assert [x.id for x in table.active()] == [kept.id]  # nothing granted
+    assert table.claim(snapshot, 1, Filters(), ttl_seconds=0, requester="b")[1] is None
+    with pytest.raises(LeaseError, match="not renewed"):
+        table.renew(kept.id, 600)
+    assert table.get(kept.id).expires_at == kept.expires_at
+    assert table.state_write_errors == 2
+    assert table.state_problem is not None and str(path) in table.state_problem
+
+    # Letting a GPU go is never refused: it is in force now, saved when the disk allows.
+    table.release(kept.id)
+    assert table.active() == ()
+    assert json.loads(path.read_text())["leases"][0]["id"] == kept.id  # the stale file
+
+    disk.error = None
+    table.prune(snapshot)  # every published sample tries the write again
+    assert table.state_problem is None
+    assert json.loads(path.read_text())["leases"] == []
+    assert table.state_write_errors == 3
+
+
+def test_choose_refuses_and_readyz_fails_while_the_state_directory_refuses_writes(
+    tmp_path: Path,
+) -> None:
+    state_dir = tmp_path / "state"
+    with served(state_dir=str(state_dir)) as ex:
+        held = http(ex.url + "/choose?n=1&format=json")
+        assert held[0] == 200
+        lease_id = json.loads(held[1])["lease"]["id"]
+        # A path component that is a regular file: mkstemp fails with ENOTDIR even for root.
+        shutil.rmtree(state_dir)
+        state_dir.write_text("not a directory\n")
+
+        status, body = http(ex.url + "/choose?n=1&format=json")
+        assert status == 503
+        error = json.loads(body)["error"]
+        assert error["code"] == "state_unwritable"
+        assert str(state_dir / "leases.json") in error["message"]
+        assert "no GPU was claimed" in error["message"]
+        status, body = http(ex.url + "/choose?n=1")
+        assert status == 503 and body.startswith("error: cannot save leases to")
+        assert len(body.splitlines()) == 1
+        assert ex.lease_ids() == {lease_id}  # nothing granted
+        assert http(ex.url + "/choose?n=1&lease=0")[0] == 200  # advice needs no file
+        status, body = http(ex.url + "/readyz")
+        assert status == 503 and "cannot save leases" in body
+        assert metric(http(ex.url + "/metrics")[1], "gpu_exporter_state_write_errors_total") >= 2
+        assert http(ex.url + f"/leases/{lease_id}/renew?ttl=10m", "POST")[0] == 503
+        assert http(ex.url + f"/leases/{lease_id}", "DELETE")[0] == 200  # released in memory
+        assert ex.lease_ids() == set()
+
+        state_dir.unlink()
+        state_dir.mkdir()
+        wait_for(ex.url + "/readyz", 200)  # the next sample's write succeeded
+        status, body = http(ex.url + "/choose?n=1&format=json")
+        assert status == 200
+        new_id = json.loads(body)["lease"]["id"]
+        saved = json.loads((state_dir / "leases.json").read_text())["leases"]
+        assert [x["id"] for x in saved] == [new_id]
+
+
+def set_file_size_limit(pid: int, limit: int) -> None:
+    """RLIMIT_FSIZE of a running process: 0 makes every write fail with EFBIG, for root too
+    (Python ignores SIGXFSZ, so the write fails instead of killing the process)."""
+    try:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    except (OSError, AttributeError) as exc:  # pragma: no cover - not Linux
+        pytest.skip(f"cannot set another process's RLIMIT_FSIZE: {exc}")
+
+
+def test_a_real_exporter_whose_disk_refuses_writes_grants_nothing(tmp_path: Path) -> None:
+    args = ("--simulate", "2", "--interval", "0.2", "--state-dir", str(tmp_path))
+    with harness.exporter(*args) as ex:
+        set_file_size_limit(ex.proc.pid, 0)
+        status, body = http(ex.base + "/choose?n=1")
+        assert status == 503
+        assert "cannot save leases to" in body and "File too large (EFBIG)" in body
+        assert "not ready: cannot save leases" in http(ex.base + "/readyz")[1]
+        assert http(ex.base + "/readyz")[0] == 503
+
+        set_file_size_limit(ex.proc.pid, resource.RLIM_INFINITY)
+        wait_for(ex.base + "/readyz", 200)
+        status, granted = http(ex.base + "/choose?n=1")
+        assert status == 200
+        text = http(ex.base + "/metrics")[1]
+        assert metric(text, "gpu_exporter_state_write_errors_total") >= 1
+        assert 'gpu_exporter_choose_requests_total{result="state_unwritable"} 1.0' in text
+    # After a restart only what was granted is held: the refused claim never existed.
+    with harness.exporter(*args) as ex:
+        leases = json.loads(http(ex.base + "/leases")[1])["leases"]
+        assert [x["gpus"] for x in leases] == [[granted.strip()]]
+
+
+def serve(*args: str, **popen: Any) -> subprocess.CompletedProcess[str]:
+    listen = f"127.0.0.1:{harness.free_port()}"
+    return subprocess.run(
+        [sys.executable, "-m", "gpu_exporter", "serve", "--listen-address", listen, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=harness.ROOT,
+        **popen,
+    )
+
+
+def test_a_state_dir_that_cannot_be_created_is_a_start_up_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "state"
+    done = serve("--simulate", "2", "--state-dir", str(bad))
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert f"--state-dir {bad}" in line and "Not a directory (ENOTDIR)" in line
+
+
+def test_a_state_dir_that_cannot_be_written_is_a_start_up_error(tmp_path: Path) -> None:
+    def no_writes() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+
+    done = serve("--simulate", "2", "--state-dir", str(tmp_path), preexec_fn=no_writes)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert f"--state-dir {tmp_path}" in line and "File too large (EFBIG)" in line
+
+
+# -- two exporters, one state directory ------------------------------------------------------
+
+
+def test_a_second_exporter_on_the_same_state_dir_exits_naming_the_first(tmp_path: Path) -> None:
+    with harness.exporter("--simulate", "2", "--state-dir", str(tmp_path)) as first:
+        assert http(first.base + "/choose?n=1")[0] == 200
+        saved = (tmp_path / "leases.json").read_text()
+        done = serve("--simulate", "2", "--state-dir", str(tmp_path))
+        assert done.returncode == 2
+        (line,) = done.stderr.strip().splitlines()
+        assert f"pid {first.proc.pid}, listening on {first.address}" in line
+        assert f"--state-dir {tmp_path}" in line
+        assert (tmp_path / "leases.json").read_text() == saved  # not touched
+        assert http(first.base + "/readyz")[0] == 200
+    # The lock ends with its process: the directory can be used again.
+    with harness.exporter("--simulate", "2", "--state-dir", str(tmp_path)) as again:
+        assert len(json.loads(http(again.base + "/leases")[1])["leases"]) == 1
+
+
+def lease_entry(uuids: list[str], index: int, *, now: float, lease_id: str) -> dict[str, Any]:
+    return {
+        "id": lease_id,
+        "created_at": now - 10,
+        "expires_at": now + 600,
+        "requester": "127.0.0.1",
+        "owner": None,
+        "held": [[u, index + k, None, None] for k, u in enumerate(uuids)],
+    }
+
+
+def test_restored_leases_are_kept_only_for_this_hosts_gpus(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    sim = idle_sim(4)
+    local = [SimGpu(i, A100, Load("idle")).uuid for i in range(4)]
+    entries = [
+        lease_entry([local[0]], 0, now=clock.time(), lease_id="mine"),
+        lease_entry([FOREIGN, FOREIGN + "x"], 0, now=clock.time(), lease_id="theirs"),
+        lease_entry([local[1], FOREIGN], 1, now=clock.time(), lease_id="mixed"),
+    ]
+    (tmp_path / "leases.json").write_text(json.dumps({"version": 1, "leases": entries}))
+    s = build_stack(sim, clock=clock, state_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="gpu_exporter"):
+        s.sample()
+        s.sample()
+    active = {x.id: x.uuids for x in s.leases.active(s.cache.get())}
+    assert active == {"mine": (local[0],), "mixed": (local[1],)}
+    assert dict(s.leases.dropped) == {"not_on_this_host": 3}
+    assert s.value("gpu_exporter_lease_gpus_released_total", reason="not_on_this_host") == 3
+    (record,) = [r for r in caplog.records if "does not have" in r.getMessage()]
+    assert "dropped 3 GPUs" in record.getMessage()
+    saved = json.loads((tmp_path / "leases.json").read_text())["leases"]
+    assert sorted(x["id"] for x in saved) == ["mine", "mixed"]
+
+
+# -- a malformed leases.json -----------------------------------------------------------------
+
+
+def malformed(good: dict[str, Any]) -> list[Any]:
+    """Well-formed JSON, wrong types: what a hand edit, another tool or a bug leaves."""
+    return [
+        {**good, "id": "far", "expires_at": 1e300},
+        {**good, "id": "soon", "expires_at": "soon"},
+        {**good, "id": "nan", "expires_at": math.nan},
+        {**good, "id": "null", "created_at": None},
+        {**good, "id": "bool", "expires_at": True},
+        {**good, "id": "flat", "held": "GPU-0"},
+        {**good, "id": "ints", "held": [[1, 2, 3, 4]]},
+        {**good, "id": "short", "held": [[good["held"][0][0]]]},
+        {**good, "id": "str-procs", "held": [[good["held"][0][0], 1, "lots", None]]},
+        {**good, "id": "huge", "held": [[good["held"][0][0], 10**400, None, None]]},
+        {**good, "id": "owner", "owner": {"nested": [1, {"x": None}]}},
+        {**good, "id": ["not", "a", "string"]},
+        {**good, "id": "noreq", "requester": 7},
+        None,
+        3,
+        "lease",
+        [good],
+    ]
+
+
+def test_malformed_entries_are_skipped_and_every_page_still_answers(tmp_path: Path) -> None:
+    sim = four_gpus()
+    kept = sim.gpus[1].uuid
+    good = lease_entry([kept], 1, now=time.time(), lease_id="good")
+    text = json.dumps({"version": 1, "leases": [*malformed(good), good]})
+    (tmp_path / "leases.json").write_text(text)
+    with served(sim, state_dir=str(tmp_path)) as ex:
+        for path in ("/", "/metrics", "/leases", "/gpus", "/readyz"):
+            assert http(ex.url + path)[0] == 200, path
+        assert ex.lease_ids() == {"good"}
+        status, body = http(ex.url + "/choose?n=3&lease=0&max_util=100%25&max_mem_util=100%25")
+        assert status == 200 and kept not in body
+        assert http(ex.url + "/choose?n=1")[0] == 200
+    assert (tmp_path / "leases.corrupt").read_text() == text  # a copy for a person
+    saved = json.loads((tmp_path / "leases.json").read_text())["leases"]
+    assert "good" in {x["id"] for x in saved}
+    assert all(Lease.from_state(x) for x in saved)
+
+
+@pytest.mark.parametrize(
+    "index", range(len(malformed(lease_entry(["GPU-x"], 0, now=1e9, lease_id="x"))))
+)
+def test_no_malformed_entry_alone_makes_a_page_fail(tmp_path: Path, index: int) -> None:
+    clock = FakeClock()
+    uuid = SimGpu(0, A100, Load("idle")).uuid
+    good = lease_entry([uuid], 0, now=clock.time(), lease_id="good")
+    entry = malformed(good)[index]
+    (tmp_path / "leases.json").write_text(json.dumps({"version": 1, "leases": [entry]}))
+    s = build_stack(idle_sim(2), clock=clock, state_dir=str(tmp_path))
+    s.sample()
+    for path in ("/", "/metrics", "/leases", "/gpus", "/choose?n=2&lease=0"):
+        assert s.client.get(path).status_code == 200, path
+    assert s.client.get("/leases").json == {"leases": []}  # skipped, not half-loaded
+    assert s.client.get("/choose?n=2").status_code == 200
+
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=8)
+    | st.sampled_from([1e300, -1.0, 2**63, "GPU-5a1e0000", 1_800_000_000.0]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+GOOD = lease_entry([SimGpu(0, A100, Load("idle")).uuid], 0, now=1_800_000_000.0, lease_id="g")
+
+
+@st.composite
+def junk_entries(draw: st.DrawFn) -> Any:
+    """A lease entry with some fields replaced by random JSON, or random JSON outright."""
+    if draw(st.booleans()):
+        return draw(JSON)
+    entry = dict(GOOD)
+    for key in draw(st.sets(st.sampled_from([*GOOD, "held0", "extra"]), min_size=1)):
+        if key == "held0":
+            row = list(GOOD["held"][0])
+            row[draw(st.integers(0, 3))] = draw(JSON)
+            entry["held"] = [row]
+        else:
+            entry[key] = draw(JSON)
+    return entry
+
+
+@given(junk_entries())
+def test_from_state_accepts_a_valid_lease_or_raises_value_error(entry: Any) -> None:
+    try:
+        lease = Lease.from_state(entry)
+    except ValueError:
+        return
+    assert math.isfinite(lease.created_at) and math.isfinite(lease.expires_at)
+    assert lease.created_at <= lease.expires_at
+    assert Lease.from_state(lease.to_state()) == lease
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(junk_entries(), max_size=4))
+def test_no_junk_in_leases_json_makes_a_page_fail(tmp_path: Path, entries: list[Any]) -> None:
+    state = tmp_path / "leases.json"
+    state.write_text(json.dumps({"version": 1, "leases": [*entries, GOOD]}))
+    clock = FakeClock()
+    s = build_stack(idle_sim(2), clock=clock, state_dir=str(tmp_path))
+    for path in ("/", "/metrics", "/leases", "/choose?n=1&lease=0", "/choose?n=1"):
+        assert s.client.get(path).status_code in (200, 503), path
+    s.sample()
+    for path in ("/", "/metrics", "/leases", "/choose?n=1&lease=0", "/choose?n=1"):
+        assert s.client.get(path).status_code in (200, 503), path
+    os.remove(state)
