@@ -145,10 +145,11 @@ def add_choose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_choice_arguments(parser)
     parser.add_argument(
         "--format",
-        choices=("uuid", "index", "env", "json"),
+        choices=("uuid", "index", "env", "json", "list"),
         default="uuid",
         help="uuid: GPU-a,GPU-b (default); index: NVML indices; "
-        "env: an `export …` line for eval; json: the ranking with figures and reasons. "
+        "env: an `export …` line for eval; json: the ranking with figures and reasons; "
+        "list: one UUID per line (needed for several MIG devices: one process each). "
         "Across hosts: 'HOST GPU-a,GPU-b' per host, and env adds GPU_HOST and GPU_EXPORTER_URL",
     )
     parser.add_argument(
