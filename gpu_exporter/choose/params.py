@@ -201,20 +201,22 @@ PARAMS: tuple[Param, ...] = (
     Param(
         "max_util",
         units(parse_ratio),
-        "GPU utilization at most this.",
+        "GPU utilization at most this (unless given: the exporter's --choose-defaults, shipped "
+        "50%; 100% turns it off).",
         _RATIO,
         filter=True,
-        flag=("RATIO", "utilization at most this: 0.1 or 10%"),
+        flag=("RATIO", "utilization at most this: 0.1 or 10% (default 50%; 100% for any)"),
         local=True,
         recheck=True,
     ),
     Param(
         "max_mem_util",
         units(parse_ratio),
-        "Memory-controller utilization at most this.",
+        "Memory-controller utilization at most this (unless given: the exporter's "
+        "--choose-defaults, shipped 50%; 100% turns it off).",
         _RATIO,
         filter=True,
-        flag=("RATIO", "memory-bandwidth utilization at most this"),
+        flag=("RATIO", "memory-bandwidth utilization at most this (default 50%; 100% for any)"),
         local=True,
         recheck=True,
     ),

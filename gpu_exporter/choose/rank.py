@@ -137,7 +137,14 @@ def _mig_reason(gpu: GpuSample, mig: str) -> str | None:
 
 
 def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
-    """Why ``gpu`` does not qualify; empty when it does."""
+    """Why ``gpu`` does not qualify; empty when it does.
+
+    >>> g = GpuSample(index=0, uuid="GPU-0", up=True)  # reports no utilization
+    >>> rejection_reasons(g, Filters(max_util_ratio=0.5))
+    ('utilization unknown',)
+    >>> rejection_reasons(g, Filters(max_util_ratio=0.5, defaulted=("max_util",)))
+    ()
+    """
     if not gpu.up:
         return (f"down: {gpu.error or 'not answering'}",)
     mig_reason = _mig_reason(gpu, filters.mig)

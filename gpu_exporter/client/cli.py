@@ -123,7 +123,10 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DURATION",
         help="never use fleet figures older than this (default 60s)",
     )
-    filters = parser.add_argument_group("filters (passed to /choose as they are)")
+    filters = parser.add_argument_group(
+        "filters (passed to /choose as they are; those not given are the exporter's "
+        "--choose-defaults, by default --max-util 50% --max-mem-util 50%)"
+    )
     for param in FILTER_PARAMS:
         assert param.flag is not None
         metavar, help_text = param.flag
