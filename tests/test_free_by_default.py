@@ -17,12 +17,14 @@ import pytest
 from test_cluster import NOW, claimed, fake_fetch, gpu, host_results
 
 from conftest import build_stack, sim_of
+from gpu_exporter import client
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS, parse_defaults
 from gpu_exporter.choose.fleet import Fleet, Host
 from gpu_exporter.choose.params import ApiError, parse_choose_args, parse_cluster_args
-from gpu_exporter.client import Choice
+from gpu_exporter.client import Choice, NoGpusAvailable
 from gpu_exporter.client.fleet import choose_fleet, http_claimer
 from gpu_exporter.daemon import BuildError
+from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import Load, SimGpu, SimulatedNvml
 from served import served
 
@@ -177,3 +179,13 @@ def test_the_exporters_cluster_choose_uses_its_defaults_and_the_host_its_own() -
     claim(Host("http://h:9400", "h"), 1, ("GPU-a",))
     assert seen["min_free"] == "1GiB"
     assert "max_util" not in seen and "max_mem_util" not in seen
+
+
+def test_choosing_locally_without_a_server_applies_the_shipped_defaults() -> None:
+    def busy_card() -> Nvml:  # GPU 0 of --simulate is the busy one (97 %)
+        return Nvml(SimulatedNvml.with_gpus(2, clock=time.monotonic), simulated=True)
+
+    with pytest.raises(NoGpusAvailable, match=r"max_util 0\.50"):
+        client.choose_locally(1, {"include": "0"}, open_nvml=busy_card)
+    loaded = {"include": "0", "max_util": 1, "max_mem_util": 1}
+    assert client.choose_locally(1, loaded, open_nvml=busy_card).indices == (0,)
