@@ -134,7 +134,8 @@ PARAMS: tuple[Param, ...] = (
         {"type": "string", "enum": list(CHOOSE_FORMATS)},
         default="uuid",
         cluster_help="uuid (default): 'HOST GPU-a,GPU-b' per host; index: 'HOST 0,1'; env: an "
-        "export line with GPU_HOST and GPU_EXPORTER_URL (one host only); json.",
+        "export line with GPU_HOST and GPU_EXPORTER_URL (one host only); json; list: "
+        "'HOST GPU-a' per line.",
     ),
     Param(
         "lease",
