@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from gpu_exporter import __version__
 from gpu_exporter.config import (
+    DEFAULT_CHOOSE_DEFAULTS,
     DEFAULT_LISTEN,
     LOG_LEVELS,
     ServeConfig,
@@ -180,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
         "too_many_waiters; 0 disables waiting (default %(default)s)",
     )
     serve.add_argument(
+        "--choose-defaults",
+        default=_env("choose-defaults", DEFAULT_CHOOSE_DEFAULTS),
+        metavar="QUERY",
+        help="what 'free' means: the filters /choose (and /cluster/choose) apply when a "
+        "request does not give them, in the query string's syntax. Default "
+        "'%(default)s': under 50%% utilization and 50%% memory-bandwidth utilization, as "
+        "GPUtil's getAvailable; '' for none. A request overrides each one: max_util=100%% "
+        "turns that one off",
+    )
+    serve.add_argument(
         "--prometheus-url",
         default=_env("prometheus-url", None),
         metavar="URL",
@@ -270,6 +281,12 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--max-waiters must be from 0 to less than --max-requests-in-flight")
     if args.auth_scope not in ("all", "writes"):  # from the environment
         parser.error("--auth-scope must be all or writes")
+    from gpu_exporter.choose.defaults import parse_defaults
+
+    try:
+        parse_defaults(args.choose_defaults)  # idle_for's limit is checked by build()
+    except ValueError as exc:  # one line, exit 2: no usage screen for a bad value
+        parser.exit(2, f"gpu-exporter serve: error: --choose-defaults: {exc}\n")
     if args.web_config_file is not None:
         from gpu_exporter.web.webconfig import WebConfigError, load
 
@@ -299,6 +316,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         prometheus_selector=_selector(args.prometheus_selector, parser),
         web_config_file=args.web_config_file,
         auth_scope=args.auth_scope,
+        choose_defaults=args.choose_defaults,
     )
 
 

@@ -14,6 +14,9 @@ from gpu_exporter.model import PROCESS_LABELS
 DEFAULT_PORT = 9400
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# What "free" means when a /choose names no filter: GPUtil's getAvailable (under 50 % load and
+# 50 % memory). See gpu_exporter.choose.defaults.
+DEFAULT_CHOOSE_DEFAULTS = "max_util=50%&max_mem_util=50%"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,8 @@ class ServeConfig:
     prometheus_selector: str = ""  # label matchers narrowing /cluster/choose's fleet
     web_config_file: str | None = None  # TLS, basic auth, headers (exporter-toolkit format)
     auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
+    # What "free" means when a /choose names no filter (query syntax; "" for none).
+    choose_defaults: str = DEFAULT_CHOOSE_DEFAULTS
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:

@@ -32,11 +32,12 @@ from prometheus_client.registry import Collector
 
 from gpu_exporter import __version__
 from gpu_exporter.choose.claim import Claimer, Waiters
+from gpu_exporter.choose.defaults import parse_defaults
 from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.statefile import StateDirError, StateLock, lock_state_dir, probe_dir
 from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.background import NvmlThread
-from gpu_exporter.collect.cache import SnapshotCache, new_cache
+from gpu_exporter.collect.cache import HISTORY_LENGTH, SnapshotCache, new_cache
 from gpu_exporter.collect.pcie import PcieThroughputSampler
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.collect.sampler import Sampler
@@ -186,6 +187,14 @@ def build(
             watcher = WebConfigWatcher(config.web_config_file)
         except WebConfigError as exc:
             raise BuildError(f"--web-config-file {config.web_config_file}: {exc}") from None
+    # idle_for can reach back no further than the history the cache keeps.
+    max_idle_for_seconds = (HISTORY_LENGTH - 1) * config.interval_seconds
+    try:
+        choose_defaults = parse_defaults(
+            config.choose_defaults, max_idle_for_seconds=max_idle_for_seconds
+        )
+    except ValueError as exc:
+        raise BuildError(f"--choose-defaults {config.choose_defaults!r}: {exc}") from None
     nvml = nvml if nvml is not None else open_nvml(config, clock)
 
     cache = new_cache(nvml, clock)
@@ -225,7 +234,9 @@ def build(
     if config.prometheus_url:
         from gpu_exporter.web.cluster import ClusterService
 
-        cluster = ClusterService(config.prometheus_url, config.prometheus_selector)
+        cluster = ClusterService(
+            config.prometheus_url, config.prometheus_selector, defaults=choose_defaults
+        )
     waiters = Waiters(config.max_waiters, rejections=rejections)
     claimer = Claimer(cache, leases, waiters, clock=clock, max_age_seconds=config.max_age_seconds)
     services = Services(
@@ -244,6 +255,8 @@ def build(
         xids=xids,
         watcher=watcher,
         auth_scope=config.auth_scope,
+        choose_defaults=choose_defaults,
+        max_idle_for_seconds=max_idle_for_seconds,
     )
     app = create_app(services)
 

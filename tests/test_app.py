@@ -8,6 +8,8 @@ from conftest import Stack, build_stack, sim_of
 from gpu_exporter.simulate import Fault, Load, SimGpu, SimulatedNvml
 
 A100 = "NVIDIA A100-SXM4-80GB"
+# Busy cards qualify too: off the exporter's default filters (max_util=50%&max_mem_util=50%).
+ANY_LOAD = "max_util=100%&max_mem_util=100%"
 
 
 def uuids(s: Stack, *indices: int) -> str:
@@ -28,11 +30,11 @@ def test_choose_defaults_to_one(stack: Stack) -> None:
 
 
 def test_choose_index_format(stack: Stack) -> None:
-    assert stack.client.get("/choose?n=3&format=index").text == "1,3,2\n"
+    assert stack.client.get(f"/choose?n=3&format=index&{ANY_LOAD}").text == "1,3,2\n"
 
 
 def test_choose_json(stack: Stack) -> None:
-    body = stack.client.get("/choose?n=1&format=json&max_util=30%").get_json()
+    body = stack.client.get("/choose?n=1&format=json&max_util=30%&max_mem_util=100%").get_json()
     assert body["n"] == 1
     assert [g["index"] for g in body["chosen"]] == [1]
     assert body["chosen"][0]["uuid"] == stack.sim.gpus[1].uuid
@@ -41,12 +43,16 @@ def test_choose_json(stack: Stack) -> None:
     assert reasons[0] == ["utilization 0.97 > max_util 0.30"]
     assert reasons[3] == ["ranked 2 of 2 qualifying; 1 requested"]
     assert body["snapshot_age_seconds"] == 0.0
+    assert body["filters"] == {
+        "max_util": {"value": 0.3, "from": "request"},
+        "max_mem_util": {"value": 1.0, "from": "request"},
+    }
 
 
 def test_choose_filters(stack: Stack) -> None:
     assert stack.client.get("/choose?min_free=65GiB&exclude=1").text == uuids(stack, 3)
     excluded = f"exclude={stack.sim.gpus[1].uuid[:12]},3"
-    assert stack.client.get(f"/choose?{excluded}&format=index").text == "2\n"
+    assert stack.client.get(f"/choose?{excluded}&format=index&{ANY_LOAD}").text == "2\n"
 
 
 @pytest.mark.parametrize(
@@ -57,7 +63,7 @@ def test_choose_filters(stack: Stack) -> None:
         ("n=-1", "n", "n must be a whole number from 1 to 1024, got '-1'"),
         ("n=1e9", "n", "n must be a whole number from 1 to 1024, got '1e9'"),
         ("n=1&n=2", "n", "n given more than once"),
-        ("format=xml", "format", "format must be one of uuid, index, env, json, got 'xml'"),
+        ("format=xml", "format", "format must be one of uuid, index, env, json, list, got 'xml'"),
         (
             "min_free=lots",
             "min_free",
@@ -102,13 +108,13 @@ def test_unknown_parameters_are_rejected(stack: Stack) -> None:
 
 
 def test_not_enough_gpus_is_503_never_an_empty_200(stack: Stack) -> None:
-    resp = stack.client.get("/choose?n=4&max_util=0.5")
+    resp = stack.client.get("/choose?n=4&max_util=0.5&max_mem_util=1")
     assert resp.status_code == 503
     assert resp.text == (
         "error: 2 of 4 GPUs qualify, 4 requested (gpu 0: utilization 0.97 > max_util 0.50; "
         "gpu 2: utilization 1.00 > max_util 0.50)\n"
     )
-    body = stack.client.get("/choose?n=9&format=json").get_json()
+    body = stack.client.get(f"/choose?n=9&format=json&{ANY_LOAD}").get_json()
     assert body["error"]["code"] == "not_enough_gpus"
     assert body["error"]["param"] is None
     assert body["error"]["message"] == "4 of 4 GPUs qualify, 9 requested"
@@ -123,8 +129,8 @@ def test_lost_gpu_is_never_chosen() -> None:
         )
     )
     s.sample()
-    assert s.client.get("/choose?n=1&format=index").text == "0\n"
-    resp = s.client.get("/choose?n=2")
+    assert s.client.get(f"/choose?n=1&format=index&{ANY_LOAD}").text == "0\n"
+    resp = s.client.get(f"/choose?n=2&{ANY_LOAD}")
     assert resp.status_code == 503
     assert "gpu 1: down: nvmlDeviceGetHandleByIndex: GPU is lost (GPU_IS_LOST)" in resp.text
 
@@ -227,6 +233,7 @@ def test_unknown_paths_and_methods_are_one_plain_line(stack: Stack) -> None:
 
 def test_requests_never_call_nvml(stack: Stack) -> None:
     before = dict(stack.sim.calls)
-    for path in ("/metrics", "/choose?n=2", "/choose?format=json", "/gpus", "/readyz", "/"):
+    paths = ("/metrics", "/choose?n=2", f"/choose?format=json&{ANY_LOAD}", "/gpus", "/readyz", "/")
+    for path in paths:
         assert stack.client.get(path).status_code == 200
     assert stack.sim.calls == before

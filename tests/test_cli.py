@@ -39,11 +39,12 @@ def test_serves_metrics_and_choose(server: tuple[str, subprocess.Popen[str]]) ->
     assert text.count("gpu_up{") == 3
     assert 'gpu_exporter_build_info{backend="simulated"' in text
     assert "process_resident_memory_bytes" in text
-    status, text = get(base + "/choose?n=2")
+    any_load = "max_util=1&max_mem_util=1"  # busy cards too, off the default filters
+    status, text = get(base + "/choose?n=2&" + any_load)
     assert status == 200
     ids = text.strip().split(",")
     assert len(ids) == 2 and all(i.startswith("GPU-") for i in ids)
-    status, text = get(base + "/choose?n=5")
+    status, text = get(base + "/choose?n=5&" + any_load)
     # the two GPUs just chosen are leased for 60 s, so only one qualifies now
     assert status == 503 and text.startswith("error: 1 of 3 GPUs qualify, 5 requested")
 

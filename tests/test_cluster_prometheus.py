@@ -150,7 +150,11 @@ def test_concurrent_cluster_choices_never_lease_one_gpu_twice(fleet: Fleet) -> N
     def one() -> None:
         start.wait()
         try:
-            chosen.append(client.choose(1, prometheus=fleet.prom.base, lease="60s", timeout=30))
+            # Busy cards too (off the default filters): each of the 12 GPUs once.
+            any_load = {"max_util": 1, "max_mem_util": 1}
+            chosen.append(
+                client.choose(1, prometheus=fleet.prom.base, lease="60s", timeout=30, **any_load)
+            )
         except NoGpusAvailable as exc:
             refused.append(exc)
 

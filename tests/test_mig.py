@@ -117,14 +117,14 @@ def test_choose_mig_deny_allow_only() -> None:
     resp = c.get("/choose?n=1&mig=only&lease=0")
     assert resp.status_code == 200
     assert resp.text == s.sim.mig_state(1, 0).uuid + "\n"  # 3g.40gb has the most free
-    resp = c.get("/choose?n=3&mig=only&lease=0&format=env")
+    # Several MIG devices: one per line, a process each (never one CUDA_VISIBLE_DEVICES).
+    resp = c.get("/choose?n=3&mig=only&lease=0&format=list")
     uuids = [s.sim.mig_state(1, k).uuid for k in range(3)]
-    assert resp.text.strip().endswith("CUDA_VISIBLE_DEVICES=" + ",".join(uuids))
-    assert c.get("/choose?n=4&mig=only&lease=0").status_code == 503
-    # allow: whole cards and MIG devices together.
+    assert resp.text == "".join(u + "\n" for u in uuids)
+    assert c.get("/choose?n=4&mig=only&lease=0&format=list").status_code == 503
+    # allow: whole cards or MIG devices, never both in one answer.
     resp = c.get("/choose?n=4&mig=allow&lease=0&format=json")
-    chosen = [g["uuid"] for g in resp.get_json()["chosen"]]
-    assert sorted(chosen) == sorted([s.sim.gpus[0].uuid, *uuids])
+    assert resp.status_code == 503
     # Filters apply to MIG devices too; utilization is unknown for them, so max_util rejects.
     resp = c.get("/choose?n=1&mig=only&max_util=50%&lease=0&format=json")
     assert resp.status_code == 503

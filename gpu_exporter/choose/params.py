@@ -22,6 +22,14 @@ is an :class:`ApiError` carrying the HTTP status, a code and the parameter.
 8589934592
 >>> parse_cluster_args({"n": "2", "spread": "1"}).spread
 True
+
+What "free" means unless a request says otherwise is the server's ``--choose-defaults``
+(:mod:`gpu_exporter.choose.defaults`): filters applied per parameter when a request does not
+give it, each shown in ``format=json`` with where it came from.
+
+>>> defaults = {"max_util": "50%", "max_mem_util": "50%"}
+>>> parse_choose_args({"max_util": "100%"}, defaults=defaults).filters_json()["max_util"]
+{'value': 1.0, 'from': 'request'}
 """
 
 from __future__ import annotations
@@ -48,7 +56,10 @@ from gpu_exporter.units import parse_bytes, parse_duration, parse_ratio
 MAX_N = 1024
 MAX_WAIT_SECONDS = 3600.0
 DEFAULT_LEASE_SECONDS = 60.0
-CHOOSE_FORMATS = ("uuid", "index", "env", "json")
+CHOOSE_FORMATS = ("uuid", "index", "env", "json", "list")
+# The formats that can name several MIG devices: a CUDA process can use only one MIG device
+# (NVIDIA's MIG user guide), so several never go into one CUDA_VISIBLE_DEVICES.
+MIG_LIST_FORMATS = ("list", "json")
 DEFAULT_FLEET_MAX_AGE_SECONDS = 60.0  # four missed scrapes at Prometheus' usual 15 s
 MAX_FLEET_MAX_AGE_SECONDS = 3600.0
 MAX_OWNER_CHARS = 64
@@ -117,11 +128,14 @@ PARAMS: tuple[Param, ...] = (
     Param(
         "format",
         one_of(CHOOSE_FORMATS),
-        "uuid (default), index, env or json.",
+        "uuid (default): GPU-a,GPU-b; index: 0,1; env: an export line for eval; json: the "
+        "ranking with figures, reasons and the filters applied; list: one UUID per line (for "
+        "launchers that start a process per device, as several MIG devices need).",
         {"type": "string", "enum": list(CHOOSE_FORMATS)},
         default="uuid",
         cluster_help="uuid (default): 'HOST GPU-a,GPU-b' per host; index: 'HOST 0,1'; env: an "
-        "export line with GPU_HOST and GPU_EXPORTER_URL (one host only); json.",
+        "export line with GPU_HOST and GPU_EXPORTER_URL (one host only); json; list: "
+        "'HOST GPU-a' per line.",
     ),
     Param(
         "lease",
@@ -188,20 +202,22 @@ PARAMS: tuple[Param, ...] = (
     Param(
         "max_util",
         units(parse_ratio),
-        "GPU utilization at most this.",
+        "GPU utilization at most this (unless given: the exporter's --choose-defaults, shipped "
+        "50%; 100% turns it off).",
         _RATIO,
         filter=True,
-        flag=("RATIO", "utilization at most this: 0.1 or 10%"),
+        flag=("RATIO", "utilization at most this: 0.1 or 10% (default 50%; 100% for any)"),
         local=True,
         recheck=True,
     ),
     Param(
         "max_mem_util",
         units(parse_ratio),
-        "Memory-controller utilization at most this.",
+        "Memory-controller utilization at most this (unless given: the exporter's "
+        "--choose-defaults, shipped 50%; 100% turns it off).",
         _RATIO,
         filter=True,
-        flag=("RATIO", "memory-bandwidth utilization at most this"),
+        flag=("RATIO", "memory-bandwidth utilization at most this (default 50%; 100% for any)"),
         local=True,
         recheck=True,
     ),
@@ -249,8 +265,10 @@ PARAMS: tuple[Param, ...] = (
     Param(
         "mig",
         one_of(MIG_MODES),
-        "MIG devices: deny (default, whole cards only), allow (whole cards and MIG devices) or "
-        "only (MIG devices only). A MIG device is returned as its MIG-… UUID.",
+        "MIG devices: deny (default, whole cards only), allow (whole cards or MIG devices, "
+        "never both in one answer: the best-ranked kind that has n) or only (MIG devices "
+        "only). A MIG device is returned as its MIG-… UUID. A CUDA process can use only one "
+        "MIG device, so n>1 MIG devices need format=list or json (else 400 mig_single_device).",
         {"type": "string", "enum": list(MIG_MODES)},
         default="deny",
         filter=True,
@@ -279,6 +297,9 @@ CHOOSE_PARAMS = tuple(p.name for p in PARAMS if p.choose)
 CLUSTER_PARAMS = tuple(p.name for p in PARAMS if p.cluster)
 LOCAL_FILTERS = tuple(p.name for p in PARAMS if p.local)
 POINT_FILTERS = tuple(p.name for p in PARAMS if p.recheck)
+# What --choose-defaults may set: the filters /choose takes.
+DEFAULTABLE = tuple(p.name for p in PARAMS if p.filter and p.choose)
+NO_DEFAULTS: Mapping[str, str] = {}
 
 
 # -- parsing -----------------------------------------------------------------------------------
@@ -294,6 +315,16 @@ class ChooseRequest:
     owner: str | None = None
     wait_seconds: float = 0.0
     idle_for_seconds: float | None = None
+    # The filters given, by name, with their parsed value and where each came from:
+    # (name, value, "request" or "default"), in PARAMS order.
+    applied: tuple[tuple[str, Any, str], ...] = ()
+
+    def filters_json(self) -> dict[str, dict[str, Any]]:
+        """``format=json``'s ``filters``: ``{"max_util": {"value": 0.5, "from": "default"}}``."""
+        return {
+            name: {"value": list(value) if isinstance(value, tuple) else value, "from": source}
+            for name, value, source in sorted(self.applied)
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,17 +371,49 @@ def value_of(args: Args, param: Param) -> Any:
 
 
 def parse_choose_args(
-    args: Args, *, allowed: tuple[str, ...] = CHOOSE_PARAMS, endpoint: str = "/choose"
+    args: Args,
+    *,
+    allowed: tuple[str, ...] = CHOOSE_PARAMS,
+    endpoint: str = "/choose",
+    defaults: Mapping[str, str] = NO_DEFAULTS,
+    max_idle_for_seconds: float | None = None,
 ) -> ChooseRequest:
-    """Validate ``/choose``'s query string strictly, parameter by parameter in table order."""
+    """Validate ``/choose``'s query string strictly, parameter by parameter in table order.
+
+    ``defaults`` (:func:`gpu_exporter.choose.defaults.parse_defaults`) fill in the filters
+    ``args`` does not give.
+    ``max_idle_for_seconds`` is how far back the server's history reaches: a longer
+    ``idle_for`` could never be met, so it is refused.
+    """
     check_params(args, allowed, endpoint)
-    v = {p.name: value_of(args, p) for p in PARAMS if p.choose}
+    merged: dict[str, str] = {k: t for k, t in defaults.items() if k in allowed and k not in args}
+    merged.update((k, args[k]) for k in args)
+    v = {p.name: value_of(merged, p) for p in PARAMS if p.choose}
     if v["mig"] != "deny" and v["format"] == "index":
         bad(
             "format",
             "format=index cannot name MIG devices (CUDA takes their MIG-… UUID); "
-            "use format=uuid or env",
+            "use format=uuid, env or list",
         )
+    if v["mig"] == "only" and v["n"] > 1 and v["format"] not in MIG_LIST_FORMATS:
+        raise ApiError(
+            400,
+            "mig_single_device",
+            f"a CUDA process can use only one MIG device (NVIDIA's MIG user guide), so "
+            f"n={v['n']} MIG devices cannot share one CUDA_VISIBLE_DEVICES; ask for "
+            "format=list (one MIG-… UUID per line, to start a process on each) or "
+            "format=json, or n=1",
+            "n",
+        )
+    idle_for, most = v["idle_for"], max_idle_for_seconds
+    if idle_for is not None and most is not None and idle_for > most:
+        bad(
+            "idle_for",
+            f"idle_for {idle_for:g} s is longer than the {most:g} s of history this exporter "
+            "keeps (its samples × --interval), so it could never be met; ask for "
+            f"idle_for={most:g}s or less",
+        )
+    defaulted = tuple(k for k in merged if k not in args)
     filters = Filters(
         min_free_bytes=v["min_free"],
         max_util_ratio=v["max_util"],
@@ -361,6 +424,14 @@ def parse_choose_args(
         model=v["model"],
         include=v["include"],
         mig=v["mig"],
+        # mig=allow: several MIG devices only where the format gives each its own line.
+        max_mig_devices=1 if v["mig"] == "allow" and v["format"] not in MIG_LIST_FORMATS else None,
+        defaulted=defaulted,
+    )
+    applied = tuple(
+        (p.name, v[p.name], "default" if p.name in defaulted else "request")
+        for p in PARAMS
+        if p.filter and p.name in merged
     )
     return ChooseRequest(
         n=v["n"],
@@ -371,12 +442,15 @@ def parse_choose_args(
         owner=v["owner"],
         wait_seconds=v["wait"],
         idle_for_seconds=v["idle_for"],
+        applied=applied,
     )
 
 
-def parse_cluster_args(args: Args) -> ClusterRequest:
+def parse_cluster_args(args: Args, *, defaults: Mapping[str, str] = NO_DEFAULTS) -> ClusterRequest:
     """Validate ``/cluster/choose``'s query string: ``/choose``'s, plus spread and max_age."""
-    req = parse_choose_args(args, allowed=CLUSTER_PARAMS, endpoint="/cluster/choose")
+    req = parse_choose_args(
+        args, allowed=CLUSTER_PARAMS, endpoint="/cluster/choose", defaults=defaults
+    )
     spread = value_of(args, BY_NAME["spread"])
     if spread and req.format == "env":
         bad("format", "format=env names one host; with spread=1 ask for format=json or uuid")

@@ -16,11 +16,17 @@ the index rule above, so every order is total and deterministic.
 MIG (``mig=``): ``deny`` (default) hands out whole cards only, and a card in MIG mode is not
 one (CUDA would see only its MIG devices); ``allow`` adds every MIG device as a candidate of
 its own; ``only`` hands out MIG devices only. A MIG device is named by its ``MIG-…`` UUID,
-which is what ``CUDA_VISIBLE_DEVICES`` takes; it has its parent's index.
+which is what ``CUDA_VISIBLE_DEVICES`` takes; it has its parent's index. A CUDA process can
+use only one MIG device, and no whole GPU once a MIG device is visible (NVIDIA's MIG user
+guide), so one answer never mixes the kinds: under ``allow`` the kind of the best-ranked GPU
+whose kind has ``n`` qualifying wins, and the other kind is passed over with the reason.
 
 A GPU that is down never qualifies. A filter on a value the GPU cannot report rejects it
-(unknown is not "free"). Memory used by processes we cannot see (another container) is
-already counted in NVML's "used", so it is never mistaken for free memory.
+(unknown is not "free") — unless the filter is one of the server's defaults
+(:attr:`Filters.defaulted`), which nobody asked for: a MIG device reports no utilization, and
+``max_util=50%`` by default must not make every MIG device unusable. Memory used by
+processes we cannot see (another container) is already counted in NVML's "used", so it is
+never mistaken for free memory.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from gpu_exporter.choose.selectors import selector_matches
 from gpu_exporter.model import GpuSample, all_devices
 from gpu_exporter.units import format_bytes
 
@@ -49,6 +56,8 @@ class Filters:
     model: str | None = None  # case-insensitive substring of the name
     include: tuple[str, ...] = ()  # when given, only these GPUs
     mig: str = "deny"  # deny | allow | only (see MIG_MODES)
+    max_mig_devices: int | None = None  # most MIG devices one answer may name (None: any)
+    defaulted: tuple[str, ...] = ()  # parameters from the defaults: unknown values pass them
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,40 +108,6 @@ class NotEnoughGpus(Exception):
         )
 
 
-def selector_matches(gpu: GpuSample, selector: str) -> bool:
-    """Does ``selector`` (index, UUID or UUID prefix, PCI bus id) name this GPU?
-
-    >>> g = GpuSample(index=3, uuid="GPU-5a1e0003-abcd", up=True, pci_bus_id="00000000:48:00.0")
-    >>> [selector_matches(g, s) for s in ("3", "GPU-5a1e", "gpu-5A1E0003-ABCD", "48:00.0", "4")]
-    [True, True, True, True, False]
-    """
-    s = selector.strip()
-    if s.isdigit():
-        return int(s) == gpu.index
-    if s.upper().startswith(("GPU-", "MIG-")):
-        return gpu.uuid.upper().startswith(s.upper())
-    if ":" in s and gpu.pci_bus_id:
-        return _normalise_bus_id(gpu.pci_bus_id) == _normalise_bus_id(s)
-    return False
-
-
-def _normalise_bus_id(bus_id: str) -> str:
-    """``0000:3b:00.0``, ``3B:00.0`` and ``00000000:3B:00.0`` are the same device."""
-    parts = bus_id.upper().split(":")
-    if len(parts) == 2:
-        parts.insert(0, "0")
-    domain, rest = parts[0], ":".join(parts[1:])
-    return f"{int(domain, 16):08X}:{rest}" if _is_hex(domain) else bus_id.upper()
-
-
-def _is_hex(s: str) -> bool:
-    try:
-        int(s, 16)
-    except ValueError:
-        return False
-    return True
-
-
 def candidates(gpus: Iterable[GpuSample], mig: str = "deny") -> list[GpuSample]:
     """What may be handed out under ``mig``: whole GPUs and, unless denied, MIG devices.
 
@@ -162,7 +137,14 @@ def _mig_reason(gpu: GpuSample, mig: str) -> str | None:
 
 
 def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
-    """Why ``gpu`` does not qualify; empty when it does."""
+    """Why ``gpu`` does not qualify; empty when it does.
+
+    >>> g = GpuSample(index=0, uuid="GPU-0", up=True)  # reports no utilization
+    >>> rejection_reasons(g, Filters(max_util_ratio=0.5))
+    ('utilization unknown',)
+    >>> rejection_reasons(g, Filters(max_util_ratio=0.5, defaulted=("max_util",)))
+    ()
+    """
     if not gpu.up:
         return (f"down: {gpu.error or 'not answering'}",)
     mig_reason = _mig_reason(gpu, filters.mig)
@@ -171,6 +153,7 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     # Each check is skipped outright when its filter is unset: this runs for every GPU of a
     # fleet (bench/cluster.py ranks 10,000).
     reasons: list[str] = []
+    d = filters.defaulted
     if filters.include and not any(selector_matches(gpu, s) for s in filters.include):
         reasons.append("not included")
     if filters.exclude and any(selector_matches(gpu, s) for s in filters.exclude):
@@ -178,13 +161,17 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     if filters.model is not None and filters.model.lower() not in (gpu.name or "").lower():
         reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
     if filters.min_free_bytes is not None:
-        _at_least(reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free")
+        _at_least(
+            reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free", d
+        )
     if filters.min_total_bytes is not None:
         _at_least(
-            reasons, "total memory", gpu.memory_total_bytes, filters.min_total_bytes, "min_total"
+            reasons, "total memory", gpu.memory_total_bytes, filters.min_total_bytes, "min_total", d
         )
     if filters.max_util_ratio is not None:
-        _at_most(reasons, "utilization", gpu.utilization_ratio, filters.max_util_ratio, "max_util")
+        _at_most(
+            reasons, "utilization", gpu.utilization_ratio, filters.max_util_ratio, "max_util", d
+        )
     if filters.max_mem_util_ratio is not None:
         _at_most(
             reasons,
@@ -192,34 +179,48 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
             gpu.memory_utilization_ratio,
             filters.max_mem_util_ratio,
             "max_mem_util",
+            d,
         )
     if filters.max_procs is not None:
         procs = gpu.compute_processes
         if procs is None:  # an unsupported process list never reads as "idle"
-            reasons.append("compute processes unknown")
+            if "max_procs" not in filters.defaulted:
+                reasons.append("compute processes unknown")
         elif procs > filters.max_procs:
             reasons.append(f"{procs} compute processes > max_procs {filters.max_procs}")
     return tuple(reasons)
 
 
 def _at_least(
-    reasons: list[str], what: str, value: int | None, limit: int | None, param: str
+    reasons: list[str],
+    what: str,
+    value: int | None,
+    limit: int | None,
+    param: str,
+    defaulted: tuple[str, ...],
 ) -> None:
     if limit is None:
         return
     if value is None:
-        reasons.append(f"{what} unknown")
+        if param not in defaulted:
+            reasons.append(f"{what} unknown")
     elif value < limit:
         reasons.append(f"{what} {format_bytes(value)} < {param} {format_bytes(limit)}")
 
 
 def _at_most(
-    reasons: list[str], what: str, value: float | None, limit: float | None, param: str
+    reasons: list[str],
+    what: str,
+    value: float | None,
+    limit: float | None,
+    param: str,
+    defaulted: tuple[str, ...],
 ) -> None:
     if limit is None:
         return
     if value is None:
-        reasons.append(f"{what} unknown")
+        if param not in defaulted:
+            reasons.append(f"{what} unknown")
     elif value > limit:
         reasons.append(f"{what} {value:.2f} > {param} {limit:.2f}")
 
@@ -312,6 +313,44 @@ def rank(
     return Ranking(tuple(ordered), tuple(rejected))
 
 
+def one_kind(ranking: Ranking, n: int, filters: Filters) -> Ranking:
+    """Under ``mig=allow``, keep whole GPUs or MIG devices, never both; the other kind is
+    passed over with why.
+
+    The kind of the best-ranked GPU whose kind has ``n`` qualifying (MIG devices only up to
+    ``max_mig_devices``); when neither has, the kind with more, so the refusal counts those.
+    """
+    if filters.mig != "allow":
+        return ranking
+    whole = [g for g in ranking.qualified if not g.is_mig_device]
+    mig = [g for g in ranking.qualified if g.is_mig_device]
+    mig_fits = filters.max_mig_devices is None or n <= filters.max_mig_devices
+    enough = {False: len(whole) >= n, True: mig_fits and len(mig) >= n}
+    kind = next((g.is_mig_device for g in ranking.qualified if enough[g.is_mig_device]), None)
+    if kind is None:
+        kind = mig_fits and len(mig) > len(whole)
+    if kind:
+        dropped, why = whole, "a whole GPU: this answer is MIG devices (one answer never mixes "
+        why += "them: a CUDA process that sees a MIG device cannot use a whole GPU)"
+    elif not mig_fits:
+        dropped = mig
+        why = (
+            f"a MIG device: n={n} MIG devices need format=list or json "
+            "(a CUDA process can use only one MIG device)"
+        )
+    else:
+        dropped = mig
+        why = "a MIG device: this answer is whole GPUs (one answer never mixes them)"
+    if not dropped:
+        return ranking
+    kept = tuple(g for g in ranking.qualified if g.is_mig_device == kind)
+    rejected = sorted(
+        (*ranking.rejected, *(Rejected(g, (why,)) for g in dropped)),
+        key=lambda r: (r.gpu.index, r.gpu.is_mig_device, _instance_order(r.gpu)),
+    )
+    return Ranking(kept, tuple(rejected))
+
+
 def choose(
     gpus: Iterable[GpuSample],
     n: int,
@@ -324,7 +363,7 @@ def choose(
     """The ``n`` best qualifying GPUs; raises :class:`NotEnoughGpus` if fewer qualify."""
     if n < 1:
         raise ValueError("n must be at least 1")
-    ranking = rank(gpus, filters, sort=sort, window=window, leased=leased)
+    ranking = one_kind(rank(gpus, filters, sort=sort, window=window, leased=leased), n, filters)
     if len(ranking.qualified) < n:
         raise NotEnoughGpus(n, ranking)
     chosen = ranking.qualified[:n]

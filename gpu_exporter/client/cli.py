@@ -130,7 +130,10 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DURATION",
         help="never use fleet figures older than this (default 60s)",
     )
-    filters = parser.add_argument_group("filters (passed to /choose as they are)")
+    filters = parser.add_argument_group(
+        "filters (passed to /choose as they are; those not given are the exporter's "
+        "--choose-defaults, by default --max-util 50% --max-mem-util 50%)"
+    )
     for param in FILTER_PARAMS:
         assert param.flag is not None
         metavar, help_text = param.flag
@@ -152,10 +155,11 @@ def add_choose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_choice_arguments(parser)
     parser.add_argument(
         "--format",
-        choices=("uuid", "index", "env", "json"),
+        choices=("uuid", "index", "env", "json", "list"),
         default="uuid",
         help="uuid: GPU-a,GPU-b (default); index: NVML indices; "
-        "env: an `export …` line for eval; json: the ranking with figures and reasons. "
+        "env: an `export …` line for eval; json: the ranking with figures and reasons; "
+        "list: one UUID per line (needed for several MIG devices: one process each). "
         "Across hosts: 'HOST GPU-a,GPU-b' per host, and env adds GPU_HOST and GPU_EXPORTER_URL",
     )
     parser.add_argument(

@@ -28,9 +28,10 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
+from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
 from gpu_exporter.choose.fleet import (
     Fleet,
     FleetRanking,
@@ -181,6 +182,7 @@ class ClusterChoice:
     spread: bool = False
     n: int = 1
     evaluated_at: float | None = None
+    filters: Mapping[str, Any] = field(default_factory=dict)  # applied, and where from
 
     def text(self, fmt: str) -> str:
         """``uuid``: ``HOST GPU-a,GPU-b`` per host; ``index``: ``HOST 0,1``; ``env``: one
@@ -192,6 +194,8 @@ class ClusterChoice:
             return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + "\n"
         if fmt == "json":
             return json.dumps(self.to_json()) + "\n"
+        if fmt == "list":  # one GPU per line: 'HOST GPU-a'
+            return "".join(f"{c.host} {u}\n" for c in self.placements for u in c.uuids)
         lines = []
         for choice in self.placements:
             gpus = choice.uuids if fmt == "uuid" else tuple(str(i) for i in choice.indices)
@@ -220,6 +224,7 @@ class ClusterChoice:
                 for host, url, reason in self.passed_over
             ],
             "notes": list(self.notes),
+            "filters": dict(self.filters),
         }
 
 
@@ -322,16 +327,19 @@ def choose_fleet(
     wall_clock: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    defaults: Mapping[str, str] = SHIPPED_DEFAULTS,
 ) -> ClusterChoice:
     """Choose and claim GPUs across the fleet; ``args`` are ``/cluster/choose``'s parameters.
 
     Reads the fleet from ``prometheus`` (only the targets ``selector`` matches, e.g.
     ``job="gpu-shared"``); if it cannot be asked (or knows no exporter) and ``hosts`` are
-    named, from those hosts directly. Raises :class:`ApiError`: 400 for bad
+    named, from those hosts directly. ``defaults`` are the filters applied where ``args`` gives
+    none (:mod:`gpu_exporter.choose.defaults`); only those ``args`` gives go to the chosen host,
+    which applies its own defaults again. Raises :class:`ApiError`: 400 for bad
     parameters, 503 ``not_enough_gpus`` (with every host's reason) or
     ``prometheus_unavailable``.
     """
-    req = parse_cluster_args(args)
+    req = parse_cluster_args(args, defaults=defaults)
     if not prometheus and not hosts:
         raise ApiError(400, "invalid_parameter", "name a Prometheus or hosts to choose among")
     try:
@@ -368,6 +376,7 @@ def choose_fleet(
                 spread=req.spread,
                 n=c.n,
                 evaluated_at=fleet.evaluated_at,
+                filters=c.filters_json(),
             )
         remaining = deadline - monotonic()
         if remaining <= 0:

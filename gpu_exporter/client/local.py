@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeAlias
 
+from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
 from gpu_exporter.choose.params import LOCAL_FILTERS, ApiError, parse_choose_args
 from gpu_exporter.choose.rank import Filters, NotEnoughGpus
 from gpu_exporter.choose.rank import choose as rank_and_choose
@@ -45,7 +46,8 @@ def choose_locally(
 ) -> Choice:
     """Rank this host's GPUs through NVML, as the server would, but with no lease.
 
-    Takes every ``/choose`` filter except ``idle_for`` (and ``mig``). Raises
+    Takes every ``/choose`` filter except ``idle_for`` (and ``mig``), and applies the shipped
+    defaults (:data:`~gpu_exporter.choose.defaults.SHIPPED_DEFAULTS`) to those not given. Raises
     :class:`GpuExporterError` when NVML cannot be loaded or sees no GPU, and
     :class:`NoGpusAvailable` when too few qualify — never an empty choice.
     """
@@ -103,7 +105,7 @@ def _local_filters(given: Mapping[str, FilterValue]) -> tuple[Filters, str]:
     """``/choose``'s filter parameters, parsed as the server parses them, and the sort."""
     args = {name: filter_value(name, value) for name, value in given.items()}
     try:
-        req = parse_choose_args(args, allowed=(*LOCAL_FILTERS, "n"))
+        req = parse_choose_args(args, allowed=(*LOCAL_FILTERS, "n"), defaults=SHIPPED_DEFAULTS)
     except ApiError as exc:
         raise ValueError(exc.message) from None
     return req.filters, req.sort

@@ -17,7 +17,8 @@ from gpu_exporter.clock import Clock
 from gpu_exporter.model import Snapshot, initial_snapshot
 from gpu_exporter.nvml import Nvml
 
-HISTORY_LENGTH = 600  # snapshots kept: 10 minutes at the default 1 s interval
+# Snapshots kept: 600 intervals, 10 minutes back at the default 1 s interval (idle_for's limit).
+HISTORY_LENGTH = 601
 
 
 class SnapshotCache:

@@ -39,6 +39,8 @@ def choice_text(choice: Selection, lease: Lease | None, fmt: str) -> str:
     uuids = ",".join(g.uuid for g in choice.chosen)
     if fmt == "index":
         return ",".join(str(g.index) for g in choice.chosen) + "\n"
+    if fmt == "list":  # one device per line: a process each (several MIG devices need it)
+        return "".join(g.uuid + "\n" for g in choice.chosen)
     if fmt == "env":
         line = f"export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={uuids}"
         return line + (f" GPU_LEASE={lease.id}" if lease else "") + "\n"
@@ -49,7 +51,11 @@ def choice_text(choice: Selection, lease: Lease | None, fmt: str) -> str:
 def choose_route() -> Response:
     svc = services()
     try:
-        req = parse_choose_args(request.values)
+        req = parse_choose_args(
+            request.values,
+            defaults=svc.choose_defaults,
+            max_idle_for_seconds=svc.max_idle_for_seconds,
+        )
         claimed = svc.claimer.claim(req, request.remote_addr or "unknown")
     except (ApiError, LeaseError) as exc:
         svc.requests.inc(exc.code)
@@ -67,6 +73,7 @@ def choose_route() -> Response:
                 "sort": req.sort,
                 "chosen": chosen,
                 "rejected": [_rejected_json(r) for r in choice.not_chosen],
+                "filters": req.filters_json(),
                 "lease": lease.to_json() if lease else None,
                 "sampled_at": snapshot.taken_at_seconds,
                 "snapshot_age_seconds": round(snapshot.age_seconds(claimed.monotonic_now), 3),

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_exporter.choose.claim import Waiters
+from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
 from gpu_exporter.client.fleet import ClusterChoice, Fetch, choose_fleet, http_get_json
 from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS
 
@@ -26,6 +27,8 @@ class ClusterService:
     selector: str = ""  # label matchers narrowing the fleet (--prometheus-selector)
     timeout: float = DEFAULT_TIMEOUT_SECONDS
     fetch: Fetch = http_get_json  # how Prometheus and the hosts are read
+    # --choose-defaults: what "free" means here; each host re-applies its own when claiming.
+    defaults: Mapping[str, str] = field(default_factory=lambda: dict(SHIPPED_DEFAULTS))
 
     def choose(self, args: Mapping[str, str], waiters: Waiters) -> ClusterChoice:
         """Choose and claim for ``args``; waits between fleet reads as a waiter of ``waiters``."""
@@ -47,4 +50,5 @@ class ClusterService:
                 timeout=self.timeout,
                 fetch=self.fetch,
                 sleep=pause,
+                defaults=self.defaults,
             )

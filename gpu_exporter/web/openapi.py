@@ -11,6 +11,25 @@ from typing import Any
 
 from gpu_exporter import __version__
 from gpu_exporter.choose.params import DURATION_SCHEMA, PARAMS
+from gpu_exporter.config import DEFAULT_CHOOSE_DEFAULTS
+
+FREE_BY_DEFAULT = (
+    "What 'free' means unless the request says otherwise: the exporter's --choose-defaults "
+    f"(shipped: {DEFAULT_CHOOSE_DEFAULTS}, i.e. under 50% utilization and 50% "
+    "memory-bandwidth utilization, as GPUtil's getAvailable). Each default applies only when "
+    "the request does not give that parameter: max_util=100% turns that one off. A figure a "
+    "GPU cannot report (a MIG device has no utilization) passes a default, never a filter the "
+    "request gave. format=json lists the filters applied and where each came from."
+)
+_FILTERS = {
+    "type": "object",
+    "description": "The filters applied: {name: {value, from: request or default}}.",
+    "additionalProperties": {
+        "type": "object",
+        "required": ["value", "from"],
+        "properties": {"value": {}, "from": {"enum": ["request", "default"]}},
+    },
+}
 
 
 def _query_parameters(cluster: bool) -> list[dict[str, Any]]:
@@ -86,7 +105,9 @@ _GPU = {
 
 def _errors(*statuses: int, **override: str) -> dict[str, Any]:
     described = {
-        400: "Invalid or unknown parameter.",
+        400: "Invalid or unknown parameter; mig_single_device: n>1 MIG devices asked for in "
+        "a format that puts them in one CUDA_VISIBLE_DEVICES (a CUDA process can use only one "
+        "MIG device: ask for format=list or json).",
         404: "No such lease.",
         429: "Over a lease limit.",
         414: "The query string is longer than 4096 bytes (uri_too_long).",
@@ -128,12 +149,15 @@ def document() -> dict[str, Any]:
     }
     choose_op = {
         "summary": "Choose the freest GPUs and claim them with a lease",
+        "description": FREE_BY_DEFAULT,
         "parameters": _query_parameters(cluster=False),
         "responses": {"200": choose_ok, **_errors(400, 414, 429, 503)},
     }
     cluster_op = {
         "summary": "Choose GPUs across the hosts Prometheus scrapes; the host's exporter leases "
         "them",
+        "description": FREE_BY_DEFAULT + " The chosen host applies its own defaults again "
+        "when it claims.",
         "parameters": _query_parameters(cluster=True),
         "responses": {
             "200": {
@@ -280,6 +304,7 @@ def document() -> dict[str, Any]:
                         },
                         "lease": {"oneOf": [lease_ref, {"type": "null"}]},
                         "snapshot_age_seconds": {"type": "number"},
+                        "filters": _FILTERS,
                     },
                 },
                 "Placements": {
@@ -290,6 +315,7 @@ def document() -> dict[str, Any]:
                         "spread": {"type": "boolean"},
                         "source": {"type": "string", "enum": ["prometheus", "hosts"]},
                         "evaluated_at": {"type": ["number", "null"]},
+                        "filters": _FILTERS,
                         "placements": {
                             "type": "array",
                             "items": {

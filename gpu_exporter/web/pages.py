@@ -9,7 +9,7 @@ from flask import Blueprint, Response, jsonify, render_template, request
 
 from gpu_exporter import __version__
 from gpu_exporter.choose.claim import snapshot_problem
-from gpu_exporter.choose.params import check_params
+from gpu_exporter.choose.params import check_params, parse_choose_args
 from gpu_exporter.counters import XidCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import format_bytes
@@ -49,6 +49,7 @@ def index() -> str:
         wall_now=svc.clock.time(),
         age_seconds=snapshot.age_seconds(now),
         problem=problem.message if problem else None,
+        filters=parse_choose_args({}, defaults=svc.choose_defaults).filters,
     )
     return render_template("index.html", view=view, version=__version__, fmt=format_bytes)
 

@@ -8,6 +8,7 @@ objects production does.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -58,6 +59,9 @@ class Services:
     xids: XidCounter | None = None
     watcher: WebConfigWatcher | None = None
     auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
+    # --choose-defaults, parsed: the filters /choose applies when a request does not give them.
+    choose_defaults: Mapping[str, str] = field(default_factory=dict)
+    max_idle_for_seconds: float | None = None  # how far back the sample history reaches
 
     @property
     def stopping(self) -> threading.Event:

@@ -58,7 +58,10 @@ def status_view(
     wall_now: float,
     age_seconds: float,
     problem: str | None,
+    filters: Filters | None = None,
 ) -> StatusView:
+    """What ``/`` shows; the recommendation is what ``/choose?n=1`` would give under
+    ``filters`` (the server's ``--choose-defaults``)."""
     held = {uuid: lease for lease in leases for uuid in lease.uuids}
     rows = []
     for gpu in snapshot.gpus:
@@ -84,7 +87,7 @@ def status_view(
         for lease in leases
     )
     leased = {uuid: f"leased by {_holder(lease)}" for uuid, lease in held.items()}
-    ranking = rank(snapshot.gpus, Filters(), leased=leased)
+    ranking = rank(snapshot.gpus, filters or Filters(), leased=leased)
     if problem is None and ranking.qualified:
         recommendation = Recommendation(ranking.qualified[0], ())
     else:
