@@ -238,6 +238,7 @@ def build(
         xids=xids,
         watcher=watcher,
         auth_scope=config.auth_scope,
+        lease_admins=frozenset(config.lease_admins),
     )
     app = create_app(services)
 

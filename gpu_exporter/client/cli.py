@@ -273,14 +273,16 @@ def add_release_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         description="Release a lease before it expires, e.g. at the end of a job script that "
         'ran eval "$(gpu-exporter choose --format env)".',
         epilog="Exit status: 0 released, 4 no such lease (expired, released, or let go once "
-        "the job's work showed on its GPUs), 1 otherwise.",
+        "the job's work showed on its GPUs), 1 otherwise (e.g. 403: a lease id instead of its "
+        "token).",
     )
     parser.add_argument(
         "lease",
         nargs="?",
         default=os.environ.get("GPU_LEASE"),
         metavar="LEASE",
-        help="the lease id (default $GPU_LEASE)",
+        help="the lease's token, as /choose gave it (default $GPU_LEASE); a lease id alone "
+        "works only for the exporter's --lease-admins",
     )
     parser.add_argument(
         "--url",
@@ -290,7 +292,7 @@ def add_release_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def release_main(args: argparse.Namespace) -> int:
-    """``gpu-exporter release``: DELETE /leases/<id>."""
+    """``gpu-exporter release``: DELETE /leases/<token>."""
     if not args.lease:
         print("error: no lease given and GPU_LEASE is not set", file=sys.stderr)
         return EXIT_USAGE

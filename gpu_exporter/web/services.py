@@ -58,6 +58,8 @@ class Services:
     xids: XidCounter | None = None
     watcher: WebConfigWatcher | None = None
     auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
+    # Users (authenticated by ``watcher``'s basic auth) who may renew or release any lease.
+    lease_admins: frozenset[str] = frozenset()
 
     @property
     def stopping(self) -> threading.Event:
