@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from served import served
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.client import ServerUnreachable, choose, release
 from gpu_exporter.cli import main as client_main
+from gpu_exporter.client import ServerUnreachable, choose, release
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu
+from served import served
 
 KEY = "Idempotency-Key"
 

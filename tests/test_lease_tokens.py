@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import bcrypt
-from served import Served, served
 
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.tokens import token_matches
 from gpu_exporter.web.auth import needs_auth
+from served import Served, served
 
 Answer = tuple[int, dict[str, str], bytes]
 
@@ -98,9 +98,7 @@ def test_lease_admins_may_release_any_lease_by_id(tmp_path: Path) -> None:
         for user in ("alice", "bob")
     }
     config = tmp_path / "web.yml"
-    config.write_text(
-        "basic_auth_users:\n" + "".join(f"  {u}: '{h}'\n" for u, h in hashed.items())
-    )
+    config.write_text("basic_auth_users:\n" + "".join(f"  {u}: '{h}'\n" for u, h in hashed.items()))
     with served(web_config_file=str(config), lease_admins=("alice",)) as exporter:
         bob = basic("bob", "pw-bob")
         alice = basic("alice", "pw-alice")
