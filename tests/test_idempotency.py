@@ -319,3 +319,20 @@ def test_when_every_answer_is_lost_at_most_one_lease_is_left_to_expire() -> None
             choose(1, proxy.url)
         assert proxy.connections == 2
         assert len(exporter.lease_ids()) == 1  # the documented window: until its TTL
+
+
+class ClosedPipe:
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_the_cli_gives_the_lease_back_when_nobody_reads_its_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with served() as exporter:
+        monkeypatch.setattr("sys.stdout", ClosedPipe())
+        assert client_main(["choose", "--url", exporter.url]) == 1
+        assert exporter.lease_ids() == set()

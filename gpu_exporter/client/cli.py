@@ -24,6 +24,7 @@ arguments (ours or the server's 400), 1 for anything else (no server, 429, NVML 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -261,8 +262,15 @@ def choose_main(args: argparse.Namespace) -> int:
         return fail(exc)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    sys.stdout.write(answer.body)
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(answer.body)
+        sys.stdout.flush()
+    except OSError as exc:  # nobody will read the token (a closed pipe): give the lease back
+        if answer.lease_token is not None:
+            with contextlib.suppress(GpuExporterError):
+                release(answer.lease_token, answer.url)
+        print(f"error: cannot print the answer ({exc}); released its lease", file=sys.stderr)
+        return EXIT_FAILURE
     return 0
 
 
