@@ -20,6 +20,7 @@ from gpu_exporter.config import (
     default_state_dir,
     parse_listen_address,
     parse_process_labels,
+    parse_user_list,
 )
 
 
@@ -220,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
         "anything but GET/HEAD, so /metrics, /gpus, /readyz and / stay open",
     )
     serve.add_argument(
+        "--lease-admins",
+        default=_env("lease-admins", ""),
+        metavar="USER,...",
+        help="basic-auth users (from the web config) who may renew or release any lease by its "
+        "id; everyone else needs the lease's token (default: nobody; without basic auth "
+        "there are no admins)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=_env("log-level", "info"),
@@ -317,6 +326,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         web_config_file=args.web_config_file,
         auth_scope=args.auth_scope,
         choose_defaults=args.choose_defaults,
+        lease_admins=parse_user_list(args.lease_admins),
     )
 
 

@@ -44,6 +44,7 @@ class ServeConfig:
     auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
     # What "free" means when a /choose names no filter (query syntax; "" for none).
     choose_defaults: str = DEFAULT_CHOOSE_DEFAULTS
+    lease_admins: tuple[str, ...] = ()  # basic-auth users who may renew/release any lease by id
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -74,6 +75,16 @@ def parse_process_labels(text: str) -> tuple[str, ...]:
             f"choose from {', '.join(PROCESS_LABELS)}"
         )
     return tuple(label for label in PROCESS_LABELS if label in wanted)
+
+
+def parse_user_list(text: str) -> tuple[str, ...]:
+    """``--lease-admins``' value → the user names, without blanks or repeats.
+
+    >>> parse_user_list("alice, bob,,alice")
+    ('alice', 'bob')
+    """
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    return tuple(dict.fromkeys(names))
 
 
 def default_state_dir() -> str:

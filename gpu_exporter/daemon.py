@@ -257,6 +257,7 @@ def build(
         auth_scope=config.auth_scope,
         choose_defaults=choose_defaults,
         max_idle_for_seconds=max_idle_for_seconds,
+        lease_admins=frozenset(config.lease_admins),
     )
     app = create_app(services)
 

@@ -139,9 +139,10 @@ def test_text_formats_come_back_as_sent_with_the_lease_header(
     match = re.fullmatch(pattern, answer.body)
     assert match, answer.body
     assert answer.lease_id is not None and answer.lease_id in exporter.lease_ids()
+    assert answer.lease_token is not None and answer.lease_token.startswith(answer.lease_id + ".")
     if "lease" in match.groupdict():
-        assert match["lease"] == answer.lease_id
-    release(answer.lease_id, exporter.url)
+        assert match["lease"] == answer.lease_token  # GPU_LEASE is the token
+    release(answer.lease_token, exporter.url)
 
 
 def test_json_format_lease_matches_the_header(exporter: Served) -> None:
@@ -411,7 +412,7 @@ def test_use_gpus_sets_and_restores_the_environment_and_releases(
     try:
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(gpus.uuids)
         assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-        assert os.environ["GPU_LEASE"] == gpus.lease_id
+        assert os.environ["GPU_LEASE"] == gpus.lease_token
         assert gpus.lease_id in exporter.lease_ids()
     finally:
         block.__exit__(None, None, None)
@@ -425,7 +426,7 @@ def test_use_gpus_releases_and_restores_on_an_exception(exporter: Served) -> Non
 
     def job() -> None:
         with use_gpus(1, exporter.url) as gpus:
-            assert os.environ["GPU_LEASE"] == gpus.lease_id
+            assert os.environ["GPU_LEASE"] == gpus.lease_token
             held.append(gpus.lease_id)
             raise RuntimeError("training diverged")
 

@@ -136,7 +136,8 @@ def test_the_cluster_endpoint_of_an_exporter_with_a_prometheus_url(fleet: Fleet)
         (placed,) = answer["placements"]
         assert placed["url"] == fleet.b.base and answer["source"] == "prometheus"
         assert [lease["id"] for lease in leases_on(fleet.b)] == [placed["lease"]["id"]]
-        client.release(placed["lease"]["id"], fleet.b.base)
+        assert placed["lease"]["token"].startswith(placed["lease"]["id"] + ".")
+        client.release(placed["lease"]["token"], fleet.b.base)
         status, body = get(front.base + "/cluster/choose?n=5")
         assert status == 503 and body.startswith("error: no 5 GPUs qualify on one host")
 

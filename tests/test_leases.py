@@ -89,12 +89,12 @@ def test_choose_claims_and_the_next_caller_gets_another_gpu() -> None:
 def test_env_format_and_json_lease() -> None:
     s = idle_box(2)
     env = s.client.get("/choose?n=2&format=env")
-    lease = env.headers["X-GPU-Lease"]
+    token = env.headers["X-GPU-Lease"]
     uuids = f"{s.sim.gpus[1].uuid},{s.sim.gpus[0].uuid}"
     assert env.text == (
-        f"export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={uuids} GPU_LEASE={lease}\n"
+        f"export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={uuids} GPU_LEASE={token}\n"
     )
-    assert s.client.delete(f"/leases/{lease}").get_json()["released"] == lease
+    assert s.client.delete(f"/leases/{token}").get_json()["released"] == token.partition(".")[0]
     body = s.client.get("/choose?format=json&owner=alice&lease=5m").get_json()
     assert body["lease"]["owner"] == "alice"
     assert body["lease"]["expires_at"] - body["lease"]["created_at"] == 300
@@ -133,7 +133,7 @@ def test_release_renew_expiry() -> None:
 
 def test_lease_ends_when_the_claimants_work_arrives() -> None:
     s = idle_box(2)
-    lease = s.client.get("/choose?n=2").headers["X-GPU-Lease"]
+    lease = s.client.get("/choose?n=2&format=json").get_json()["lease"]["id"]
     s.clock.advance(2)
     s.sim.gpus[1].load = Load("constant", memory_used_ratio=0.5, processes=1)
     s.sample()
@@ -353,7 +353,7 @@ def test_scrapes_and_listings_never_write_the_state_file_or_wake_waiters(tmp_pat
 def test_reads_show_an_arrived_gpu_as_free_without_pruning(tmp_path: Path) -> None:
     s = idle_box(2, state_dir=str(tmp_path))
     state = tmp_path / "leases.json"
-    lease = s.client.get("/choose?n=2").headers["X-GPU-Lease"]
+    lease = s.client.get("/choose?n=2&format=json").get_json()["lease"]["id"]
     s.clock.advance(2)
     sampled = s.cache.get()  # GPU 1 now runs the claimant's process (not yet published)
     arrived = replace(

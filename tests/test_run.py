@@ -92,12 +92,14 @@ def test_run_gives_the_command_its_gpu_and_releases_after(exporter: Served) -> N
         'echo "$CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER $GPU_LEASE"',
     )
     assert status == 0, err
-    uuid, order, lease = out.split()
+    uuid, order, token = out.split()
+    lease = token.partition(".")[0]  # GPU_LEASE is the token: <id>.<secret>
     assert uuid.startswith("GPU-") and "," not in uuid
     assert order == "PCI_BUS_ID"
     assert lease not in exporter.lease_ids()
     assert "gpu-exporter run: GPU " in err and lease in err and uuid in err
-    assert ("DELETE", f"/leases/{lease}", {}) in exporter.requests
+    assert token not in err  # the secret is never printed
+    assert ("DELETE", f"/leases/{token}", {}) in exporter.requests
 
 
 def test_run_takes_the_command_without_a_separator_and_filters(exporter: Served) -> None:
@@ -165,7 +167,7 @@ def test_run_renews_the_lease_while_the_command_runs(exporter: Served) -> None:
     check = (
         "import os, time; from gpu_exporter.client import leases\n"
         "time.sleep(3)  # three times the TTL\n"
-        "print([l.id for l in leases()] == [os.environ['GPU_LEASE']])\n"
+        "print([l.id for l in leases()] == [os.environ['GPU_LEASE'].partition('.')[0]])\n"
     )
     # A 1 s lease renewed every 1/3 s tolerates a 2/3 s hiccup on a busy CI machine.
     status, out, err = run("run", "--lease", "1s", "--", sys.executable, "-c", check)
@@ -253,7 +255,7 @@ def test_choose_env_format_prints_an_export_line_with_the_lease(
     out = capsys.readouterr().out
     match = ENV_LINE.fullmatch(out)
     assert match, out
-    assert match["lease"] in exporter.lease_ids()
+    assert match["lease"].partition(".")[0] in exporter.lease_ids()
 
 
 def test_choose_prints_exactly_what_choose_answers(
@@ -466,17 +468,18 @@ def test_run_against_the_real_server() -> None:
 
 def test_release_gives_back_the_lease_in_gpu_lease(exporter: Served) -> None:
     status, out, _ = run("choose", "--format", "env")
-    lease = ENV_LINE.fullmatch(out).group("lease")  # type: ignore[union-attr]
+    token = ENV_LINE.fullmatch(out).group("lease")  # type: ignore[union-attr]
+    lease = token.partition(".")[0]
     assert lease in exporter.lease_ids()
-    proc = cli("release", env={**os.environ, "GPU_LEASE": lease})
+    proc = cli("release", env={**os.environ, "GPU_LEASE": token})
     assert finish(proc) == (0, "", "")
     assert lease not in exporter.lease_ids()
     # Twice: the job is over either way, so a script ending in `release` still succeeds,
     # with one line saying nothing was released; --strict makes it its own exit status.
-    status, out, err = run("release", lease)
+    status, out, err = run("release", token)
     assert status == 0 and out == ""
     assert err.startswith("gpu-exporter: note: nothing to release: ") and err.count("\n") == 1
-    status, out, err = run("release", "--strict", lease)
+    status, out, err = run("release", "--strict", token)
     assert status == 4 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1
 

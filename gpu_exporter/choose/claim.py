@@ -29,6 +29,7 @@ from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.params import ApiError, ChooseRequest
 from gpu_exporter.choose.rank import NotEnoughGpus, Selection, Window
+from gpu_exporter.choose.tokens import ClaimKey
 from gpu_exporter.clock import Clock
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.model import Snapshot
@@ -170,16 +171,25 @@ class Claimer:
         self._poll_seconds = poll_seconds
         self._pause = pause if pause is not None else table.wait_for_change
 
-    def claim(self, req: ChooseRequest, requester: str) -> Claimed:
+    def claim(self, req: ChooseRequest, requester: str, key: ClaimKey | None = None) -> Claimed:
         """Serve ``req`` for ``requester`` (its address); raises :class:`ApiError` or
-        :class:`~gpu_exporter.choose.leases.LeaseError`."""
+        :class:`~gpu_exporter.choose.leases.LeaseError`.
+
+        With ``key`` (its ``Idempotency-Key``), a retry of a claim already granted gets that
+        lease at once, without queueing behind anyone.
+        """
+        if key is not None and req.lease_seconds > 0:
+            snapshot = self._snapshots.get()
+            again = self._table.again(key, snapshot)
+            if again is not None:
+                return Claimed(*again, snapshot, self._clock.monotonic())
         deadline = self._clock.monotonic() + req.wait_seconds
         ticket = self._table.enqueue()
         try:
             with contextlib.ExitStack() as slot:  # one --max-waiters slot once really waiting
                 waiting = False
                 while True:
-                    claimed, failure = self._try(req, requester, ticket, deadline)
+                    claimed, failure = self._try(req, requester, ticket, deadline, key)
                     if claimed is not None:
                         return claimed
                     if failure is not None and self._clock.monotonic() >= deadline:
@@ -193,7 +203,12 @@ class Claimer:
             self._table.dequeue(ticket)
 
     def _try(
-        self, req: ChooseRequest, requester: str, ticket: object, deadline: float
+        self,
+        req: ChooseRequest,
+        requester: str,
+        ticket: object,
+        deadline: float,
+        key: ClaimKey | None = None,
     ) -> tuple[Claimed | None, ApiError | None]:
         """One try: the claim, or why not (no reason: only requests being served are ahead)."""
         snapshot, now = self._snapshots.get(), self._clock.monotonic()
@@ -216,6 +231,7 @@ class Claimer:
                     owner=req.owner,
                     sort=req.sort,
                     window=window,
+                    key=key,
                 )
             except NotEnoughGpus as exc:
                 if self._clock.monotonic() < deadline:

@@ -2,7 +2,8 @@
 
 A lease holds GPUs (by UUID) until the first of:
 
-* it is released (``DELETE /leases/<id>``) or its TTL runs out (``POST …/renew`` extends it);
+* it is released (``DELETE /leases/<token>``) or its TTL runs out (``POST …/renew`` extends
+  it); both take the lease's token (:mod:`gpu_exporter.choose.tokens`), not just its id;
 * the claimant's work shows up on that GPU — a new compute process, or memory use up by more
   than :data:`ARRIVAL_BYTES` since the lease began — after which NVML's own figures keep
   other jobs away and the lease is no longer needed for that GPU;
@@ -16,9 +17,10 @@ lock, and :mod:`gpu_exporter.choose.statefile` the file.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpu_exporter.choose.tokens import Keyed, token_matches
 from gpu_exporter.model import GpuSample, Snapshot, all_devices
 
 ARRIVAL_BYTES = 256 * 2**20  # a memory rise this large means the claimant's job has started
@@ -42,6 +44,14 @@ class Lease:
     expires_at: float
     requester: str  # client address
     owner: str | None = None  # free-form label from ?owner=
+    token_hash: str | None = None  # sha256 of the token's secret; None: a lease from before tokens
+    keyed: Keyed | None = None  # the Idempotency-Key it was claimed with, if any
+    # The token itself: set only on the Lease handed to its claimant, never kept or listed.
+    token: str | None = field(default=None, compare=False, repr=False)
+
+    def accepts(self, ref: str) -> bool:
+        """Does ``ref`` (a token, or an id for a lease from before tokens) prove the claim?"""
+        return token_matches(self.id, self.token_hash, ref)
 
     @property
     def uuids(self) -> tuple[str, ...]:
@@ -64,6 +74,8 @@ class Lease:
             "held": [
                 [g.uuid, g.index, g.processes_at_claim, g.memory_used_at_claim] for g in self.gpus
             ],
+            "token_hash": self.token_hash,
+            "idempotency": self.keyed.to_state() if self.keyed is not None else None,
         }
 
     @classmethod
@@ -89,6 +101,9 @@ class Lease:
             expires_at=expires_at,
             requester=_text(data, "requester"),
             owner=owner,
+            # Files written before tokens have neither: such a lease takes its id as its token.
+            token_hash=_text(data, "token_hash") if data.get("token_hash") is not None else None,
+            keyed=Keyed.from_state(data.get("idempotency")),
         )
 
 

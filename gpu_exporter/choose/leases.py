@@ -20,6 +20,11 @@ Reads never change the table (a scrape must not fsync ``leases.json`` or wake wa
 show what :func:`~gpu_exporter.choose.lease.settle` would keep, and
 :meth:`~LeaseTable.prune` commits it on every published sample (the daemon subscribes it to
 the snapshot cache) and before each change.
+
+Each lease has a public id and a secret token (:mod:`gpu_exporter.choose.tokens`):
+:meth:`~LeaseTable.authorize` checks the token before a renewal or release. A claim with an
+``Idempotency-Key`` that an earlier try of the same request already granted returns that
+lease again, token included, instead of claiming more GPUs.
 """
 
 from __future__ import annotations
@@ -28,12 +33,22 @@ import logging
 import secrets
 import threading
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from gpu_exporter.choose.lease import Held, Lease, settle
 from gpu_exporter.choose.rank import Filters, Selection, Window, choose
 from gpu_exporter.choose.statefile import StateFile, StateWriteError
+from gpu_exporter.choose.tokens import (
+    ClaimKey,
+    Keyed,
+    lease_id_of,
+    make_token,
+    new_salt,
+    new_secret,
+    sha256_hex,
+)
 from gpu_exporter.clock import Clock
 from gpu_exporter.model import Snapshot, all_devices
 
@@ -74,6 +89,9 @@ class LeaseTable:
         self._waiting: set[object] = set()  # claimers that failed once and are waiting
         self._unsaved = False  # the last write failed: retried on every prune
         self._restored: set[str] = set()  # ids loaded from the file, not yet seen on a sample
+        # Keys of keyed leases that ended before their expiry → that expiry: a late retry of
+        # such a claim is refused rather than granted anew. In memory only.
+        self._spent: dict[str, float] = {}
         if self._state is not None:
             self._load(self._state)
 
@@ -109,6 +127,25 @@ class LeaseTable:
             )
         return lease
 
+    def authorize(self, ref: str, *, admin: bool = False) -> str:
+        """The id of the lease ``ref`` (its token) may change; ``admin`` may change any by id.
+
+        404 ``unknown_lease`` when no such lease is active, 403 ``forbidden`` when ``ref`` is
+        not its token. Never echoes ``ref``, which may be a token.
+        """
+        lease = self.get(lease_id_of(ref))
+        if admin or lease.accepts(ref):
+            return lease.id
+        if ref == lease.id:
+            message = (
+                f"lease {lease.id} can only be renewed or released with its token "
+                "(the X-GPU-Lease header, $GPU_LEASE or lease.token of the claim's answer), "
+                "not its id"
+            )
+        else:
+            message = f"wrong token for lease {lease.id}"
+        raise LeaseError(403, "forbidden", message, "lease")
+
     # -- changes ----------------------------------------------------------------------------
     def claim(
         self,
@@ -121,9 +158,12 @@ class LeaseTable:
         owner: str | None = None,
         sort: str = "free",
         window: Window | None = None,
+        key: ClaimKey | None = None,
     ) -> tuple[Selection, Lease | None]:
         """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them.
 
+        The lease returned carries its token (:attr:`Lease.token`). With ``key``, a lease an
+        earlier claim with that key made is returned instead (see :meth:`again`).
         Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`LeaseError`.
         """
         if ttl_seconds > self.max_ttl_seconds:
@@ -137,6 +177,10 @@ class LeaseTable:
         with self._lock:
             self._prune(snapshot)
             now = self._clock.time()
+            if key is not None and ttl_seconds > 0:
+                again = self._again(key, snapshot)
+                if again is not None:
+                    return again
             leased = {
                 uuid: f"leased until {lease.expires_at - now:.0f} s from now"
                 + (f" by {lease.owner}" if lease.owner else "")
@@ -160,8 +204,14 @@ class LeaseTable:
             choice = choose(snapshot.gpus, n, filters, sort=sort, window=window, leased=leased)
             if ttl_seconds <= 0:
                 return choice, None
+            lease_id = secrets.token_urlsafe(9)
+            keyed = None
+            secret = new_secret()
+            if key is not None:  # a retry with this key must get the same token
+                keyed = Keyed(key.key_hash, key.request_hash, new_salt())
+                secret = new_secret(keyed.salt, key.key)
             lease = Lease(
-                id=secrets.token_urlsafe(9),
+                id=lease_id,
                 gpus=tuple(
                     Held(g.uuid, g.index, g.compute_processes, g.memory_used_bytes)
                     for g in choice.chosen
@@ -170,15 +220,52 @@ class LeaseTable:
                 expires_at=now + ttl_seconds,
                 requester=requester,
                 owner=owner,
+                token_hash=sha256_hex(secret),
+                keyed=keyed,
             )
             self._hold(lease, None, "no GPU was claimed")
-            return choice, lease
+            return choice, replace(lease, token=make_token(lease.id, secret))
+
+    def again(self, key: ClaimKey, snapshot: Snapshot) -> tuple[Selection, Lease] | None:
+        """The lease a claim with ``key`` already made, with its token, or None if none did.
+
+        Raises :class:`LeaseError`: 422 ``idempotency_key_reused`` if that claim had other
+        parameters, 409 ``lease_ended`` if its lease was released (or let go) before expiry.
+        """
+        with self._lock:
+            return self._again(key, snapshot)
+
+    def _again(self, key: ClaimKey, snapshot: Snapshot) -> tuple[Selection, Lease] | None:
+        key_hash = key.key_hash
+        for lease in self._leases.values():
+            if lease.keyed is None or lease.keyed.key_hash != key_hash:
+                continue
+            if lease.keyed.request_hash != key.request_hash:
+                raise LeaseError(
+                    422,
+                    "idempotency_key_reused",
+                    f"this Idempotency-Key was used for another request (lease {lease.id}); "
+                    "a retry must repeat the parameters, a new request needs a new key",
+                )
+            by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
+            chosen = tuple(by_uuid[u] for u in lease.uuids if u in by_uuid)
+            token = make_token(lease.id, new_secret(lease.keyed.salt, key.key))
+            return Selection(chosen, ()), replace(lease, token=token)
+        if self._spent.get(key_hash, 0.0) > self._clock.time():
+            raise LeaseError(
+                409,
+                "lease_ended",
+                "the lease claimed with this Idempotency-Key has already ended (released, or "
+                "let go early); claim again with a new key",
+            )
+        return None
 
     def release(self, lease_id: str) -> Lease:
+        """End the lease ``lease_id`` now (check the caller with :meth:`authorize` first)."""
         with self._lock:
             self._prune(None)
             lease = self.get(lease_id)
-            del self._leases[lease_id]
+            self._set({k: v for k, v in self._leases.items() if k != lease_id})
             self._changed()
             return lease
 
@@ -261,7 +348,7 @@ class LeaseTable:
             self.dropped[drop.reason] += 1
             level = logging.INFO if drop.reason == "arrived" else logging.WARNING
             log.log(level, "lease %s: GPU %s released (%s)", drop.lease_id, drop.uuid, drop.reason)
-        self._leases = kept
+        self._set(kept)
         self._changed()
 
     def _drop_foreign(self, snapshot: Snapshot) -> None:
@@ -299,6 +386,15 @@ class LeaseTable:
                 self._leases[lease.id] = old
             raise LeaseError(503, "state_unwritable", f"{failure}; {refused}")
         self.changed.notify_all()
+
+    def _set(self, leases: Mapping[str, Lease]) -> None:
+        """Replace the table, remembering the keys of keyed leases that end before expiry."""
+        now = self._clock.time()
+        self._spent = {k: until for k, until in self._spent.items() if until > now}
+        for lease in self._leases.values():
+            if lease.id not in leases and lease.keyed is not None and lease.expires_at > now:
+                self._spent[lease.keyed.key_hash] = lease.expires_at
+        self._leases = dict(leases)
 
     def _changed(self) -> None:
         """A change that lets GPUs go: in force at once, saved if the file can be written."""

@@ -17,7 +17,10 @@ renumbers them from 0, so PyTorch sees ``cuda:0`` and ``cuda:1`` and TensorFlow 
 
 A lease (``lease="60s"``, the default) makes the server hand these GPUs to nobody else until
 it is released or expires; :func:`use_gpus` renews it in the background while the block runs.
-``lease=0`` asks for advice only: nothing is reserved.
+``lease=0`` asks for advice only: nothing is reserved. Only the lease's token
+(:attr:`Choice.lease_token`, ``$GPU_LEASE``) renews or releases it; :attr:`Choice.lease_id`
+is its public name. Every claim carries a fresh ``Idempotency-Key`` and is sent once more
+after a timeout or a reset connection, which the server answers with the same lease.
 
 The server is found from the ``url`` argument, else ``$GPU_EXPORTER_URL``, else
 ``http://localhost:9400``. A server with basic auth (``--web-config-file``) gets
@@ -25,7 +28,8 @@ The server is found from the ``url`` argument, else ``$GPU_EXPORTER_URL``, else
 is checked against the system CAs, or the file in ``$SSL_CERT_FILE``. Every failure is a
 :class:`GpuExporterError`:
 
-* :class:`ServerUnreachable` — nothing answered (or not in time);
+* :class:`ServerUnreachable` — nothing answered (or not in time; ``maybe_received`` says
+  whether the request may still have been served);
 * :class:`ServerError` — the server said no; ``status``, ``code``, ``message``, ``param``;
 
   * :class:`NoGpusAvailable` — 503 ``not_enough_gpus``: fewer GPUs qualify than asked for;

@@ -4,24 +4,35 @@ release or list its leases; :class:`Choice` and :class:`Lease` are what comes ba
 Choosing across a fleet (:mod:`gpu_exporter.client.fleet`) claims through
 :func:`choose_host` on the host it picked; :func:`gpu_exporter.client.choose` is the front door
 to both.
+
+A lease has a public id and a secret token (``<id>.<secret>``, in ``X-GPU-Lease``): renewing
+and releasing send the token. Every claim sends a fresh ``Idempotency-Key`` and is retried
+once, with the same key, when no answer came back (a timeout, a reset connection): the server
+then returns the lease the first try made, if it made one, instead of claiming again. If the
+retry fails too, a lease the server may have granted has no holder until its TTL runs out
+(``lease``, 60 s by default): the client never got its token, so it cannot release it.
 """
 
 from __future__ import annotations
 
 import getpass
 import json
+import logging
 import math
 import urllib.parse
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final, TypeAlias
 
 from gpu_exporter.choose.params import BY_NAME, MAX_OWNER_CHARS
+from gpu_exporter.choose.tokens import IDEMPOTENCY_HEADER, lease_id_of
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,
     URL_ENV,
     GpuExporterError,
+    ServerUnreachable,
     json_body,
     request,
     resolve_url,
@@ -29,8 +40,10 @@ from gpu_exporter.client.transport import (
 )
 from gpu_exporter.units import parse_duration
 
+log = logging.getLogger(__name__)
+
 DEFAULT_LEASE: Final = "60s"
-LEASE_HEADER: Final = "X-GPU-Lease"
+LEASE_HEADER: Final = "X-GPU-Lease"  # the lease's token
 Duration: TypeAlias = str | float | timedelta
 """``"90s"``, ``"10m"``, ``"500ms"``, a number of seconds, or a :class:`~datetime.timedelta`."""
 FilterValue: TypeAlias = str | int | float | Iterable[str | int] | None
@@ -53,7 +66,11 @@ def default_owner() -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A claim on GPUs, as the server keeps it. Times are Unix seconds."""
+    """A claim on GPUs, as the server keeps it. Times are Unix seconds.
+
+    ``id`` is public (the status page shows it); ``token`` renews and releases it, and is
+    known only from the claim's answer (None in ``/leases``).
+    """
 
     id: str
     gpus: tuple[str, ...]  # UUIDs
@@ -61,6 +78,7 @@ class Lease:
     expires_at: float
     owner: str | None = None
     requester: str | None = None
+    token: str | None = field(default=None, repr=False)
 
     @property
     def ttl_seconds(self) -> float:
@@ -77,6 +95,7 @@ class Lease:
                 expires_at=float(data["expires_at"]),
                 owner=str_or_none(data.get("owner")),
                 requester=str_or_none(data.get("requester")),
+                token=str_or_none(data.get("token")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise GpuExporterError(f"malformed lease in the server's answer: {data!r}") from exc
@@ -88,7 +107,8 @@ class Choice:
 
     ``uuids`` name the cards for ``CUDA_VISIBLE_DEVICES``; ``indices`` are their NVML
     (``nvidia-smi``) indices. ``lease_id`` is ``None`` when nothing reserves them (``lease=0``,
-    or ``local``: chosen from this host's NVML because no server answered).
+    or ``local``: chosen from this host's NVML because no server answered). ``lease_token``
+    renews and releases the lease (``GPU_LEASE`` in :meth:`env`); keep it to yourself.
     """
 
     uuids: tuple[str, ...]
@@ -102,6 +122,13 @@ class Choice:
     """The server's whole JSON answer: every chosen GPU's figures, why others were passed over."""
     host: str | None = None
     """Set when chosen across a fleet (``prometheus=``/``hosts=``): the host the GPUs are on."""
+    lease_token: str | None = field(default=None, repr=False)
+    """The lease's token (an older server sends none: then its id is its token)."""
+
+    @property
+    def lease_ref(self) -> str | None:
+        """What renews and releases the lease: its token (its id from an older server)."""
+        return self.lease_token or self.lease_id
 
     @property
     def cuda_visible_devices(self) -> str:
@@ -122,13 +149,14 @@ class Choice:
             env[URL_ENV] = self.url
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
-        if self.lease_id is not None:
-            env["GPU_LEASE"] = self.lease_id
+        if self.lease_ref is not None:
+            env["GPU_LEASE"] = self.lease_ref
         return env
 
     @classmethod
     def from_json(cls, data: Any, *, url: str, lease_header: str | None = None) -> Choice:
-        """Build from ``/choose?format=json``'s answer (and its ``X-GPU-Lease`` header)."""
+        """Build from ``/choose?format=json``'s answer (and its ``X-GPU-Lease`` header: the
+        lease's token)."""
         try:
             chosen = data["chosen"]
             uuids = tuple(str(g["uuid"]) for g in chosen)
@@ -137,7 +165,8 @@ class Choice:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise GpuExporterError(f"unexpected answer from {url}/choose: {data!r}") from exc
         lease = Lease.from_json(raw_lease) if raw_lease else None
-        lease_id = lease.id if lease is not None else lease_header
+        token = (lease.token if lease is not None else None) or lease_header
+        lease_id = lease.id if lease is not None else lease_id_of(token) if token else None
         return cls(
             uuids=uuids,
             indices=indices,
@@ -146,6 +175,7 @@ class Choice:
             url=url,
             lease=lease,
             details=data,
+            lease_token=token,
         )
 
 
@@ -154,8 +184,9 @@ class ChooseAnswer:
     """``/choose``'s answer as the server wrote it (for ``gpu-exporter choose``)."""
 
     body: str  # e.g. "GPU-a,GPU-b" and a newline, exactly as sent
-    lease_id: str | None  # the X-GPU-Lease header
+    lease_id: str | None  # the lease's public id
     url: str
+    lease_token: str | None = field(default=None, repr=False)  # the X-GPU-Lease header
 
 
 # -- query values ------------------------------------------------------------------------
@@ -240,17 +271,36 @@ def choose_raw(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     **filters: FilterValue,
 ) -> ChooseAnswer:
-    """Ask ``/choose`` and return its body untouched (``"GPU-a,GPU-b\\n"``) and lease id.
+    """Ask ``/choose`` and return its body untouched (``"GPU-a,GPU-b\\n"``) and lease.
 
     Same arguments as :func:`gpu_exporter.client.choose`, plus ``format`` (``uuid``,
-    ``index``, ``env``, ``json``).
+    ``index``, ``env``, ``json``). Each call sends a fresh ``Idempotency-Key``; when no
+    answer comes back (timeout, reset), the claim is sent once more with the same key: the
+    server answers a retry of a granted claim with the same lease, so a retry never takes
+    a second lease.
     """
     base = resolve_url(url)
     params = choose_params(n, format, lease, wait, owner, filters)
     waited = duration_seconds(wait) if wait is not None else None
-    resp = request("POST", base, "/choose", params, timeout=timeout + (waited or 0.0))
+    headers = {IDEMPOTENCY_HEADER: f'"{uuid.uuid4()}"'}  # the draft's structured-field string
+    for attempt in (1, 2):
+        try:
+            resp = request(
+                "POST",
+                base,
+                "/choose",
+                params,
+                timeout=timeout + (waited or 0.0),
+                headers=headers,
+            )
+            break
+        except ServerUnreachable as exc:
+            if attempt == 2 or not exc.maybe_received:
+                raise
+            log.warning("%s; asking again with the same Idempotency-Key", exc.reason)
     body = resp.body.decode("utf-8", "replace")
-    return ChooseAnswer(body, resp.header(LEASE_HEADER), base)
+    token = resp.header(LEASE_HEADER)
+    return ChooseAnswer(body, lease_id_of(token) if token else None, base, token)
 
 
 def choose_host(
@@ -268,12 +318,20 @@ def choose_host(
         n, url, format="json", lease=lease, wait=wait, owner=owner, timeout=timeout, **filters
     )
     try:
-        data = json.loads(answer.body)
-    except ValueError:
+        return Choice.from_json(
+            json.loads(answer.body), url=answer.url, lease_header=answer.lease_token
+        )
+    except (ValueError, GpuExporterError) as exc:
+        if answer.lease_token is not None:  # giving up: give back what was granted
+            try:
+                release(answer.lease_token, answer.url, timeout=timeout)
+            except GpuExporterError as failed:
+                log.warning("could not release lease %s: %s", answer.lease_id, failed)
+        if isinstance(exc, GpuExporterError):
+            raise
         raise GpuExporterError(
             f"{answer.url}/choose: expected JSON, got {answer.body[:200]!r}"
         ) from None
-    return Choice.from_json(data, url=answer.url, lease_header=answer.lease_id)
 
 
 def release(
@@ -284,13 +342,16 @@ def release(
 ) -> None:
     """Give the GPUs back now. A :class:`Choice` without a lease is a no-op.
 
+    A string is the lease's token (``$GPU_LEASE``); its id alone is refused (403) unless
+    the server's ``--lease-admins`` names the user in ``$GPU_EXPORTER_USER``.
+
     Raises :class:`~gpu_exporter.client.LeaseNotFound` if the server no longer holds it
     (released, expired, or let go once the job's work showed on its GPUs).
     """
-    lease_id, base = _lease_ref(choice_or_id, url)
-    if lease_id is None:
+    ref, base = _lease_ref(choice_or_id, url)
+    if ref is None:
         return
-    request("DELETE", base, _lease_path(lease_id), timeout=timeout, lease_endpoint=True)
+    request("DELETE", base, _lease_path(ref), timeout=timeout, lease_endpoint=True)
 
 
 def renew(
@@ -306,19 +367,19 @@ def renew(
     expired, its GPUs may be someone else's by then (see
     :class:`~gpu_exporter.client.LeaseKeeper`).
     """
-    lease_id, base = _lease_ref(choice_or_id, url)
-    if lease_id is None:
+    ref, base = _lease_ref(choice_or_id, url)
+    if ref is None:
         raise GpuExporterError("nothing to renew: this choice holds no lease")
     params = {"ttl": format_duration(ttl)} if ttl is not None else None
     resp = request(
         "POST",
         base,
-        _lease_path(lease_id, "/renew"),
+        _lease_path(ref, "/renew"),
         params,
         timeout=timeout,
         lease_endpoint=True,
     )
-    return Lease.from_json(json_body(resp, f"{base}/leases/{lease_id}/renew"))
+    return Lease.from_json(json_body(resp, f"{base}/leases/{lease_id_of(ref)}/renew"))
 
 
 def leases(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> list[Lease]:
@@ -332,10 +393,11 @@ def leases(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) 
 
 
 def _lease_ref(choice_or_id: Choice | Lease | str, url: str | None) -> tuple[str | None, str]:
+    """What names the lease to the server (its token where known), and the server."""
     if isinstance(choice_or_id, Choice):
-        return choice_or_id.lease_id, url or choice_or_id.url
+        return choice_or_id.lease_ref, url or choice_or_id.url
     if isinstance(choice_or_id, Lease):
-        return choice_or_id.id, resolve_url(url)
+        return choice_or_id.token or choice_or_id.id, resolve_url(url)
     return choice_or_id, resolve_url(url)
 
 

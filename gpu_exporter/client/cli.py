@@ -25,6 +25,7 @@ arguments (ours or the server's 400), 1 for anything else (no server, 429, NVML 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -272,8 +273,15 @@ def choose_main(args: argparse.Namespace) -> int:
         return fail(exc)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    sys.stdout.write(answer.body)
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(answer.body)
+        sys.stdout.flush()
+    except OSError as exc:  # nobody will read the token (a closed pipe): give the lease back
+        if answer.lease_token is not None:
+            with contextlib.suppress(GpuExporterError):
+                release(answer.lease_token, answer.url)
+        print(f"error: cannot print the answer ({exc}); released its lease", file=sys.stderr)
+        return EXIT_FAILURE
     return 0
 
 
@@ -285,14 +293,15 @@ def add_release_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "took its GPUs with gpu-exporter choose --format env.",
         epilog="Exit status: 0 released, or already ended (expired, released, or let go once "
         "the job's work showed on its GPUs: a note on stderr); 4 already ended, with --strict; "
-        "1 otherwise.",
+        "1 otherwise (e.g. 403: a lease id instead of its token).",
     )
     parser.add_argument(
         "lease",
         nargs="?",
         default=os.environ.get("GPU_LEASE"),
         metavar="LEASE",
-        help="the lease id (default $GPU_LEASE)",
+        help="the lease's token, as /choose gave it (default $GPU_LEASE); a lease id alone "
+        "works only for the exporter's --lease-admins",
     )
     parser.add_argument(
         "--url",
@@ -307,7 +316,7 @@ def add_release_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def release_main(args: argparse.Namespace) -> int:
-    """``gpu-exporter release``: DELETE /leases/<id>."""
+    """``gpu-exporter release``: DELETE /leases/<token>."""
     if not args.lease:
         print("error: no lease given and GPU_LEASE is not set", file=sys.stderr)
         return EXIT_USAGE

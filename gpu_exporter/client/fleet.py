@@ -237,6 +237,7 @@ def _lease_json(lease: Lease | None) -> dict[str, Any] | None:
         "created_at": lease.created_at,
         "expires_at": lease.expires_at,
         "owner": lease.owner,
+        "token": lease.token,  # to the claimant only, as /choose's own answer
     }
 
 

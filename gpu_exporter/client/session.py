@@ -54,9 +54,10 @@ class LeaseKeeper:
     """
 
     def __init__(self, choice: Choice, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
-        if choice.lease_id is None:
+        if choice.lease_id is None or choice.lease_ref is None:
             raise ValueError("nothing to keep: this choice holds no lease")
-        self.lease_id: str = choice.lease_id
+        self.lease_id: str = choice.lease_id  # public: for logs
+        self._token: str = choice.lease_ref  # secret: for renewals
         self.url = choice.url
         ttl = choice.lease.ttl_seconds if choice.lease is not None else 0.0
         self.ttl_seconds = ttl if ttl > 0 else 60.0
@@ -93,7 +94,7 @@ class LeaseKeeper:
         ttl = format_duration(round(self.ttl_seconds, 3))
         while not self._stop.wait(self.interval_seconds):
             try:
-                lease = renew(self.lease_id, ttl, self.url, timeout=self._timeout)
+                lease = renew(self._token, ttl, self.url, timeout=self._timeout)
             except LeaseNotFound:
                 if not self._stop.is_set():
                     self._gone()

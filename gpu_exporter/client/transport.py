@@ -39,11 +39,17 @@ class GpuExporterWarning(RuntimeWarning):
 
 
 class ServerUnreachable(GpuExporterError):
-    """No answer from the server: not running, wrong URL, or too slow."""
+    """No answer from the server: not running, wrong URL, or too slow.
 
-    def __init__(self, url: str, reason: str) -> None:
+    ``maybe_received``: the request may have reached the server although no answer came
+    back (a timeout, a reset or closed connection), so a claim may have been granted; a claim
+    with an ``Idempotency-Key`` can then be retried safely.
+    """
+
+    def __init__(self, url: str, reason: str, *, maybe_received: bool = False) -> None:
         self.url = url
         self.reason = reason
+        self.maybe_received = maybe_received
         super().__init__(
             f"cannot reach gpu-exporter at {url}: {reason} "
             f"(is it running? the URL comes from --url, ${URL_ENV} or {DEFAULT_URL})"
@@ -180,10 +186,12 @@ def send(
     credentials: bool = True,
     user_agent: str = USER_AGENT,
     server: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> Response:
     """One HTTP exchange; every status comes back as a :class:`Response`.
 
     ``credentials``: send basic auth from the environment (to an exporter, never elsewhere).
+    ``headers``: more request headers (e.g. ``Idempotency-Key``).
     Raises :class:`ServerUnreachable` (naming ``server``, else the URL's origin) when nothing
     answers in ``timeout`` seconds.
     """
@@ -201,6 +209,7 @@ def send(
             "Accept": "application/json",
             "User-Agent": user_agent,
             **(_credentials() if credentials else {}),
+            **(headers or {}),
         },
     )
     handlers: list[urllib.request.BaseHandler] = []
@@ -219,9 +228,14 @@ def send(
             exc.close()
         return Response(exc.code, dict(exc.headers.items()) if exc.headers else {}, body)
     except urllib.error.URLError as exc:
-        raise ServerUnreachable(server, _reason(exc.reason, timeout)) from None
+        reason = exc.reason
+        raise ServerUnreachable(
+            server, _reason(reason, timeout), maybe_received=_maybe_received(reason)
+        ) from None
     except (OSError, http.client.HTTPException) as exc:
-        raise ServerUnreachable(server, _reason(exc, timeout)) from None
+        raise ServerUnreachable(
+            server, _reason(exc, timeout), maybe_received=_maybe_received(exc)
+        ) from None
 
 
 def request(
@@ -232,10 +246,11 @@ def request(
     *,
     timeout: float,
     lease_endpoint: bool = False,
+    headers: Mapping[str, str] | None = None,
 ) -> Response:
     """One exchange with the exporter at ``base``; an error status raises a :class:`ServerError`."""
     url = base + path + ("?" + urllib.parse.urlencode(params) if params else "")
-    resp = send(method, url, timeout=timeout, server=base)
+    resp = send(method, url, timeout=timeout, server=base, headers=headers)
     if resp.status >= 400:
         raise error_from_response(resp.status, resp.body, url=base, lease_endpoint=lease_endpoint)
     return resp
@@ -258,6 +273,19 @@ def _credentials() -> dict[str, str]:
         return {}
     token = f"{user}:{os.environ.get(PASSWORD_ENV, '')}".encode()
     return {"Authorization": "Basic " + base64.b64encode(token).decode("ascii")}
+
+
+def _maybe_received(exc: object) -> bool:
+    """Could the server have got the request? After a timeout or a dropped connection, yes;
+    after a refused connection or an unknown name, no."""
+    import http.client
+
+    if isinstance(exc, ConnectionRefusedError):
+        return False
+    return isinstance(
+        exc,
+        (TimeoutError, ConnectionError, http.client.HTTPException),  # resets, remote closes
+    )
 
 
 def _reason(exc: object, timeout: float) -> str:

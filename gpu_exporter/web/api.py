@@ -3,10 +3,15 @@
 Parsing is :mod:`gpu_exporter.choose.params`'s, claiming and waiting
 :class:`~gpu_exporter.choose.claim.Claimer`'s; the views here only turn their results into
 text or JSON. Refusals are raised and answered by :mod:`gpu_exporter.web.errors`.
+
+A claim's answer carries the lease's token (``X-GPU-Lease``, ``GPU_LEASE``, ``lease.token``);
+nothing else ever shows it. Every route that changes a lease goes through :func:`authorized`.
+``HEAD /choose`` answers as ``lease=0``: a HEAD never claims.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
@@ -23,6 +28,12 @@ from gpu_exporter.choose.params import (
     parsed,
 )
 from gpu_exporter.choose.rank import Rejected, Selection, score
+from gpu_exporter.choose.tokens import (
+    IDEMPOTENCY_HEADER,
+    ClaimKey,
+    parse_idempotency_key,
+    request_hash,
+)
 from gpu_exporter.units import parse_duration
 from gpu_exporter.web.pages import gpu_json
 from gpu_exporter.web.services import services
@@ -43,20 +54,56 @@ def choice_text(choice: Selection, lease: Lease | None, fmt: str) -> str:
         return "".join(g.uuid + "\n" for g in choice.chosen)
     if fmt == "env":
         line = f"export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={uuids}"
-        return line + (f" GPU_LEASE={lease.id}" if lease else "") + "\n"
+        return line + (f" GPU_LEASE={lease.token or lease.id}" if lease else "") + "\n"
     return uuids + "\n"
 
 
-@api.route("/choose", methods=["GET", "POST"])
+def is_lease_admin() -> bool:
+    """Is the caller one of ``--lease-admins``? Only a user the web config's basic auth
+    proved counts (the auth middleware sets ``REMOTE_USER`` and removes any other)."""
+    svc = services()
+    user = request.environ.get("REMOTE_USER")
+    return svc.watcher is not None and isinstance(user, str) and user in svc.lease_admins
+
+
+def authorized(ref: str) -> str:
+    """The id of the lease ``ref`` names, if this request may change it: ``ref`` is the
+    lease's token, or the caller is a lease admin. 404 ``unknown_lease``, 403 ``forbidden``.
+    Every route that changes a lease (renew, release, …) asks this first."""
+    return services().leases.authorize(ref, admin=is_lease_admin())
+
+
+def claim_key(lease_seconds: float, requester: str) -> ClaimKey | None:
+    """The request's ``Idempotency-Key``, to match retries by; 400 if malformed."""
+    headers = request.headers.getlist(IDEMPOTENCY_HEADER)
+    if not headers:
+        return None
+    if len(headers) > 1:
+        raise ApiError(400, "invalid_idempotency_key", "give one Idempotency-Key, not several")
+    try:
+        key = parse_idempotency_key(headers[0])
+    except ValueError as exc:
+        raise ApiError(400, "invalid_idempotency_key", str(exc)) from None
+    if lease_seconds <= 0:
+        return None  # advice claims nothing, so there is nothing to repeat
+    params = [(name, v) for name, values in request.values.lists() for v in values]
+    return ClaimKey(key, requester, request_hash(params))
+
+
+@api.route("/choose", methods=["GET", "POST"])  # Flask adds HEAD, answered as lease=0
 def choose_route() -> Response:
     svc = services()
+    requester = request.remote_addr or "unknown"
     try:
         req = parse_choose_args(
             request.values,
             defaults=svc.choose_defaults,
             max_idle_for_seconds=svc.max_idle_for_seconds,
         )
-        claimed = svc.claimer.claim(req, request.remote_addr or "unknown")
+        if request.method == "HEAD":  # a link checker or monitor must never take a GPU
+            req = replace(req, lease_seconds=0.0)
+        key = claim_key(req.lease_seconds, requester)
+        claimed = svc.claimer.claim(req, requester, key)
     except (ApiError, LeaseError) as exc:
         svc.requests.inc(exc.code)
         raise
@@ -74,7 +121,7 @@ def choose_route() -> Response:
                 "chosen": chosen,
                 "rejected": [_rejected_json(r) for r in choice.not_chosen],
                 "filters": req.filters_json(),
-                "lease": lease.to_json() if lease else None,
+                "lease": {**lease.to_json(), "token": lease.token} if lease else None,
                 "sampled_at": snapshot.taken_at_seconds,
                 "snapshot_age_seconds": round(snapshot.age_seconds(claimed.monotonic_now), 3),
             }
@@ -82,7 +129,7 @@ def choose_route() -> Response:
     else:
         resp = Response(choice_text(choice, lease, req.format), mimetype="text/plain")
     if lease is not None:
-        resp.headers["X-GPU-Lease"] = lease.id
+        resp.headers["X-GPU-Lease"] = lease.token or lease.id
         resp.headers["X-GPU-Lease-Expires"] = f"{lease.expires_at:.3f}"
     resp.headers["Cache-Control"] = "no-store"
     return resp
@@ -107,8 +154,8 @@ def cluster_choose_route() -> Response:
     if len(result.placements) == 1:
         placed = result.placements[0]
         resp.headers["X-GPU-Host"] = placed.host or ""
-        if placed.lease_id is not None:
-            resp.headers["X-GPU-Lease"] = placed.lease_id
+        if placed.lease_ref is not None:
+            resp.headers["X-GPU-Lease"] = placed.lease_ref
     resp.headers["Cache-Control"] = "no-store"
     return resp
 
@@ -120,18 +167,19 @@ def list_leases() -> Response:
     return jsonify({"leases": [x.to_json() for x in svc.leases.active(svc.cache.get())]})
 
 
-@api.delete("/leases/<lease_id>")
+@api.delete("/leases/<lease_id>")  # the lease's token; its id alone only for admins
 def release_lease(lease_id: str) -> Response:
-    check_params(request.args, (), "DELETE /leases/<id>")
-    lease = services().leases.release(lease_id)
+    check_params(request.args, (), "DELETE /leases/<token>")
+    lease = services().leases.release(authorized(lease_id))
     return jsonify({"released": lease.id, "lease": lease.to_json()})
 
 
-@api.post("/leases/<lease_id>/renew")
+@api.post("/leases/<lease_id>/renew")  # the lease's token, as for DELETE
 def renew_lease(lease_id: str) -> Response:
-    check_params(request.values, ("ttl",), "/leases/<id>/renew")
+    check_params(request.values, ("ttl",), "/leases/<token>/renew")
     ttl = parsed(request.values, "ttl", parse_duration)
     if ttl is not None and ttl <= 0:
         bad("ttl", "ttl must be more than 0; DELETE the lease to release it")
-    lease = services().leases.renew(lease_id, DEFAULT_LEASE_SECONDS if ttl is None else ttl)
+    lease_seconds = DEFAULT_LEASE_SECONDS if ttl is None else ttl
+    lease = services().leases.renew(authorized(lease_id), lease_seconds)
     return jsonify(lease.to_json())

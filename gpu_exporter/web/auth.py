@@ -2,7 +2,9 @@
 
 ``basic_auth_users`` maps user names to bcrypt hashes (``gpu-exporter hash-password`` makes
 one). Passwords are checked in equal time for known and unknown users; the probes
-(``/healthz``, ``/readyz``) never need credentials.
+(``/healthz``, ``/readyz``) never need credentials. The middleware hands the user it
+authenticated to the app as ``REMOTE_USER`` (and removes any ``REMOTE_USER`` it did not set),
+which is how ``--lease-admins`` are recognised.
 """
 
 from __future__ import annotations
@@ -165,9 +167,10 @@ def needs_auth(
     if scope == "all":
         return True
     if path == "/choose" and (method in ("GET", "HEAD") or (method == "POST" and not has_body)):
-        # Advice only (lease=0) is a read. A POST with a body might carry its own lease, so
-        # only a bodiless POST (what the Python client sends) is judged by its query string.
-        return not is_advice_only(query_string)
+        # Advice only (lease=0) is a read, and so is HEAD, which never claims. A POST with a
+        # body might carry its own lease, so only a bodiless POST (what the Python client
+        # sends) is judged by its query string.
+        return method != "HEAD" and not is_advice_only(query_string)
     if method not in ("GET", "HEAD"):
         return True  # POST /choose with a body, DELETE /leases/…, renewals: writes
     return path not in READ_PATHS  # /leases and anything unknown: protected
@@ -188,6 +191,7 @@ class BasicAuthMiddleware:
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         active = self._watcher.active  # one config for the whole request
+        environ.pop("REMOTE_USER", None)  # only a user proven here may act as one (admins)
         if active.auth and needs_auth(
             self._scope,
             environ.get("REQUEST_METHOD", "GET"),

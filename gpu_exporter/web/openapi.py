@@ -66,7 +66,12 @@ _LEASE = {
     "type": "object",
     "required": ["id", "gpus", "indices", "created_at", "expires_at", "requester", "owner"],
     "properties": {
-        "id": {"type": "string"},
+        "id": {"type": "string", "description": "Public: shown on the status page and /leases."},
+        "token": {
+            "type": "string",
+            "description": "Renews and releases the lease (<id>.<secret>); only in the claim's "
+            "answer, never in /leases.",
+        },
         "gpus": {"type": "array", "items": {"type": "string"}},
         "indices": {"type": "array", "items": {"type": "integer"}},
         "created_at": {"type": "number"},
@@ -108,7 +113,11 @@ def _errors(*statuses: int, **override: str) -> dict[str, Any]:
         400: "Invalid or unknown parameter; mig_single_device: n>1 MIG devices asked for in "
         "a format that puts them in one CUDA_VISIBLE_DEVICES (a CUDA process can use only one "
         "MIG device: ask for format=list or json).",
+        403: "The lease's token is needed, not its id (forbidden); only --lease-admins may "
+        "name a lease by its id.",
         404: "No such lease.",
+        409: "The lease claimed with this Idempotency-Key has ended (lease_ended).",
+        422: "This Idempotency-Key was used with other parameters (idempotency_key_reused).",
         429: "Over a lease limit.",
         414: "The query string is longer than 4096 bytes (uri_too_long).",
         503: "Not enough GPUs qualify (not_enough_gpus), NVML is unavailable "
@@ -141,7 +150,13 @@ def _text(description: str) -> dict[str, Any]:
 def document() -> dict[str, Any]:
     choose_ok = {
         "description": "The chosen GPUs (and the lease, unless lease=0).",
-        "headers": {"X-GPU-Lease": {"schema": {"type": "string"}, "description": "Lease id."}},
+        "headers": {
+            "X-GPU-Lease": {
+                "schema": {"type": "string"},
+                "description": "The lease's token (<id>.<secret>): DELETE /leases/<token> "
+                "releases it. Not sent for lease=0 or HEAD.",
+            }
+        },
         "content": {
             "text/plain": {"schema": {"type": "string"}},
             "application/json": {"schema": {"$ref": "#/components/schemas/Choice"}},
@@ -149,9 +164,23 @@ def document() -> dict[str, Any]:
     }
     choose_op = {
         "summary": "Choose the freest GPUs and claim them with a lease",
-        "description": FREE_BY_DEFAULT,
-        "parameters": _query_parameters(cluster=False),
-        "responses": {"200": choose_ok, **_errors(400, 414, 429, 503)},
+        "description": FREE_BY_DEFAULT
+        + " HEAD never claims: it answers as lease=0. With an Idempotency-Key, a "
+        "retry from the same client address with the same parameters gets the lease the "
+        "first try made (same GPUs, same token) while it is active.",
+        "parameters": [
+            *_query_parameters(cluster=False),
+            {
+                "name": "Idempotency-Key",
+                "in": "header",
+                "required": False,
+                "description": "Up to 255 visible ASCII characters, e.g. a quoted UUID "
+                '("8e03978e-…"); the IETF httpapi draft. Malformed: 400 '
+                "invalid_idempotency_key.",
+                "schema": {"type": "string", "maxLength": 257},
+            },
+        ],
+        "responses": {"200": choose_ok, **_errors(400, 409, 414, 422, 429, 503)},
     }
     cluster_op = {
         "summary": "Choose GPUs across the hosts Prometheus scrapes; the host's exporter leases "
@@ -164,7 +193,10 @@ def document() -> dict[str, Any]:
                 "description": "Where the GPUs are, and the lease each host granted.",
                 "headers": {
                     "X-GPU-Host": {"schema": {"type": "string"}, "description": "The host."},
-                    "X-GPU-Lease": {"schema": {"type": "string"}, "description": "Lease id."},
+                    "X-GPU-Lease": {
+                        "schema": {"type": "string"},
+                        "description": "The lease's token, as from /choose.",
+                    },
                 },
                 "content": {
                     "text/plain": {"schema": {"type": "string"}},
@@ -180,7 +212,14 @@ def document() -> dict[str, Any]:
             ),
         },
     }
-    lease_id = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    lease_id = {
+        "name": "lease_id",
+        "in": "path",
+        "required": True,
+        "description": "The lease's token (X-GPU-Lease, $GPU_LEASE); its id alone only for "
+        "--lease-admins (or a lease from before tokens).",
+        "schema": {"type": "string"},
+    }
     lease_ref = {"$ref": "#/components/schemas/Lease"}
     return {
         "openapi": "3.1.0",
@@ -226,7 +265,7 @@ def document() -> dict[str, Any]:
                             },
                             "Released.",
                         ),
-                        **_errors(400, 404),
+                        **_errors(400, 403, 404),
                     },
                 }
             },
@@ -244,7 +283,7 @@ def document() -> dict[str, Any]:
                     ],
                     "responses": {
                         "200": _json(lease_ref, "The renewed lease."),
-                        **_errors(400, 404, 429, 503),
+                        **_errors(400, 403, 404, 429, 503),
                     },
                 }
             },

@@ -62,6 +62,8 @@ class Services:
     # --choose-defaults, parsed: the filters /choose applies when a request does not give them.
     choose_defaults: Mapping[str, str] = field(default_factory=dict)
     max_idle_for_seconds: float | None = None  # how far back the sample history reaches
+    # Users (authenticated by ``watcher``'s basic auth) who may renew or release any lease.
+    lease_admins: frozenset[str] = frozenset()
 
     @property
     def stopping(self) -> threading.Event:
