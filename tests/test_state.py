@@ -126,7 +126,7 @@ def test_choose_refuses_and_readyz_fails_while_the_state_directory_refuses_write
     with served(state_dir=str(state_dir)) as ex:
         held = http(ex.url + "/choose?n=1&format=json")
         assert held[0] == 200
-        lease_id = json.loads(held[1])["lease"]["id"]
+        lease_id, token = (json.loads(held[1])["lease"][k] for k in ("id", "token"))
         # A path component that is a regular file: mkstemp fails with ENOTDIR even for root.
         shutil.rmtree(state_dir)
         state_dir.write_text("not a directory\n")
@@ -145,8 +145,8 @@ def test_choose_refuses_and_readyz_fails_while_the_state_directory_refuses_write
         status, body = http(ex.url + "/readyz")
         assert status == 503 and "cannot save leases" in body
         assert metric(http(ex.url + "/metrics")[1], "gpu_exporter_state_write_errors_total") >= 2
-        assert http(ex.url + f"/leases/{lease_id}/renew?ttl=10m", "POST")[0] == 503
-        assert http(ex.url + f"/leases/{lease_id}", "DELETE")[0] == 200  # released in memory
+        assert http(ex.url + f"/leases/{token}/renew?ttl=10m", "POST")[0] == 503
+        assert http(ex.url + f"/leases/{token}", "DELETE")[0] == 200  # released in memory
         assert ex.lease_ids() == set()
 
         state_dir.unlink()
