@@ -327,7 +327,7 @@ def serve(config: ServeConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log.info(
-        "listening on %s (%s), sampling every %g s",
+        "listening on %s over %s; sampling every %g s",
         server.address,
         server.scheme,
         config.interval_seconds,
