@@ -33,6 +33,7 @@ from gpu_exporter.export.spec import (
     LAST_SAMPLE,
     LAST_XID,
     LEASES_DROPPED,
+    METRICS,
     NVML_ERRORS,
     NVML_UP,
     PCIE_THROUGHPUT,
@@ -237,6 +238,9 @@ def _counts(spec: MetricSpec, counter: RequestCounter) -> Metric:
     return family
 
 
+_WEB_CONFIG_METRICS = (WEB_CONFIG_RELOADS, WEB_CONFIG_OK)  # WebConfigCollector's
+
+
 class GpuCollector(Collector):
     """A prometheus_client collector over the snapshot cache (and the lease table)."""
 
@@ -260,6 +264,13 @@ class GpuCollector(Collector):
         self._xids = xids
         self._pcie = pcie
         self._process_series_limit = process_series_limit
+
+    def describe(self) -> Iterator[Metric]:
+        """Every family this collector may produce (empty): the registry learns the names,
+        which prometheus_client's ``/metrics?name[]=`` filter needs to find the collector."""
+        for spec in METRICS:
+            if spec not in _WEB_CONFIG_METRICS:
+                yield _family(spec)
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._cache.get()  # one snapshot for the whole scrape
@@ -294,6 +305,11 @@ class WebConfigCollector(Collector):
 
     def __init__(self, watcher: ReloadStats) -> None:
         self._watcher = watcher
+
+    def describe(self) -> Iterator[Metric]:
+        """The names, for the ``name[]`` filter (see :meth:`GpuCollector.describe`)."""
+        for spec in _WEB_CONFIG_METRICS:
+            yield _family(spec)
 
     def collect(self) -> Iterator[Metric]:
         reloads = _family(WEB_CONFIG_RELOADS)
