@@ -15,6 +15,7 @@ from conftest import Stack, build_stack, sim_of
 from conftest import without_process_metrics as bare
 from gpu_exporter.export.collectors import WebConfigCollector
 from gpu_exporter.export.spec import METRICS, SAMPLED, markdown_table
+from gpu_exporter.revision import revision
 from gpu_exporter.simulate import Fault, Load, SimGpu
 from gpu_exporter.web.webconfig import WebConfigWatcher
 from served import served
@@ -106,10 +107,8 @@ def test_lost_gpu_exports_up_zero_and_no_values() -> None:
 def test_exporter_self_metrics() -> None:
     s = mixed()
     r = s.registry
-    assert (
-        r.get_sample_value("gpu_exporter_build_info", {"version": "test", "backend": "simulated"})
-        == 1
-    )
+    labels = {"version": "test", "backend": "simulated", "revision": revision()}
+    assert r.get_sample_value("gpu_exporter_build_info", labels) == 1
     assert r.get_sample_value("gpu_exporter_nvml_up") == 1
     assert r.get_sample_value("gpu_exporter_last_sample_timestamp_seconds") == s.clock.time()
     assert r.get_sample_value("gpu_exporter_sample_duration_seconds") == 0.0  # fake clock

@@ -196,9 +196,11 @@ def pcie_families(pcie: PcieRates) -> Iterator[Metric]:
     yield family
 
 
-def exporter_families(snapshot: Snapshot, version: str = __version__) -> Iterator[Metric]:
+def exporter_families(
+    snapshot: Snapshot, version: str = __version__, revision: str = "unknown"
+) -> Iterator[Metric]:
     build = _family(BUILD_INFO)
-    build.add_metric([version, "simulated" if snapshot.simulated else "nvml"], 1)
+    build.add_metric([version, "simulated" if snapshot.simulated else "nvml", revision], 1)
     yield build
     nvml_up = _family(NVML_UP)
     nvml_up.add_metric([], 1 if snapshot.nvml_up else 0)
@@ -255,9 +257,11 @@ class GpuCollector(Collector):
         xids: XidCounter | None = None,
         pcie: PcieRates | None = None,
         process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
+        revision: str = "unknown",
     ) -> None:
         self._cache = cache
         self._version = version
+        self._revision = revision  # read once at start-up (gpu_exporter.revision)
         self._leases = leases
         self._requests = requests or RequestCounter()
         self._rejections = rejections
@@ -284,7 +288,7 @@ class GpuCollector(Collector):
         so nothing here may read anything that changes between samples.
         """
         yield from gpu_families(snapshot, self._process_series_limit)
-        yield from exporter_families(snapshot, self._version)
+        yield from exporter_families(snapshot, self._version, self._revision)
         yield from field_families(snapshot)
 
     def live_families(self, snapshot: Snapshot) -> Iterator[Metric]:
