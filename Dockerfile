@@ -1,6 +1,6 @@
 # gpu-exporter: NVML metrics and /choose on :9400.
 #   docker build -t gpu-exporter .
-#   docker run --gpus all -p 9400:9400 gpu-exporter
+#   docker run --gpus all -p 9400:9400 -v gpu-exporter-state:/var/lib/gpu-exporter gpu-exporter
 FROM python:3.12-slim
 
 # NVML is all we need from the driver: no CUDA, no compute capability.
@@ -9,20 +9,23 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    GPU_EXPORTER_STATE_DIR=/var/lib/gpu-exporter
 
+# gpu_exporter_build_info{revision=…}: docker build --build-arg REVISION="$(git rev-parse HEAD)"
+ARG REVISION=unknown
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY gpu_exporter ./gpu_exporter
-RUN pip install . && rm -rf /src
+RUN printf '%s\n' "$REVISION" > gpu_exporter/_revision.txt && pip install . && rm -rf /src
 
 # The device nodes NVML opens are world-readable unless the driver was loaded with a
 # restrictive NVreg_DeviceFileMode, so root is not needed.
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin gpu-exporter \
-    && install -d -o gpu-exporter -g gpu-exporter -m 0750 /var/lib/gpu-exporter
-# Leases are kept here (mount a volume to keep them across containers); the exporter refuses
-# to start without a writable state directory, and the user has no home to default to.
-ENV GPU_EXPORTER_STATE_DIR=/var/lib/gpu-exporter
+    && install -d -o 10001 -g 10001 -m 0700 /var/lib/gpu-exporter
+# Leases (leases.json) survive a restart only on a volume: docker run -v NAME:/var/lib/gpu-exporter.
+# The exporter refuses to start without a writable state directory, and its user has no home.
+VOLUME ["/var/lib/gpu-exporter"]
 USER 10001
 WORKDIR /
 

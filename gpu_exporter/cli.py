@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gpu_exporter import __version__
 from gpu_exporter.config import (
@@ -53,6 +54,12 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _bundled_scenarios() -> list[str]:
+    """The scenario files shipped in the package, listed without importing the simulator
+    (every client command builds this parser too)."""
+    return sorted(p.stem for p in (Path(__file__).parent / "simulate" / "scenarios").glob("*.toml"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpu-exporter",
@@ -86,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--simulate",
         default=_env("simulate", None),
-        metavar="N|SCENARIO.toml",
-        help="use N simulated GPUs, or a scenario file, instead of the NVIDIA driver",
+        metavar="N|SCENARIO",
+        help="use N simulated GPUs, a scenario file, or a bundled scenario by name "
+        f"({', '.join(_bundled_scenarios())}) instead of the NVIDIA driver",
     )
     serve.add_argument(
         "--nvml-timeout",

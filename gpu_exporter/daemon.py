@@ -47,6 +47,7 @@ from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
 from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
 from gpu_exporter.export.exposition import Exposition
 from gpu_exporter.nvml import Nvml
+from gpu_exporter.revision import revision
 from gpu_exporter.web.app import create_app
 from gpu_exporter.web.limits import PROBE_THREADS
 from gpu_exporter.web.server import ListenError, Server
@@ -221,6 +222,7 @@ def build(
         pcie=pcie,
         process_series_limit=config.process_series_limit,
         version=version if version is not None else __version__,
+        revision=revision(),
     )
     registry.register(gpu_collector)
     # Collectors rendered on every scrape, after the cached GPU part; same order as registered.
@@ -354,7 +356,7 @@ def serve(config: ServeConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log.info(
-        "listening on %s (%s), sampling every %g s",
+        "listening on %s over %s; sampling every %g s",
         server.address,
         server.scheme,
         config.interval_seconds,

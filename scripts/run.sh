@@ -4,7 +4,8 @@
 # `gpu-exporter serve` (e.g. --listen-address 127.0.0.1:9400).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/_venv.sh
+# An explicit (empty) EXTRA: a bare `. file` would hand the sourced file our own arguments.
+. scripts/_venv.sh ""
 if .venv/bin/python -c 'import ctypes; ctypes.CDLL("libnvidia-ml.so.1")' 2>/dev/null; then
     exec .venv/bin/gpu-exporter serve "$@"
 fi

@@ -72,6 +72,15 @@ def test_sigterm_exits_cleanly(server: tuple[str, subprocess.Popen[str]]) -> Non
     err = stop(proc)
     assert proc.returncode == 0
     assert "received SIGTERM, shutting down" in err
+    # One plain sentence, no stacked parentheses.
+    assert "listening on 127.0.0.1:" in err and " over http; sampling every 0.2 s" in err
+
+
+def test_every_interface_reads_as_words() -> None:
+    from gpu_exporter.web.server import Server
+
+    assert Server(None, "", 9400).address == "every interface, port 9400"
+    assert Server(None, "::1", 9400).address == "[::1]:9400"
 
 
 def test_port_in_use_fails_fast_with_a_clear_message() -> None:
@@ -88,6 +97,23 @@ def test_port_in_use_fails_fast_with_a_clear_message() -> None:
     assert "--listen-address" in err
     assert "Traceback" not in err
     assert elapsed < 2.0 + 1.5  # 2 s budget plus interpreter start-up on a slow CI box
+
+
+@pytest.mark.parametrize(
+    ("address", "reason"),
+    [
+        ("nosuchhost.invalid:9400", "cannot resolve the host name"),
+        ("192.0.2.1:9400", "no interface of this machine has that address"),  # TEST-NET-1
+    ],
+)
+def test_bad_listen_address_is_one_clear_line(address: str, reason: str) -> None:
+    proc = start("serve", "--simulate", "1", "--listen-address", address)
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 1
+    (line,) = [line for line in err.splitlines() if "ERROR" in line]
+    assert f"cannot listen on {address}: {reason}" in line
+    assert "No socket could be created" not in err and "Errno" not in err
+    assert "Traceback" not in err
 
 
 def test_environment_variables_configure_flags() -> None:
@@ -112,7 +138,7 @@ def test_environment_variables_configure_flags() -> None:
     [
         (
             ["--simulate", "nope.toml"],
-            "--simulate: 'nope.toml' is neither a GPU count nor a scenario file",
+            "--simulate: 'nope.toml' is neither a GPU count, a scenario file nor a bundled scenario (fleet, lab)",
         ),
         (["--simulate", "0"], "--simulate takes 1 to 64 GPUs, got 0"),
         (["--listen-address", "9400"], "--listen-address: expected HOST:PORT"),

@@ -15,8 +15,10 @@ from conftest import Stack, build_stack, sim_of
 from conftest import without_process_metrics as bare
 from gpu_exporter.export.collectors import WebConfigCollector
 from gpu_exporter.export.spec import METRICS, SAMPLED, markdown_table
+from gpu_exporter.revision import revision
 from gpu_exporter.simulate import Fault, Load, SimGpu
 from gpu_exporter.web.webconfig import WebConfigWatcher
+from served import served
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -105,10 +107,8 @@ def test_lost_gpu_exports_up_zero_and_no_values() -> None:
 def test_exporter_self_metrics() -> None:
     s = mixed()
     r = s.registry
-    assert (
-        r.get_sample_value("gpu_exporter_build_info", {"version": "test", "backend": "simulated"})
-        == 1
-    )
+    labels = {"version": "test", "backend": "simulated", "revision": revision()}
+    assert r.get_sample_value("gpu_exporter_build_info", labels) == 1
     assert r.get_sample_value("gpu_exporter_nvml_up") == 1
     assert r.get_sample_value("gpu_exporter_last_sample_timestamp_seconds") == s.clock.time()
     assert r.get_sample_value("gpu_exporter_sample_duration_seconds") == 0.0  # fake clock
@@ -207,6 +207,29 @@ def test_served_metrics_equal_generate_latest_byte_for_byte() -> None:
     om = client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
     assert om.headers["Content-Type"].startswith("application/openmetrics-text")
     assert om.data.endswith(b"# EOF\n")
-    # name[] filters are prometheus_client's own (our collector has no describe(), so the
-    # filtered registry is empty, as before): served by it, not from the cache.
-    assert client.get("/metrics?name[]=gpu_up").data == b""
+    # name[] filters are prometheus_client's own, served by it (not from the cache).
+    assert client.get("/metrics?name[]=gpu_up").data == generate_latest(
+        s.registry.restricted_registry(["gpu_up"])
+    )
+
+
+def test_name_filter_serves_exactly_the_named_metrics() -> None:
+    """``/metrics?name[]=`` as client_python documents it: only those series, through a real
+    socket; an unknown parameter is a 400 in one line, as on every other endpoint."""
+    from urllib.error import HTTPError
+    from urllib.request import urlopen
+
+    with served(sampling=False) as ex:
+        url = ex.url + "/metrics?name[]=gpu_up&name[]=gpu_exporter_build_info"
+        with urlopen(url, timeout=10) as resp:
+            body = resp.read().decode()
+        samples = [line for line in body.splitlines() if not line.startswith("#")]
+        assert {line.split("{")[0] for line in samples} == {"gpu_up", "gpu_exporter_build_info"}
+        assert sum(line.startswith("gpu_up{") for line in samples) == 4
+        for query in ("x=1", "name=gpu_up", "name[]=gpu_up&format=json"):
+            with pytest.raises(HTTPError) as err:
+                urlopen(ex.url + "/metrics?" + query, timeout=10)
+            assert err.value.code == 400
+            (line,) = err.value.read().decode().splitlines()
+            # One line: plain, or the JSON error object when format=json asks for it.
+            assert "unknown parameter" in line and "/metrics takes only name[]" in line

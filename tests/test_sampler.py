@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -100,6 +101,22 @@ def test_unsupported_fields_are_not_asked_again() -> None:
     assert s.sim.calls["nvmlDeviceGetPowerUsage"] == 15
     # Identity is read once per GPU, not on every sample.
     assert s.sim.calls["nvmlDeviceGetUUID"] == 3
+
+
+def test_unsupported_fields_are_logged_once_per_gpu_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A card lacking several fields says so in one INFO line, not one line per field."""
+    caplog.set_level(logging.INFO, logger="gpu_exporter.collect.fields")
+    s = three_gpus()
+    for _ in range(3):
+        s.sample()
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpu_exporter.collect.fields"]
+    assert len(lines) == 3, lines  # one per GPU, in the first sample only
+    uuid = s.sim.gpus[0].uuid
+    (line,) = [line for line in lines if uuid in line]
+    assert line.startswith(f"GPU {uuid} cannot report fan_speed, ")
+    assert "retired_pages_" in line and line.endswith("; not asking again")
 
 
 def test_nvml_calls_per_sample_are_exactly_the_supported_fields() -> None:

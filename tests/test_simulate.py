@@ -47,6 +47,34 @@ def test_scenario_errors_are_clear(tmp_path: Path) -> None:
         SimulatedNvml.from_argument(str(bad), clock=clock.monotonic)
 
 
+@pytest.mark.parametrize("name", ["lab", "lab.toml"])
+def test_bundled_scenarios_by_name_from_any_directory(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wheel install has no checkout to point a path at: the name alone must do."""
+    monkeypatch.chdir(tmp_path)  # no gpu_exporter/ here: the name is not a relative path
+    by_name = SimulatedNvml.from_argument(name, clock=FakeClock().monotonic)
+    by_path = SimulatedNvml.from_argument(str(LAB), clock=FakeClock().monotonic)
+    assert [g.model for g in by_name.gpus] == [g.model for g in by_path.gpus]
+
+
+def test_unknown_scenario_name_lists_the_bundled_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"bundled scenario \(fleet, lab\)"):
+        SimulatedNvml.from_argument("labb", clock=FakeClock().monotonic)
+
+
+def test_serve_help_lists_the_bundled_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpu_exporter.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "bundled scenario by name (fleet, lab)" in help_text
+
+
 def test_load_changes_over_time_and_is_deterministic() -> None:
     clock = FakeClock()
     a = SimulatedNvml.with_gpus(3, clock=clock.monotonic)

@@ -8,23 +8,29 @@ written to pytest's tmp dir and, if set, to ``$TEST_ARTIFACTS_DIR``.
 from __future__ import annotations
 
 import html
+import http.server
 import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 from test_architecture import imports_of
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.simulate import Fault, Load, SimGpu
+from gpu_exporter.simulate import Fault, Load, SimGpu, SimulatedNvml
 from harness import exporter, get
+from served import served
 
 FLEET = Path(__file__).resolve().parent.parent / "gpu_exporter/simulate/scenarios/fleet.toml"
+LAB = FLEET.with_name("lab.toml")
 
 
 def test_status_view_is_pure() -> None:
@@ -43,14 +49,16 @@ def test_page_shows_every_gpu_with_memory_and_utilization_bars(stack: Stack) -> 
         used_pct = round(100 * state.memory_used / state.memory_total)
         assert f'aria-valuenow="{used_pct}"' in text
         assert f"<b>{state.utilization_gpu} %</b>" in text
-    assert 'http-equiv="refresh" content="5"' in text  # refreshes itself
+    # Without JavaScript it reloads itself; with it, the values update in place from /gpus.
+    assert '<noscript><meta http-equiv="refresh" content="5"></noscript>' in text
+    assert 'fetch("gpus"' in text
 
 
 def test_page_uses_no_external_assets(stack: Stack) -> None:
     text = stack.client.get("/").text
     for attr in re.findall(r'(?:src|href)="([^"]*)"', text):
         assert not re.match(r"^(?:[a-z]+:)?//", attr), attr
-    assert "<script" not in text and "@import" not in text
+    assert "<script src" not in text and "@import" not in text  # the one script is inline
 
 
 def test_page_recommends_what_choose_would_without_claiming(stack: Stack) -> None:
@@ -158,3 +166,164 @@ def test_headless_chromium_shows_the_gpus(tmp_path: Path) -> None:
     if artifacts:
         Path(artifacts).mkdir(parents=True, exist_ok=True)
         shutil.copy(screenshot, Path(artifacts) / screenshot.name)
+
+
+def test_values_a_card_cannot_report_are_na_with_the_reason() -> None:
+    s = build_stack(
+        sim_of(
+            SimGpu(0, "NVIDIA GeForce GTX 1080", Load("idle")),  # lists no processes
+            SimGpu(
+                1, "NVIDIA A100-SXM4-80GB", Load("idle"), frozenset({"nvmlDeviceGetTemperature"})
+            ),
+        )
+    )
+    s.sample()
+    text = s.client.get("/").text
+    rows = re.findall(r'<tr class="gpu" data-uuid="[^"]+">(.*?)</tr>', text, re.S)
+    na = '<span class="na" title="this card cannot report {}">n/a</span>'
+    assert na.format("its processes (NVML: not supported)") in rows[0]
+    assert na.format("temperature (NVML: not supported)") in rows[1]
+    assert rows[1].count('class="na"') == 1  # the rest is there
+
+
+def test_mig_devices_are_grouped_under_their_card() -> None:
+    s = build_stack(
+        sim_of(
+            SimGpu(0, "NVIDIA A100-SXM4-80GB", Load("idle")),
+            SimGpu(1, "NVIDIA A100-SXM4-80GB", Load("idle"), mig=("3g.40gb", "1g.10gb")),
+        )
+    )
+    s.sample()
+    text = s.client.get("/").text
+    cards = re.findall(r'<tbody data-card="([^"]+)">(.*?)</tbody>', text, re.S)
+    assert [uuid for uuid, _ in cards] == [g.uuid for g in s.sim.gpus]
+    assert "MIG" not in cards[0][1]
+    migs = re.findall(
+        r'<tr class="mig" data-uuid="(MIG-[^"]+)" data-parent="([^"]+)">', cards[1][1]
+    )
+    assert len(migs) == 2 and {parent for _, parent in migs} == {s.sim.gpus[1].uuid}
+    assert "MIG 3g.40gb" in cards[1][1] and "MIG 1g.10gb" in cards[1][1]
+    # n/a where NVML has nothing per MIG device, saying why.
+    assert "this MIG device cannot report utilization" in cards[1][1]
+    assert "NVML reports temperature for the whole card, not per MIG device" in cards[1][1]
+
+
+PROBE = """<!doctype html><meta charset="utf-8">
+<style>html,body{margin:0}iframe{border:0;height:800px;display:block}</style>
+<iframe id="f"></iframe><pre id="out">pending</pre>
+<script>
+// Headless Chromium's window is at least 500 px wide: the width under test is the iframe's.
+var frame = document.getElementById("f");
+frame.style.width = location.hash.slice(1) + "px";
+frame.src = "/";
+frame.onload = function () {
+  var w = this.contentWindow, d = this.contentDocument, root = d.documentElement;
+  var migs = d.querySelectorAll("tbody[data-card] tr.mig"), grouped = 0;
+  for (var i = 0; i < migs.length; i++)
+    if (migs[i].parentNode.getAttribute("data-card") === migs[i].getAttribute("data-parent")) grouped++;
+  document.getElementById("out").textContent = JSON.stringify({
+    scrollWidth: root.scrollWidth, innerWidth: w.innerWidth,
+    dark: w.matchMedia("(prefers-color-scheme: dark)").matches,
+    background: w.getComputedStyle(d.body).backgroundColor,
+    cards: d.querySelectorAll("tbody[data-card]").length, migs: migs.length, grouped: grouped,
+    na: d.querySelectorAll(".na[title]").length
+  });
+  // Spoil one value; the page's script must put it back from /gpus, without a reload.
+  var temp = d.querySelector('tr.gpu td[data-label="Temp."]');
+  temp.textContent = "stale";
+  w.notReloaded = true;
+  setTimeout(function () {
+    var r = JSON.parse(document.getElementById("out").textContent);
+    r.updated = temp.isConnected && temp.textContent !== "stale";
+    r.reloaded = !w.notReloaded;
+    document.getElementById("out").textContent = JSON.stringify(r);
+  }, 6500);
+};
+</script>"""
+
+
+class _Probe(http.server.BaseHTTPRequestHandler):
+    """The probe page, and everything else fetched from the exporter: one origin, so the
+    probe can measure the status page inside its iframe."""
+
+    upstream = ""
+
+    def do_GET(self) -> None:
+        if self.path == "/probe.html":
+            body, ctype = PROBE.encode(), "text/html; charset=utf-8"
+        else:
+            try:
+                with urllib.request.urlopen(self.upstream + self.path, timeout=10) as resp:
+                    body, ctype = resp.read(), resp.headers["Content-Type"]
+            except urllib.error.HTTPError as err:  # /favicon.ico
+                self.send_error(err.code)
+                return
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_phone_widths_and_dark_mode_in_headless_chromium() -> None:
+    """No sideways scrolling at 360 and 420 px, MIG devices inside their card, the dark
+    palette when the system asks for it, and values updated in place without a reload."""
+    browser = _chromium()
+    sim = SimulatedNvml.from_argument(str(LAB), clock=time.monotonic)
+    with served(sim) as ex:
+        handler = type("Probe", (_Probe,), {"upstream": ex.url})
+        proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+        thread.start()
+        try:
+            url = f"http://127.0.0.1:{proxy.server_address[1]}/probe.html"
+            results = {
+                (width, dark): _measure(browser, url, width, dark)
+                for width, dark in ((360, False), (420, False), (420, True), (1400, True))
+            }
+        finally:
+            proxy.shutdown()
+            proxy.server_close()
+    for (width, dark), r in results.items():
+        assert r["innerWidth"] == width, r
+        assert r["scrollWidth"] <= r["innerWidth"], (width, r)  # no horizontal page scroll
+        assert r["cards"] == 8 and r["migs"] == 4 and r["grouped"] == 4, r
+        assert r["na"] > 0, r  # the consumer card's values, with tooltips
+        assert r["dark"] == dark, r
+        assert (r["background"] == "rgb(18, 18, 18)") == dark, r
+        assert r["updated"] and not r["reloaded"], r  # values updated in place from /gpus
+
+
+def _measure(browser: str, url: str, width: int, dark: bool) -> dict[str, object]:
+    profile = tempfile.mkdtemp(prefix="chromium-")
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        f"--window-size={max(width, 500)},900",
+        "--virtual-time-budget=10000",  # past the page's 5 s update
+    ]
+    if dark:
+        flags.append("--force-dark-mode")  # prefers-color-scheme: dark
+    try:
+        dom = subprocess.run(
+            [browser, *flags, "--dump-dom", f"{url}#{width}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    found = re.search(r'<pre id="out">(.*?)</pre>', dom.stdout, re.S)
+    assert found and found.group(1) != "pending", dom.stdout[-2000:]
+    result: dict[str, object] = json.loads(html.unescape(found.group(1)))
+    return result

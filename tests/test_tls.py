@@ -261,7 +261,7 @@ def test_serve_with_tls_basic_auth_and_reload(pki: Pki, tmp_path: Path) -> None:
     finally:
         err = stop(proc)
     assert "not reloaded, the previous configuration stays in force" in err
-    assert "(https)" in err
+    assert " over https; sampling every " in err
     assert "serving plain HTTP" not in err and "no authentication" not in err
     if os.geteuid() == 0:
         assert "running as root: gpu-exporter needs only read access to /dev/nvidiactl" in err

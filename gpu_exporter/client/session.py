@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from gpu_exporter.client.api import (
     DEFAULT_LEASE,
@@ -26,15 +26,20 @@ from gpu_exporter.client.api import (
     release,
     renew,
 )
+from gpu_exporter.client.envcheck import near_miss_warning
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,
     GpuExporterError,
     GpuExporterWarning,
     LeaseNotFound,
+    NoGpusAvailable,
+    ServerError,
 )
 
 log = logging.getLogger(__name__)
+
+OnUnavailable = Literal["error", "cpu"]  # use_gpus(): raise, or run the block on the CPU
 
 
 class LeaseKeeper:
@@ -177,7 +182,11 @@ class GpuSession:
         local_fallback: bool,
         filters: Mapping[str, FilterValue],
         open_nvml: OpenNvml | None = None,
+        on_unavailable: OnUnavailable = "error",
     ) -> None:
+        if on_unavailable not in ("error", "cpu"):
+            raise ValueError(f"on_unavailable must be 'error' or 'cpu', not {on_unavailable!r}")
+        self._on_unavailable = on_unavailable
         self._args = (n, url)
         self._kwargs: dict[str, Any] = {
             "lease": lease,
@@ -205,7 +214,13 @@ class GpuSession:
                 GpuExporterWarning,
                 stacklevel=2,
             )
-        choice = choose_or_fallback(*self._args, **self._kwargs, stacklevel=3)
+        typo = near_miss_warning()
+        if typo is not None:
+            warnings.warn(typo, GpuExporterWarning, stacklevel=2)
+        try:
+            choice = choose_or_fallback(*self._args, **self._kwargs, stacklevel=3)
+        except GpuExporterError as exc:
+            choice = self._cpu_instead(exc)
         self.choice = choice
         try:
             if choice.lease_id is not None:
@@ -221,6 +236,18 @@ class GpuSession:
             self._finish()
             raise
         return choice
+
+    def _cpu_instead(self, exc: GpuExporterError) -> Choice:
+        """With ``on_unavailable="cpu"``: no GPU to be had (none free, no server or driver to
+        ask) gives a choice of none, so the block runs with every GPU hidden; a refused
+        request (bad argument, a limit) still raises."""
+        refused = isinstance(exc, ServerError) and not isinstance(exc, NoGpusAvailable)
+        if self._on_unavailable != "cpu" or refused:
+            raise exc
+        message = f"no GPU available ({exc}); running on the CPU: CUDA_VISIBLE_DEVICES=''"
+        log.warning("%s", message)
+        warnings.warn(message, GpuExporterWarning, stacklevel=3)
+        return Choice((), (), None, None, self._args[1] or "")
 
     def __exit__(
         self,
@@ -262,6 +289,7 @@ def use_gpus(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     local_fallback: bool = True,
     open_nvml: OpenNvml | None = None,
+    on_unavailable: OnUnavailable = "error",
     **filters: FilterValue,
 ) -> GpuSession:
     """Run a block on ``n`` GPUs that nobody else is handed meanwhile.
@@ -285,6 +313,13 @@ def use_gpus(
     NVML instead, with a :class:`GpuExporterWarning` — no lease protects such a choice. With
     no driver or no GPU it raises :class:`GpuExporterError`: it never silently runs on CPU.
     ``open_nvml`` returns the NVML to choose from then (default: this host's driver).
+
+    ``on_unavailable="cpu"`` is for code that must also run where no GPU is free: when none
+    can be had (none qualifies, no server and no driver), the block runs with
+    ``CUDA_VISIBLE_DEVICES=""`` (every GPU hidden), ``gpus.uuids == ()``, and a warning says
+    so. A refused request (a bad argument, a lease limit) still raises.
+    Environment variables that look like typos of ``CUDA_VISIBLE_DEVICES`` (which CUDA
+    silently ignores) are warned about.
     """
     return GpuSession(
         n,
@@ -296,4 +331,5 @@ def use_gpus(
         local_fallback=local_fallback,
         filters=filters,
         open_nvml=open_nvml,
+        on_unavailable=on_unavailable,
     )

@@ -55,6 +55,7 @@ class FieldReader:
         self.values: dict[str, Any] = {}
         self.asked: dict[str, bool] = {}  # field → supported
         self.last_error: str | None = None
+        self.newly_unsupported: list[str] = []  # logged together, one line per device
 
     def read(self, field: str, names: tuple[str, ...], fn: Callable[[Any], Any]) -> bool:
         """Store ``fn(handle)`` under ``names`` (a tuple result fills several). True if read."""
@@ -66,7 +67,7 @@ class FieldReader:
         except Unsupported:
             self.unsupported.add((self.uuid, field))
             self.asked[field] = False
-            log.info("GPU %s does not support %s; not asking again", self.uuid, field)
+            self.newly_unsupported.append(field)
             return False
         except (GpuLost, NvmlUnavailable):
             raise
@@ -95,6 +96,17 @@ class FieldReader:
             self.static[field] = (
                 self.values[names[0]] if len(names) == 1 else tuple(self.values[n] for n in names)
             )
+
+    def log_unsupported(self) -> None:
+        """One INFO line naming every field this device turned out not to support: a consumer
+        card lacks a dozen, and a line each buried the start-up log."""
+        if self.newly_unsupported:
+            log.info(
+                "GPU %s cannot report %s; not asking again",
+                self.uuid,
+                ", ".join(self.newly_unsupported),
+            )
+            self.newly_unsupported.clear()
 
 
 def _reasons(mask: int) -> tuple[str, ...]:
@@ -146,6 +158,15 @@ def read_values(
 ) -> None:
     """Every field of one device into ``r.values``; ``whole_gpu`` False for a MIG device,
     which answers only memory, utilization (not at all, in practice) and processes."""
+    try:
+        _read_values(nvml, r, procinfo, whole_gpu=whole_gpu)
+    finally:
+        r.log_unsupported()
+
+
+def _read_values(
+    nvml: Nvml, r: FieldReader, procinfo: ProcInfoCache | None, *, whole_gpu: bool
+) -> None:
     r.read("memory", _MEMORY_FIELDS, lambda h: _astuple_memory(nvml, h, whole_gpu))
     r.read("utilization", ("utilization_ratio", "memory_utilization_ratio"), nvml.utilization)
     if not whole_gpu:

@@ -33,6 +33,7 @@ from gpu_exporter.export.spec import (
     LAST_SAMPLE,
     LAST_XID,
     LEASES_DROPPED,
+    METRICS,
     NVML_ERRORS,
     NVML_UP,
     PCIE_THROUGHPUT,
@@ -201,9 +202,11 @@ def pcie_families(pcie: PcieRates) -> Iterator[Metric]:
     yield family
 
 
-def exporter_families(snapshot: Snapshot, version: str = __version__) -> Iterator[Metric]:
+def exporter_families(
+    snapshot: Snapshot, version: str = __version__, revision: str = "unknown"
+) -> Iterator[Metric]:
     build = _family(BUILD_INFO)
-    build.add_metric([version, "simulated" if snapshot.simulated else "nvml"], 1)
+    build.add_metric([version, "simulated" if snapshot.simulated else "nvml", revision], 1)
     yield build
     nvml_up = _family(NVML_UP)
     nvml_up.add_metric([], 1 if snapshot.nvml_up else 0)
@@ -246,6 +249,9 @@ def _counts(spec: MetricSpec, counter: RequestCounter) -> Metric:
     return family
 
 
+_WEB_CONFIG_METRICS = (WEB_CONFIG_RELOADS, WEB_CONFIG_OK)  # WebConfigCollector's
+
+
 class GpuCollector(Collector):
     """A prometheus_client collector over the snapshot cache (and the lease table)."""
 
@@ -260,15 +266,24 @@ class GpuCollector(Collector):
         xids: XidCounter | None = None,
         pcie: PcieRates | None = None,
         process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
+        revision: str = "unknown",
     ) -> None:
         self._cache = cache
         self._version = version
+        self._revision = revision  # read once at start-up (gpu_exporter.revision)
         self._leases = leases
         self._requests = requests or RequestCounter()
         self._rejections = rejections
         self._xids = xids
         self._pcie = pcie
         self._process_series_limit = process_series_limit
+
+    def describe(self) -> Iterator[Metric]:
+        """Every family this collector may produce (empty): the registry learns the names,
+        which prometheus_client's ``/metrics?name[]=`` filter needs to find the collector."""
+        for spec in METRICS:
+            if spec not in _WEB_CONFIG_METRICS:
+                yield _family(spec)
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._cache.get()  # one snapshot for the whole scrape
@@ -282,7 +297,7 @@ class GpuCollector(Collector):
         so nothing here may read anything that changes between samples.
         """
         yield from gpu_families(snapshot, self._process_series_limit)
-        yield from exporter_families(snapshot, self._version)
+        yield from exporter_families(snapshot, self._version, self._revision)
         yield from field_families(snapshot)
 
     def live_families(self, snapshot: Snapshot) -> Iterator[Metric]:
@@ -303,6 +318,11 @@ class WebConfigCollector(Collector):
 
     def __init__(self, watcher: ReloadStats) -> None:
         self._watcher = watcher
+
+    def describe(self) -> Iterator[Metric]:
+        """The names, for the ``name[]`` filter (see :meth:`GpuCollector.describe`)."""
+        for spec in _WEB_CONFIG_METRICS:
+            yield _family(spec)
 
     def collect(self) -> Iterator[Metric]:
         reloads = _family(WEB_CONFIG_RELOADS)

@@ -316,8 +316,9 @@ GPU_LEASED = MetricSpec(
 BUILD_INFO = MetricSpec(
     "gpu_exporter_build_info",
     "gauge",
-    'Always 1; the exporter\'s version, and backend="simulated" when --simulate is on.',
-    ("version", "backend"),
+    'Always 1; the exporter\'s version, backend="simulated" when --simulate is on, and the '
+    'source revision it was built from ("unknown" where none was recorded).',
+    ("version", "backend", "revision"),
     "the exporter",
     unit="1 (info)",
 )

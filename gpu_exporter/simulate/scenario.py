@@ -67,6 +67,8 @@ DEFAULT_CUDA_DRIVER_VERSION = 12040  # NVML's integer form of 12.4
 LOADS = ("idle", "busy", "light", "sine", "steps", "hidden", "constant")
 # --simulate N cycles through these, so a demo box has busy, idle and changing cards.
 DEFAULT_LOADS = ("busy", "idle", "sine", "light", "steps", "idle", "hidden", "sine")
+# Shipped as package data (pyproject.toml), so a wheel install has them too.
+_SCENARIOS = Path(__file__).parent / "scenarios"
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,12 +277,30 @@ class Scenario:
             return cls.with_gpus(count)
         path = Path(arg)
         if not path.is_file():
-            raise ValueError(f"--simulate: {arg!r} is neither a GPU count nor a scenario file")
+            path = _bundled(arg)
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"--simulate: {arg}: {exc}") from None
         return cls.from_table(data)
+
+
+def bundled_scenarios() -> tuple[str, ...]:
+    """Names of the scenarios shipped inside the package (``--simulate lab``)."""
+    return tuple(sorted(p.stem for p in _SCENARIOS.glob("*.toml")))
+
+
+def _bundled(arg: str) -> Path:
+    """A bundled scenario by name, with or without ``.toml``: an installed wheel has no
+    repository checkout to point a path at, so the name is the only way to reach them."""
+    name = arg.removesuffix(".toml")
+    path = _SCENARIOS / f"{name}.toml"
+    if "/" in arg or not path.is_file():
+        raise ValueError(
+            f"--simulate: {arg!r} is neither a GPU count, a scenario file nor a bundled "
+            f"scenario ({', '.join(bundled_scenarios())})"
+        )
+    return path
 
 
 def _gpus(entries: list[Mapping[str, Any]]) -> tuple[SimGpu, ...]:

@@ -293,7 +293,23 @@ def document() -> dict[str, Any]:
                     "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}, "")},
                 }
             },
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": _text("")}}},
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "parameters": [
+                        {
+                            "name": "name[]",
+                            "in": "query",
+                            "required": False,
+                            "description": "Serve only these metric (sample) names; repeatable.",
+                            "schema": {"type": "array", "items": {"type": "string"}},
+                            "style": "form",
+                            "explode": True,
+                        }
+                    ],
+                    "responses": {"200": _text(""), **_errors(400)},
+                }
+            },
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _text("ok")}}},
             "/readyz": {
                 "get": {

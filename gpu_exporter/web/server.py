@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import socket
 import ssl
 from collections.abc import Callable
@@ -134,9 +135,10 @@ class Server:
 
     @property
     def address(self) -> str:
-        """Where it listens, for people: ``:9400 (every interface)`` or ``127.0.0.1:9400``."""
+        """Where it listens, for people: ``every interface, port 9400`` or
+        ``127.0.0.1:9400``."""
         if not self.host:
-            return f":{self.port} (every interface)"
+            return f"every interface, port {self.port}"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
@@ -180,7 +182,7 @@ class Server:
                 "(another gpu-exporter, or dcgm-exporter, which also defaults to 9400?); "
                 "choose another with --listen-address"
             )
-        raise ListenError(f"cannot listen on {where}: {last}")
+        raise ListenError(f"cannot listen on {where}: {_why(last)}")
 
     def serve(self) -> None:
         if self._server is None:
@@ -196,3 +198,31 @@ class Server:
 def _in_use(exc: OSError) -> bool:
     cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
     return cause.errno == errno.EADDRINUSE or "in use" in str(exc).lower()
+
+
+# cheroot folds the socket error into one string: "No socket could be created -- ((host,
+# port): [Errno -2] Name or service not known)". The errno is all that is worth keeping.
+_ERRNO = re.compile(r"\[Errno (-?\d+)\] ([^)]*)")
+_ADVICE = {
+    errno.EADDRNOTAVAIL: "no interface of this machine has that address "
+    "(`ip -brief address` lists them; ':9400' is every interface)",
+    errno.EACCES: "permission denied (ports below 1024 need root or CAP_NET_BIND_SERVICE)",
+}
+
+
+def _why(exc: OSError | None) -> str:
+    """One line for people instead of cheroot's nested tuple and errno."""
+    if exc is None:
+        return "no usable address"
+    code, text = exc.errno, exc.strerror
+    match = _ERRNO.search(str(exc))
+    if match:
+        code, text = int(match.group(1)), match.group(2)
+    if code is not None and code < 0:  # getaddrinfo's EAI_* codes are negative
+        return (
+            f"cannot resolve the host name ({text}); give an IP address of this machine, "
+            "e.g. --listen-address 127.0.0.1:9400"
+        )
+    if code in _ADVICE:
+        return _ADVICE[code]
+    return text or str(exc)

@@ -15,11 +15,80 @@ from gpu_exporter.units import format_bytes
 
 
 @dataclass(frozen=True, slots=True)
+class Cell:
+    """One value of the GPU table: its text (and bar ratio), or why there is none."""
+
+    text: str
+    ratio: float | None = None  # 0–1 for a bar
+    missing: str | None = None  # set instead of a value: shown as "n/a" with this tooltip
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCells:
+    """The value columns of one GPU or MIG device, in table order."""
+
+    memory: Cell
+    utilization: Cell
+    temperature: Cell
+    power: Cell
+    processes: Cell
+
+
+@dataclass(frozen=True, slots=True)
 class GpuRow:
     gpu: GpuSample
     memory_used_ratio: float | None  # used / total, 0–1
     memory_text: str  # "12.0 GiB / 80.0 GiB", or "" when unknown
     holder: str | None  # "alice, 42 s left", when a lease holds the GPU
+    cells: DeviceCells | None = None
+    migs: tuple[tuple[GpuSample, DeviceCells], ...] = ()  # shown grouped under the card
+
+
+# Column → (the FieldReader field behind it, what it is called in a tooltip).
+_FIELDS = {
+    "memory": ("memory", "memory use"),
+    "utilization": ("utilization", "utilization"),
+    "temperature": ("temperature", "temperature"),
+    "power": ("power_draw", "power draw"),
+    "processes": ("processes", "its processes"),
+}
+
+
+def _missing(gpu: GpuSample, column: str) -> str:
+    """Why ``gpu`` has no value for ``column``: the tooltip of its "n/a"."""
+    field, what = _FIELDS[column]
+    if not gpu.up:
+        return "the GPU did not answer the last sample"
+    if dict(gpu.fields_supported).get(field) is False:
+        kind = "MIG device" if gpu.is_mig_device else "card"
+        return f"this {kind} cannot report {what} (NVML: not supported)"
+    if gpu.is_mig_device and column in ("utilization", "temperature", "power"):
+        return f"NVML reports {what} for the whole card, not per MIG device"
+    return f"{what} was not reported in the last sample" + (f": {gpu.error}" if gpu.error else "")
+
+
+def _cell(gpu: GpuSample, column: str, text: str | None, ratio: float | None = None) -> Cell:
+    return Cell(text, ratio) if text is not None else Cell("n/a", None, _missing(gpu, column))
+
+
+def device_cells(gpu: GpuSample) -> DeviceCells:
+    used, total = gpu.memory_used_bytes, gpu.memory_total_bytes
+    util, temp, power = gpu.utilization_ratio, gpu.temperature_celsius, gpu.power_draw_watts
+    known = used is not None and bool(total)
+    memory = f"{format_bytes(used or 0)} / {format_bytes(total or 0)}" if known else None
+    mem_ratio = (used or 0) / (total or 1) if known else None
+    watts = None
+    if power is not None:
+        limit = f" / {gpu.power_limit_watts:.0f}" if gpu.power_limit_watts else ""
+        watts = f"{power:.0f}{limit} W"
+    procs = gpu.compute_processes
+    return DeviceCells(
+        _cell(gpu, "memory", memory, mem_ratio),
+        _cell(gpu, "utilization", f"{util * 100:.0f} %" if util is not None else None, util),
+        _cell(gpu, "temperature", f"{temp:.0f} °C" if temp is not None else None),
+        _cell(gpu, "power", watts),
+        _cell(gpu, "processes", str(procs) if procs is not None else None),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +144,8 @@ def status_view(
             if lease
             else None
         )
-        rows.append(GpuRow(gpu, ratio, text, holder))
+        migs = tuple((m, device_cells(m)) for m in gpu.mig_devices)
+        rows.append(GpuRow(gpu, ratio, text, holder, device_cells(gpu), migs))
     lease_rows = tuple(
         LeaseRow(
             lease.id,
