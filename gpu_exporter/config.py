@@ -39,6 +39,7 @@ class ServeConfig:
     prometheus_selector: str = ""  # label matchers narrowing /cluster/choose's fleet
     web_config_file: str | None = None  # TLS, basic auth, headers (exporter-toolkit format)
     auth_scope: str = "all"  # "all", or "writes": only lease-taking requests need credentials
+    max_waiters_per_requester: int = 2  # waiting /choose requests per client address; 0: any
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:

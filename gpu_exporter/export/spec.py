@@ -383,8 +383,17 @@ REQUESTS_REJECTED = MetricSpec(
     "gpu_exporter_requests_rejected_total",
     "counter",
     "Requests refused by the request limits: too_many_requests (--max-requests-in-flight), "
-    "too_many_waiters (--max-waiters), uri_too_long.",
+    "too_many_waiters (--max-waiters, --max-waiters-per-requester), uri_too_long.",
     ("reason",),
+    "the exporter",
+    unit="requests",
+)
+CHOOSE_WAITERS = MetricSpec(
+    "gpu_exporter_choose_waiters",
+    "gauge",
+    "Requests waiting for GPUs now (/choose and /cluster/choose with wait=), each in one "
+    "--max-waiters slot.",
+    (),
     "the exporter",
     unit="requests",
 )
@@ -418,6 +427,7 @@ EXPORTER_METRICS = (
     CHOOSE_REQUESTS,
     LEASES_DROPPED,
     REQUESTS_REJECTED,
+    CHOOSE_WAITERS,
     WEB_CONFIG_RELOADS,
     WEB_CONFIG_OK,
 )

@@ -25,6 +25,7 @@ from gpu_exporter.choose.params import (
 from gpu_exporter.choose.rank import Rejected, Selection, score
 from gpu_exporter.units import parse_duration
 from gpu_exporter.web.pages import gpu_json
+from gpu_exporter.web.server import CONNECTED
 from gpu_exporter.web.services import services
 
 api = Blueprint("api", __name__)
@@ -50,7 +51,9 @@ def choose_route() -> Response:
     svc = services()
     try:
         req = parse_choose_args(request.values)
-        claimed = svc.claimer.claim(req, request.remote_addr or "unknown")
+        claimed = svc.claimer.claim(
+            req, request.remote_addr or "unknown", connected=request.environ.get(CONNECTED)
+        )
     except (ApiError, LeaseError) as exc:
         svc.requests.inc(exc.code)
         raise
@@ -70,6 +73,7 @@ def choose_route() -> Response:
                 "lease": lease.to_json() if lease else None,
                 "sampled_at": snapshot.taken_at_seconds,
                 "snapshot_age_seconds": round(snapshot.age_seconds(claimed.monotonic_now), 3),
+                "waiting": [w.to_json(claimed.monotonic_now) for w in svc.claimer.waiting()],
             }
         )
     else:

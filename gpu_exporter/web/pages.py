@@ -49,6 +49,8 @@ def index() -> str:
         wall_now=svc.clock.time(),
         age_seconds=snapshot.age_seconds(now),
         problem=problem.message if problem else None,
+        waiting=svc.claimer.waiting(),
+        monotonic_now=now,
     )
     return render_template("index.html", view=view, version=__version__, fmt=format_bytes)
 
