@@ -111,7 +111,9 @@ def test_not_enough_gpus_is_503_never_an_empty_200(stack: Stack) -> None:
     body = stack.client.get("/choose?n=9&format=json").get_json()
     assert body["error"]["code"] == "not_enough_gpus"
     assert body["error"]["param"] is None
-    assert body["error"]["message"] == "4 of 4 GPUs qualify, 9 requested"
+    assert body["error"]["message"] == (
+        "9 GPUs requested, but only 4 of the 4 GPUs here could ever qualify"
+    )
 
 
 def test_lost_gpu_is_never_chosen() -> None:

@@ -137,7 +137,7 @@ def test_more_gpus_than_the_host_has_is_refused_at_once() -> None:
         status, body, _ = call(exporter, "/choose?n=3&wait=60s&lease=0&format=json")
         assert time.monotonic() - start < 1.0
         error: dict[str, Any] = json.loads(body)["error"]
-        assert (status, error["code"], error["param"]) == (503, "not_enough_gpus", "n")
+        assert (status, error["code"], error["param"]) == (503, "not_enough_gpus", None)
         assert error["message"] == (
             "3 GPUs requested, but only 2 of the 2 GPUs here could ever qualify"
         )

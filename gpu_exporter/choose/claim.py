@@ -272,7 +272,7 @@ class Claimer:
             return problem
         never = never_enough(snapshot.gpus, req.n, req.filters)
         if never is not None:
-            raise ApiError(503, "not_enough_gpus", never, "n")
+            raise ApiError(503, "not_enough_gpus", never)
         # Advice claims nothing, so it neither waits its turn nor respects reservations.
         reserved: Mapping[str, str] = {}
         if req.lease_seconds > 0:
