@@ -112,7 +112,7 @@ def test_not_enough_gpus_is_503_never_an_empty_200(stack: Stack) -> None:
     assert body["error"]["code"] == "not_enough_gpus"
     assert body["error"]["param"] is None
     assert body["error"]["message"] == (
-        "9 GPUs requested, but only 4 of the 4 GPUs here could ever qualify"
+        "4 of 4 GPUs qualify, 9 requested; at most 4 of the 4 GPUs here could ever qualify"
     )
 
 

@@ -139,7 +139,7 @@ def test_more_gpus_than_the_host_has_is_refused_at_once() -> None:
         error: dict[str, Any] = json.loads(body)["error"]
         assert (status, error["code"], error["param"]) == (503, "not_enough_gpus", None)
         assert error["message"] == (
-            "3 GPUs requested, but only 2 of the 2 GPUs here could ever qualify"
+            "2 of 2 GPUs qualify, 3 requested; at most 2 of the 2 GPUs here could ever qualify"
         )
         status, _, _ = call(exporter, "/choose?n=1")
         assert status == 200

@@ -270,9 +270,6 @@ class Claimer:
         problem = snapshot_problem(snapshot, now, self.max_age_seconds)
         if problem is not None:
             return problem
-        never = never_enough(snapshot.gpus, req.n, req.filters)
-        if never is not None:
-            raise ApiError(503, "not_enough_gpus", never)
         # Advice claims nothing, so it neither waits its turn nor respects reservations.
         reserved: Mapping[str, str] = {}
         if req.lease_seconds > 0:
@@ -293,5 +290,8 @@ class Claimer:
                 reserved=reserved,
             )
         except NotEnoughGpus as exc:
+            never = never_enough(snapshot.gpus, req.n, req.filters)
+            if never is not None:  # waiting cannot help: refused at once
+                raise ApiError(503, "not_enough_gpus", f"{exc}; {never}") from None
             return ApiError(503, "not_enough_gpus", str(exc))
         return Claimed(choice, lease, snapshot, now)

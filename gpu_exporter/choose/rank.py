@@ -233,7 +233,7 @@ def never_enough(gpus: Iterable[GpuSample], n: int, filters: Filters) -> str | N
 
     >>> gpu = GpuSample(index=0, uuid="GPU-0", up=True, memory_total_bytes=40 * GIB)
     >>> never_enough([gpu], 2, Filters()), never_enough([gpu], 1, Filters()) is None
-    ('2 GPUs requested, but only 1 of the 1 GPUs here could ever qualify', True)
+    ('at most 1 of the 1 GPUs here could ever qualify', True)
     """
     possible, never = 0, []
     devices = candidates(gpus, filters.mig)
@@ -246,10 +246,7 @@ def never_enough(gpus: Iterable[GpuSample], n: int, filters: Filters) -> str | N
     if possible >= n:
         return None
     details = f" ({'; '.join(never)})" if never else ""
-    return (
-        f"{n} GPUs requested, but only {possible} of the {len(devices)} GPUs here "
-        f"could ever qualify{details}"
-    )
+    return f"at most {possible} of the {len(devices)} GPUs here could ever qualify{details}"
 
 
 def _at_least(
