@@ -11,15 +11,21 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+from tls_certs import CA
+
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
+from gpu_exporter.web.server import client_connected
 from harness import ROOT
 from served import Served, served
 
@@ -156,3 +162,45 @@ def test_one_client_address_may_wait_only_so_many_times() -> None:
             "error: 127.0.0.1 already has 1 requests waiting for GPUs "
             "(--max-waiters-per-requester 1)\n"
         )
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """(the server's end, the client's end) of a loopback TCP connection."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname(), timeout=5)
+        server, _ = listener.accept()
+    return server, client
+
+
+def test_client_connected_sees_a_hang_up_but_not_pipelined_bytes() -> None:
+    server, client = tcp_pair()
+    with server:
+        assert client_connected(server)
+        client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # a pipelined request
+        time.sleep(0.05)
+        assert client_connected(server)
+        client.close()
+        time.sleep(0.05)
+        assert not client_connected(server)  # though the pipelined bytes are still unread
+    assert not client_connected(server)  # closed on our side too
+
+
+def test_client_connected_under_tls(tmp_path: Path) -> None:
+    ca = CA.create(tmp_path, "ca")
+    issued = ca.issue(tmp_path, "127.0.0.1", server=True)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(issued.cert, issued.key)
+    client_ctx = ssl.create_default_context(cafile=str(ca.path))
+    raw_server, raw_client = tcp_pair()
+    handshake = ThreadPoolExecutor(1)
+    server_side = handshake.submit(server_ctx.wrap_socket, raw_server, server_side=True)
+    client = client_ctx.wrap_socket(raw_client, server_hostname="127.0.0.1")
+    with server_side.result(timeout=5) as server:
+        assert client_connected(server)
+        client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        time.sleep(0.05)
+        assert client_connected(server)
+        client.close()
+        time.sleep(0.05)
+        assert not client_connected(server)
+    handshake.shutdown()
