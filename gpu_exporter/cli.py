@@ -190,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
         "too_many_waiters; 0 disables waiting (default %(default)s)",
     )
     serve.add_argument(
+        "--max-waiters-per-requester",
+        type=int,
+        default=_env("max-waiters-per-requester", "2"),
+        metavar="N",
+        help="of those, how many one client address may have waiting at once; more are "
+        "answered 429 too_many_waiters; 0: no limit per client (default %(default)s)",
+    )
+    serve.add_argument(
         "--choose-defaults",
         default=_env("choose-defaults", DEFAULT_CHOOSE_DEFAULTS),
         metavar="QUERY",
@@ -296,6 +304,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--max-requests-in-flight must be from 1 to 1024")
     if not 0 <= args.max_waiters < args.max_requests_in_flight:
         parser.error("--max-waiters must be from 0 to less than --max-requests-in-flight")
+    if args.max_waiters_per_requester < 0:
+        parser.error("--max-waiters-per-requester must be 0 (no limit) or more")
     if args.auth_scope not in ("all", "writes"):  # from the environment
         parser.error("--auth-scope must be all or writes")
     from gpu_exporter.choose.defaults import parse_defaults
@@ -335,6 +345,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         auth_scope=args.auth_scope,
         choose_defaults=args.choose_defaults,
         lease_admins=parse_user_list(args.lease_admins),
+        max_waiters_per_requester=int(args.max_waiters_per_requester),
     )
 
 

@@ -45,6 +45,7 @@ class ServeConfig:
     # What "free" means when a /choose names no filter (query syntax; "" for none).
     choose_defaults: str = DEFAULT_CHOOSE_DEFAULTS
     lease_admins: tuple[str, ...] = ()  # basic-auth users who may renew/release any lease by id
+    max_waiters_per_requester: int = 2  # waiting /choose requests per client address; 0: any
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:

@@ -212,12 +212,18 @@ def build(
     xids = XidCounter() if config.xid_events else None
     pcie = PcieRates() if config.pcie_throughput else None
 
+    waiters = Waiters(
+        config.max_waiters,
+        per_requester=config.max_waiters_per_requester,
+        rejections=rejections,
+    )
     registry = CollectorRegistry()
     gpu_collector = GpuCollector(
         cache,
         leases=leases,
         requests=requests,
         rejections=rejections,
+        waiters=waiters,
         xids=xids,
         pcie=pcie,
         process_series_limit=config.process_series_limit,
@@ -239,7 +245,6 @@ def build(
         cluster = ClusterService(
             config.prometheus_url, config.prometheus_selector, defaults=choose_defaults
         )
-    waiters = Waiters(config.max_waiters, rejections=rejections)
     claimer = Claimer(cache, leases, waiters, clock=clock, max_age_seconds=config.max_age_seconds)
     services = Services(
         cache=cache,

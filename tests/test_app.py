@@ -117,7 +117,9 @@ def test_not_enough_gpus_is_503_never_an_empty_200(stack: Stack) -> None:
     body = stack.client.get(f"/choose?n=9&format=json&{ANY_LOAD}").get_json()
     assert body["error"]["code"] == "not_enough_gpus"
     assert body["error"]["param"] is None
-    assert body["error"]["message"] == "4 of 4 GPUs qualify, 9 requested"
+    assert body["error"]["message"] == (
+        "4 of 4 GPUs qualify, 9 requested; at most 4 of the 4 GPUs here could ever qualify"
+    )
 
 
 def test_lost_gpu_is_never_chosen() -> None:

@@ -1,7 +1,9 @@
-"""The /choose claim loop on a fake clock, without Flask or threads: FIFO, caps, deadline, stop.
+"""The /choose claim loop on a fake clock, without Flask or threads: FIFO, what a waiter
+reserves, caps, deadline, stop, a client that hangs up.
 
 The claimer's ``pause`` is where a real request would sleep; here it moves the fake clock and
 lets a test act "meanwhile" (another request arrives, a lease is released, the exporter stops).
+A request started "meanwhile" runs its own pauses on the same list of actions.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 
 from conftest import FakeClock
 from gpu_exporter.choose.claim import (
+    Claimed,
     Claimer,
     Waiters,
     history_window,
@@ -26,10 +29,15 @@ from gpu_exporter.model import GpuSample, Snapshot
 GIB = 2**30
 
 
-class Samples:
-    """A snapshot source holding one snapshot, taken now on the fake clock."""
+A100 = "NVIDIA A100-SXM4-80GB"
+H100 = "NVIDIA H100 80GB HBM3"
 
-    def __init__(self, clock: FakeClock, gpus: int) -> None:
+
+class Samples:
+    """A snapshot source holding one snapshot, taken now on the fake clock: idle 80 GiB
+    GPUs, of ``models`` by index (A100 for the rest)."""
+
+    def __init__(self, clock: FakeClock, gpus: int, models: tuple[str, ...] = ()) -> None:
         self.snapshot = Snapshot(
             taken_at_seconds=clock.time(),
             monotonic_seconds=clock.monotonic(),
@@ -41,6 +49,8 @@ class Samples:
                     index=i,
                     uuid=f"GPU-{i:08x}-0000-0000-0000-000000000000",
                     up=True,
+                    name=models[i] if i < len(models) else A100,
+                    memory_total_bytes=80 * GIB,
                     memory_free_bytes=80 * GIB,
                     utilization_ratio=0.0,
                 )
@@ -59,12 +69,19 @@ class Samples:
 class Box:
     """A lease table over ``gpus`` idle GPUs, and a claimer whose pause runs ``meanwhile``."""
 
-    def __init__(self, gpus: int, *, max_waiters: int = 8) -> None:
+    def __init__(
+        self,
+        gpus: int,
+        *,
+        max_waiters: int = 8,
+        per_requester: int = 0,
+        models: tuple[str, ...] = (),
+    ) -> None:
         self.clock = FakeClock()
-        self.samples = Samples(self.clock, gpus)
+        self.samples = Samples(self.clock, gpus, models)
         self.table = LeaseTable(self.clock)
         self.rejections = RequestCounter()
-        self.waiters = Waiters(max_waiters, rejections=self.rejections)
+        self.waiters = Waiters(max_waiters, per_requester=per_requester, rejections=self.rejections)
         self.meanwhile: list[Callable[[], object]] = []  # one action per pause, in order
         self.pauses = 0
         self.claimer = Claimer(
@@ -77,29 +94,28 @@ class Box:
         if self.meanwhile:
             self.meanwhile.pop(0)()
 
-    def hold(self, n: int) -> str:
+    def hold(self, n: int, filters: Filters | None = None) -> str:
         """Lease ``n`` GPUs for someone else; the lease id."""
         _, lease = self.table.claim(
-            self.samples.get(), n, Filters(), ttl_seconds=600, requester="other"
+            self.samples.get(), n, filters or Filters(), ttl_seconds=600, requester="other"
         )
         assert lease is not None
         return lease.id
 
-    def choose(self, query: str) -> object:
-        return self.claimer.claim(request(query), "10.0.0.1")
+    def choose(self, query: str, requester: str = "10.0.0.1") -> Claimed:
+        return self.claimer.claim(request(query), requester)
 
-    def refusal(self, query: str) -> ApiError:
+    def refusal(self, query: str, requester: str = "10.0.0.1") -> ApiError:
         with pytest.raises(ApiError) as info:
-            self.choose(query)
+            self.choose(query, requester)
         return info.value
 
     def settled(self) -> bool:
-        """No ticket left in the queue and no waiter slot held."""
-        probe = self.table.enqueue()
-        try:
-            return self.table.ahead_of(probe) == (0, 0) and self.waiters.active == 0
-        finally:
-            self.table.dequeue(probe)
+        """Nobody left in the wait queue and no waiter slot held."""
+        return self.claimer.waiting() == () and self.waiters.active == 0
+
+    def indices(self, claimed: Claimed) -> list[int]:
+        return sorted(g.index for g in claimed.choice.chosen)
 
 
 def request(query: str) -> ChooseRequest:
@@ -125,7 +141,7 @@ def test_a_later_request_does_not_overtake_a_waiting_one() -> None:
     claimed = box.claimer.claim(request("n=2&wait=1m"), "10.0.0.1")
     assert len(claimed.choice.chosen) == 2
     assert later[0].code == "not_enough_gpus"
-    assert later[0].message == "1 earlier requests are waiting for GPUs and are served first"
+    assert "reserved for an earlier request waiting for 2 GPUs" in later[0].message
     assert box.settled()
 
 
@@ -170,15 +186,6 @@ def test_shutdown_ends_a_wait_at_once() -> None:
     assert box.pauses == 1 and box.settled()
 
 
-def test_queued_only_behind_requests_being_served_is_not_waiting() -> None:
-    box = Box(1, max_waiters=0)  # any real waiting would be refused
-    serving = box.table.enqueue()  # a claim in progress
-    box.meanwhile = [lambda: box.table.dequeue(serving)]
-    claimed = box.claimer.claim(request("n=1&lease=0"), "10.0.0.1")
-    assert claimed.lease is None and box.pauses == 1
-    assert box.rejections.counts() == {}
-
-
 def test_a_stale_or_missing_sample_is_not_used() -> None:
     box = Box(1)
     box.clock.advance(11)
@@ -212,3 +219,158 @@ def test_waiters_sleep_ends_at_once_on_shutdown() -> None:
         with pytest.raises(ApiError, match="already waiting"), waiters.slot():
             pass
     assert waiters.active == 0
+
+
+# -- issue 13.2: a waiter blocks only what it could use, and only while its client is there --
+
+
+def test_a_waiter_whose_client_hung_up_leaves_and_claims_nothing() -> None:
+    box = Box(1)
+    held = box.hold(1)
+    asked: list[float] = []
+
+    def connected() -> bool:
+        asked.append(box.clock.monotonic())
+        return len(asked) < 2  # the client hangs up during the second pause
+
+    box.meanwhile = [lambda: None, lambda: box.table.release(held)]  # the GPU frees meanwhile
+    with pytest.raises(ApiError) as info:
+        box.claimer.claim(request("n=1&wait=1h"), "10.0.0.1", connected=connected)
+    assert (info.value.status, info.value.code) == (499, "client_closed")
+    assert box.pauses == 2 and len(asked) == 2  # asked after each pause
+    assert box.table.active() == () and box.settled()
+    assert len(box.choose("n=1").choice.chosen) == 1  # the next request gets the GPU
+
+
+def test_more_gpus_than_could_ever_qualify_are_refused_at_once() -> None:
+    box = Box(4, models=(A100, A100, H100, H100))
+    cases = {
+        "n=5&wait=1h": "4 of 4 GPUs qualify, 5 requested; at most 4 of the 4 GPUs here could",
+        "n=3&model=h100&wait=1h": "at most 2 of the 4 GPUs here could ever qualify (gpu 0: model",
+        "n=1&min_total=100GiB&wait=1h": "total memory 80.0 GiB < min_total 100.0 GiB",
+        "n=1&min_free=81GiB&wait=1h": "total memory 80.0 GiB < min_free 81.0 GiB",
+        "n=1&mig=only&lease=0&wait=1h": "gpu 0: not a MIG device (mig=only)",
+        "n=3&exclude=0,1&wait=1h": "gpu 1: excluded",
+    }
+    for query, says in cases.items():
+        refused = box.refusal(query)
+        assert (refused.status, refused.code, refused.param) == (503, "not_enough_gpus", None)
+        assert says in refused.message, (query, refused.message)
+    assert box.pauses == 0 and box.settled()
+
+
+def test_busy_or_leased_gpus_could_still_qualify_so_those_requests_wait() -> None:
+    box = Box(2)
+    box.hold(2)
+    refused = box.refusal("n=2&max_util=0%&wait=2s")  # leased now, idle enough: worth waiting
+    assert refused.message.startswith("0 of 2 GPUs qualify") and box.pauses == 20
+
+
+def test_advice_is_never_blocked_by_a_waiter_and_never_queues() -> None:
+    box = Box(2)
+    held = box.hold(1)
+    seen: list[object] = []
+    box.meanwhile = [
+        lambda: seen.append(box.choose("n=1&lease=0")),  # the free GPU, advice only
+        lambda: seen.append(box.claimer.waiting()),
+        lambda: box.table.release(held),
+    ]
+    claimed = box.choose("n=2&wait=1m")
+    assert box.indices(claimed) == [0, 1]
+    advice = seen[0]
+    assert isinstance(advice, Claimed) and advice.lease is None
+    assert [w.n for w in seen[1]] == [2]  # type: ignore[attr-defined]
+    assert box.settled()
+
+
+def test_waiting_advice_holds_a_slot_but_no_place_in_the_queue() -> None:
+    box = Box(1)
+    held = box.hold(1)
+    seen: list[object] = []
+    box.meanwhile = [
+        lambda: seen.append((box.claimer.waiting(), box.waiters.active)),
+        lambda: box.table.release(held),
+    ]
+    advice = box.choose("n=1&lease=0&wait=1m")
+    assert advice.lease is None and seen[0] == ((), 1)
+    assert box.settled()
+
+
+def test_a_waiter_blocks_only_the_gpus_it_could_use() -> None:
+    box = Box(4, models=(A100, A100, H100, H100))
+    held = box.hold(1, Filters(model="A100"))  # GPU 1 (highest index first)
+    later: list[object] = []
+    box.meanwhile = [
+        lambda: later.append(box.choose("n=2")),  # the two H100s: GPU 0 is the waiter's
+        lambda: later.append(box.refusal("n=1&model=a100")),
+        lambda: box.table.release(held),
+    ]
+    claimed = box.choose("n=2&model=A100&wait=1m")
+    assert box.indices(claimed) == [0, 1]
+    assert isinstance(later[0], Claimed) and box.indices(later[0]) == [2, 3]
+    refused = later[1]
+    assert isinstance(refused, ApiError) and refused.code == "not_enough_gpus"
+    assert (
+        "gpu 0: reserved for an earlier request waiting for 2 GPUs (model=A100)" in refused.message
+    )
+    assert box.settled()
+
+
+def test_contended_gpus_go_first_come_first_served() -> None:
+    box = Box(2)
+    held = box.hold(2)
+    second: list[ApiError] = []
+    box.meanwhile = [
+        lambda: second.append(box.refusal("n=1&wait=3s", "10.0.0.2")),  # queues behind
+        lambda: box.table.release(held),  # both free: both reserved for the first waiter
+    ]
+    first = box.choose("n=2&wait=1m")
+    assert box.indices(first) == [0, 1]
+    assert "reserved for an earlier request waiting for 2 GPUs" in second[0].message
+    assert box.settled()
+
+
+def test_a_waiter_that_leaves_frees_what_it_reserved() -> None:
+    box = Box(2)
+    box.hold(1)
+    refused = box.refusal("n=2&wait=1s")
+    assert refused.code == "not_enough_gpus"
+    assert len(box.choose("n=1").choice.chosen) == 1  # nothing reserved any more
+
+
+def test_a_requester_may_hold_only_so_many_waiting_slots() -> None:
+    box = Box(1, per_requester=1)
+    held = box.hold(1)
+    seen: list[object] = []
+    box.meanwhile = [
+        lambda: seen.append(box.refusal("n=1&wait=1m")),  # same address: over its limit
+        lambda: seen.append(box.refusal("n=1&wait=1s", "10.0.0.2")),  # another may wait
+        lambda: box.table.release(held),
+    ]
+    assert len(box.choose("n=1&wait=1m").choice.chosen) == 1
+    mine, theirs = seen
+    assert isinstance(mine, ApiError) and isinstance(theirs, ApiError)
+    assert (mine.status, mine.code, mine.param) == (429, "too_many_waiters", "wait")
+    assert mine.message == (
+        "10.0.0.1 already has 1 requests waiting for GPUs (--max-waiters-per-requester 1)"
+    )
+    assert theirs.code == "not_enough_gpus"
+    assert box.rejections.counts() == {"too_many_waiters": 1}
+    assert box.settled()
+
+
+def test_waiters_json_says_what_each_one_waits_for() -> None:
+    box = Box(2)
+    box.hold(2)
+    seen: list[dict[str, object]] = []
+    box.meanwhile = [lambda: seen.append(box.claimer.waiting()[0].to_json(box.clock.monotonic()))]
+    box.refusal("n=2&min_total=40GiB&exclude=3&owner=alice&wait=150ms")
+    assert seen == [
+        {
+            "n": 2,
+            "filters": {"min_total_bytes": 40 * GIB, "exclude": ["3"]},
+            "requester": "10.0.0.1",
+            "owner": "alice",
+            "since_seconds": pytest.approx(0.1),
+        }
+    ]

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import build_stack
+from gpu_exporter.choose.rank import Filters
 from gpu_exporter.clock import SystemClock
 from gpu_exporter.config import ServeConfig
 from gpu_exporter.daemon import build
@@ -22,7 +23,8 @@ from gpu_exporter.web.server import MAX_BODY_BYTES, MAX_HEADER_BYTES
 
 
 class Running:
-    """One simulated GPU behind the real cheroot server, with the given limits."""
+    """One simulated GPU behind the real cheroot server, with the given limits, leased for an
+    hour: ``/choose?wait=`` requests wait for it."""
 
     def __init__(self, *, max_in_flight: int, max_waiters: int) -> None:
         clock = SystemClock()
@@ -30,6 +32,9 @@ class Running:
         config = ServeConfig(max_requests_in_flight=max_in_flight, max_waiters=max_waiters)
         daemon = build(config, nvml=nvml, clock=clock)
         daemon.sampler.sample_once()
+        daemon.leases.claim(
+            daemon.cache.get(), 1, Filters(), ttl_seconds=3600, requester="someone else"
+        )
         self.rejections = daemon.rejections
         self.registry = daemon.registry
         self.stopping = daemon.stopping
@@ -73,8 +78,8 @@ def wait_for_waiters(r: Running, count: int) -> None:
 
 def test_beyond_the_in_flight_limit_answers_503_at_once_but_probes_pass(running: Running) -> None:
     r = running
-    # Two requests wait for 2 GPUs on a 1-GPU host: both slots are taken for a while.
-    waiters = [r.in_background("/choose?n=2&wait=3s&lease=0") for _ in range(2)]
+    # Two requests wait for the leased GPU: both slots are taken for a while.
+    waiters = [r.in_background("/choose?n=1&wait=3s&lease=0") for _ in range(2)]
     wait_for_waiters(r, 2)
 
     started = time.monotonic()
@@ -91,7 +96,7 @@ def test_beyond_the_in_flight_limit_answers_503_at_once_but_probes_pass(running:
 
     for thread, out in waiters:
         thread.join()
-        assert out[0][0] == 503  # the waiters gave up after 3 s: still not 2 GPUs
+        assert out[0][0] == 503  # the waiters gave up after 3 s: still leased
     assert r.get("/metrics")[0] == 200  # slots are free again
     rejected = r.registry.get_sample_value(
         "gpu_exporter_requests_rejected_total", {"reason": "too_many_requests"}
@@ -102,10 +107,10 @@ def test_beyond_the_in_flight_limit_answers_503_at_once_but_probes_pass(running:
 def test_waiters_have_their_own_smaller_cap() -> None:
     r = Running(max_in_flight=8, max_waiters=1)
     try:
-        thread, _ = r.in_background("/choose?n=2&wait=2s&lease=0")
+        thread, _ = r.in_background("/choose?n=1&wait=2s&lease=0")
         wait_for_waiters(r, 1)
         started = time.monotonic()
-        status, body, _ = r.get("/choose?n=2&wait=2s&lease=0", {"Accept": "application/json"})
+        status, body, _ = r.get("/choose?n=1&wait=2s&lease=0", {"Accept": "application/json"})
         assert status == 503 and time.monotonic() - started < 1.5
         assert '"code": "too_many_waiters"' in body and '"param": "wait"' in body
         # Everything else is unaffected.
@@ -119,7 +124,7 @@ def test_waiters_have_their_own_smaller_cap() -> None:
 
 def test_shutdown_ends_waiting_requests_at_once(running: Running) -> None:
     r = running
-    thread, out = r.in_background("/choose?n=2&wait=60s&lease=0")
+    thread, out = r.in_background("/choose?n=1&wait=60s&lease=0")
     wait_for_waiters(r, 1)
     started = time.monotonic()
     r.stopping.set()
@@ -157,24 +162,21 @@ def test_oversized_headers_and_bodies_are_413_one_line(running: Running) -> None
     conn.close()
 
 
-def test_requests_queued_for_their_turn_are_not_waiters() -> None:
-    """A wait=0 claim queued behind one being served is not a long-poll waiter."""
+def test_requests_without_wait_are_never_waiters() -> None:
+    """Concurrent wait=0 requests are served as they come: none takes a waiter slot."""
     s = build_stack(lambda c: SimulatedNvml.with_gpus(2, clock=c.monotonic), max_waiters=0)
     s.sample()
-    table, rejections, app = s.leases, s.daemon.rejections, s.app
-    ticket = table.enqueue()  # a claim in progress: later ones wait for their turn
+    rejections, app = s.daemon.rejections, s.app
     out: list[int] = []
     threads = [
         threading.Thread(
             target=lambda: out.append(app.test_client().get("/choose?lease=0").status_code)
         )
-        for _ in range(3)
+        for _ in range(6)
     ]
     for t in threads:
         t.start()
-    time.sleep(0.3)
-    table.dequeue(ticket)
     for t in threads:
         t.join(timeout=5)
-    assert out == [200, 200, 200]
+    assert out == [200] * 6
     assert rejections.counts() == {}

@@ -62,5 +62,8 @@ def test_quickstart_prints_what_the_readme_shows() -> None:
             expected = expected[:-1]
             actual = actual[: len(expected)]
         # A line ending in "…" shows only the start of a long one.
-        shown = [a[: len(e) - 1] + "…" if e.endswith("…") else a for a, e in zip(actual, expected)]
+        shown = [
+            a[: len(e) - 1] + "…" if e.endswith("…") else a
+            for a, e in zip(actual, expected, strict=False)
+        ]
         assert shown == expected and len(actual) == len(expected), command

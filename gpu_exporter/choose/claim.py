@@ -1,15 +1,28 @@
-"""The ``/choose`` claim loop: first come first served, waiting for GPUs up to a deadline.
+"""The ``/choose`` claim loop: claim now, or wait for GPUs first come first served.
 
 Plain Python over the lease table and an injected clock; no Flask. :class:`Claimer` serves
-one request at a time per thread:
+one request at a time per thread. What a request does, and what it blocks:
 
-* Each claim takes a ticket in the lease table's queue; only the claimer at its head claims,
-  so a request that waits for two GPUs is not overtaken by a later one that wants one.
-* A claimer that found too few GPUs and still has time marks itself waiting: later requests
-  then queue behind it (and, without ``wait=``, give up at once). A request queued only behind
-  requests being served is not waiting for GPUs: its turn is a millisecond away.
-* Waiting for GPUs takes one of the ``--max-waiters`` slots (:class:`Waiters`), held until the
-  request ends, so long-polling clients can never take every server thread.
+* A claim (``lease`` > 0) takes the best free GPUs at once, choosing only among GPUs that no
+  earlier *waiter* reserves (:func:`~gpu_exporter.choose.waitqueue.reserved_for`: the GPUs
+  that qualify for that waiter by its filters, leased or not). So a waiter blocks later
+  requests only for the GPUs it could use; on those it is served first (FIFO), and a later
+  request that could use only those fails at once, or with ``wait=`` queues behind it.
+* A claim that finds too few GPUs and has ``wait=`` time left joins the wait queue
+  (:class:`~gpu_exporter.choose.waitqueue.WaitQueue`) and tries again whenever the lease table
+  changes, a waiter leaves, or ``poll_seconds`` pass (new samples). Reading the queue, claiming
+  and joining happen under one lock, so nobody slips in between.
+* Advice (``lease=0``) never joins the queue and ignores reservations: it answers from the
+  current sample and leases. With ``wait=`` it may still wait for GPUs to become free, in a
+  ``--max-waiters`` slot but without a place in the queue, so it blocks nobody.
+* ``n`` more than the GPUs here could ever give under the request's fixed filters (device
+  count, kind, ``include``/``exclude``, ``model``, total memory;
+  :func:`~gpu_exporter.choose.rank.never_enough`) is refused at once, never waited for.
+* Waiting takes one of the ``--max-waiters`` slots (:class:`Waiters`), at most
+  ``--max-waiters-per-requester`` of them per client address, held until the request ends,
+  so long-polling clients can never take every server thread.
+* The injected ``connected`` callable is asked after every pause: a waiter whose client hung
+  up (curl ``-m``, Ctrl-C) leaves the queue within a poll and claims nothing.
 * ``wait=`` sets a deadline on the injected monotonic clock; past it the last failure is
   raised. Shutdown (:attr:`Waiters.stopping`) ends every wait at once with ``shutting_down``.
 
@@ -21,20 +34,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.params import ApiError, ChooseRequest
-from gpu_exporter.choose.rank import NotEnoughGpus, Selection, Window
+from gpu_exporter.choose.rank import NotEnoughGpus, Selection, Window, never_enough
 from gpu_exporter.choose.tokens import ClaimKey
+from gpu_exporter.choose.waitqueue import Waiter, WaitQueue, reserved_for
 from gpu_exporter.clock import Clock
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.model import Snapshot
 
 DEFAULT_MAX_WAITERS = 8
+DEFAULT_MAX_WAITERS_PER_REQUESTER = 2
 WAIT_POLL_SECONDS = 0.1  # waiters also wake at once on lease changes
 
 
@@ -79,49 +95,73 @@ def history_window(history: Sequence[Snapshot], seconds: float, monotonic_now: f
 class Waiters:
     """The ``--max-waiters`` slots and the shutdown event every long-polling request shares.
 
-    Refusals for want of a slot are counted as ``too_many_waiters`` in ``rejections``.
+    A request waits in one slot; beyond ``limit`` requests at once it is refused with 503
+    ``too_many_waiters`` (the exporter is busy), and beyond ``per_requester`` (0: no limit)
+    from one client address with 429 ``too_many_waiters`` (that client asks too much). Both
+    refusals are counted as ``too_many_waiters`` in ``rejections``.
     """
 
     def __init__(
         self,
         limit: int = DEFAULT_MAX_WAITERS,
         *,
+        per_requester: int = DEFAULT_MAX_WAITERS_PER_REQUESTER,
         stopping: threading.Event | None = None,
         rejections: RequestCounter | None = None,
     ) -> None:
         self.limit = limit
+        self.per_requester = per_requester
         self.active = 0  # requests waiting right now
         self.stopping = stopping if stopping is not None else threading.Event()
         self.rejections = rejections
+        self._by_requester: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def try_enter(self) -> bool:
+    def try_enter(self, requester: str | None = None) -> ApiError | None:
+        """Take a slot; the refusal when none may be taken."""
         with self._lock:
             if self.active >= self.limit:
-                return False
+                return ApiError(
+                    503,
+                    "too_many_waiters",
+                    f"{self.limit} requests are already waiting for GPUs (--max-waiters); "
+                    "retry later",
+                    "wait",
+                )
+            if requester is not None and self.per_requester:
+                if self._by_requester[requester] >= self.per_requester:
+                    return ApiError(
+                        429,
+                        "too_many_waiters",
+                        f"{requester} already has {self._by_requester[requester]} requests "
+                        f"waiting for GPUs (--max-waiters-per-requester {self.per_requester})",
+                        "wait",
+                    )
+                self._by_requester[requester] += 1
             self.active += 1
-            return True
+            return None
 
-    def leave(self) -> None:
+    def leave(self, requester: str | None = None) -> None:
         with self._lock:
             self.active -= 1
+            if requester is not None and self.per_requester:
+                self._by_requester[requester] -= 1
+                if self._by_requester[requester] <= 0:
+                    del self._by_requester[requester]
 
     @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
-        """Hold one slot while waiting; ``too_many_waiters`` (503) when none is free."""
-        if not self.try_enter():
+    def slot(self, requester: str | None = None) -> Iterator[None]:
+        """Hold one slot while waiting; ``too_many_waiters`` (503, or 429 for a requester
+        over its own limit) when none may be taken."""
+        refusal = self.try_enter(requester)
+        if refusal is not None:
             if self.rejections is not None:
                 self.rejections.inc("too_many_waiters")
-            raise ApiError(
-                503,
-                "too_many_waiters",
-                f"{self.limit} requests are already waiting for GPUs (--max-waiters); retry later",
-                "wait",
-            )
+            raise refusal
         try:
             yield
         finally:
-            self.leave()
+            self.leave(requester)
 
     def check(self) -> None:
         """Raise ``shutting_down`` (503) once the exporter is stopping."""
@@ -146,7 +186,8 @@ class Claimed:
 
 
 class Claimer:
-    """Selects and claims GPUs under the lease table's lock, waiting first come first served.
+    """Selects and claims GPUs under the lease table's lock; waiters queue first come first
+    served for the GPUs they could use (see the module docstring).
 
     ``pause(seconds)`` waits between tries; by default until the lease table changes or
     ``poll_seconds`` pass (new samples are seen at the next poll).
@@ -170,13 +211,30 @@ class Claimer:
         self.max_age_seconds = max_age_seconds
         self._poll_seconds = poll_seconds
         self._pause = pause if pause is not None else table.wait_for_change
+        # Serialises tries, so that reading the queue, claiming and joining it are one step.
+        self._lock = threading.Lock()
+        self._queue = WaitQueue()
 
-    def claim(self, req: ChooseRequest, requester: str, key: ClaimKey | None = None) -> Claimed:
+    def waiting(self) -> tuple[Waiter, ...]:
+        """The requests waiting in the queue now, earliest first."""
+        with self._lock:
+            return self._queue.waiting()
+
+    def claim(
+        self,
+        req: ChooseRequest,
+        requester: str,
+        key: ClaimKey | None = None,
+        *,
+        connected: Callable[[], bool] | None = None,
+    ) -> Claimed:
         """Serve ``req`` for ``requester`` (its address); raises :class:`ApiError` or
         :class:`~gpu_exporter.choose.leases.LeaseError`.
 
         With ``key`` (its ``Idempotency-Key``), a retry of a claim already granted gets that
-        lease at once, without queueing behind anyone.
+        lease at once, without queueing behind anyone. ``connected`` says whether the client
+        is still there; it is asked after every pause, and a client that left gets
+        ``client_closed`` (499) with nothing claimed for it.
         """
         if key is not None and req.lease_seconds > 0:
             snapshot = self._snapshots.get()
@@ -184,64 +242,68 @@ class Claimer:
             if again is not None:
                 return Claimed(*again, snapshot, self._clock.monotonic())
         deadline = self._clock.monotonic() + req.wait_seconds
-        ticket = self._table.enqueue()
+        waiter: Waiter | None = None
         try:
             with contextlib.ExitStack() as slot:  # one --max-waiters slot once really waiting
-                waiting = False
+                slotted = False
                 while True:
-                    claimed, failure = self._try(req, requester, ticket, deadline, key)
-                    if claimed is not None:
-                        return claimed
-                    if failure is not None and self._clock.monotonic() >= deadline:
-                        raise failure
-                    self._waiters.check()
-                    if failure is not None and not waiting:  # waiting for GPUs, not our turn
-                        slot.enter_context(self._waiters.slot())
-                        waiting = True
+                    with self._lock:
+                        outcome = self._try(req, requester, waiter, key)
+                        if isinstance(outcome, Claimed):
+                            return outcome
+                        if self._clock.monotonic() >= deadline:
+                            raise outcome
+                        self._waiters.check()
+                        if not slotted:
+                            slot.enter_context(self._waiters.slot(requester))
+                            slotted = True
+                        if waiter is None and req.lease_seconds > 0:
+                            waiter = self._queue.join(
+                                req.n, req.filters, requester, req.owner, self._clock.monotonic()
+                            )
                     self._pause(self._poll_seconds)
+                    self._waiters.check()
+                    if connected is not None and not connected():
+                        raise ApiError(
+                            499, "client_closed", "the client closed the connection while waiting"
+                        )
         finally:
-            self._table.dequeue(ticket)
+            if waiter is not None:
+                with self._lock:
+                    self._queue.leave(waiter)
+                self._table.wake_waiters()  # later waiters may use what it reserved
 
     def _try(
-        self,
-        req: ChooseRequest,
-        requester: str,
-        ticket: object,
-        deadline: float,
-        key: ClaimKey | None = None,
-    ) -> tuple[Claimed | None, ApiError | None]:
-        """One try: the claim, or why not (no reason: only requests being served are ahead)."""
+        self, req: ChooseRequest, requester: str, waiter: Waiter | None, key: ClaimKey | None
+    ) -> Claimed | ApiError:
+        """One try: the claim, or why not. Raises what waiting cannot cure."""
         snapshot, now = self._snapshots.get(), self._clock.monotonic()
         problem = snapshot_problem(snapshot, now, self.max_age_seconds)
         if problem is not None:
-            return None, problem
-        ahead, waiting_ahead = self._table.ahead_of(ticket)
-        if ahead == 0:
-            window = None
-            if req.idle_for_seconds is not None:
-                history = self._snapshots.history()
-                window = history_window(history, req.idle_for_seconds, now)
-            try:
-                choice, lease = self._table.claim(
-                    snapshot,
-                    req.n,
-                    req.filters,
-                    ttl_seconds=req.lease_seconds,
-                    requester=requester,
-                    owner=req.owner,
-                    sort=req.sort,
-                    window=window,
-                    key=key,
-                )
-            except NotEnoughGpus as exc:
-                if self._clock.monotonic() < deadline:
-                    self._table.mark_waiting(ticket)  # later claimers now queue behind us
-                return None, ApiError(503, "not_enough_gpus", str(exc))
-            return Claimed(choice, lease, snapshot, now), None
-        if waiting_ahead == 0:
-            return None, None  # our turn is next
-        return None, ApiError(
-            503,
-            "not_enough_gpus",
-            f"{waiting_ahead} earlier requests are waiting for GPUs and are served first",
-        )
+            return problem
+        # Advice claims nothing, so it neither waits its turn nor respects reservations.
+        reserved: Mapping[str, str] = {}
+        if req.lease_seconds > 0:
+            reserved = reserved_for(snapshot.gpus, self._queue.ahead_of(waiter))
+        window = None
+        if req.idle_for_seconds is not None:
+            window = history_window(self._snapshots.history(), req.idle_for_seconds, now)
+        try:
+            choice, lease = self._table.claim(
+                snapshot,
+                req.n,
+                req.filters,
+                ttl_seconds=req.lease_seconds,
+                requester=requester,
+                owner=req.owner,
+                sort=req.sort,
+                window=window,
+                reserved=reserved,
+                key=key,
+            )
+        except NotEnoughGpus as exc:
+            never = never_enough(snapshot.gpus, req.n, req.filters)
+            if never is not None:  # waiting cannot help: refused at once
+                raise ApiError(503, "not_enough_gpus", f"{exc}; {never}") from None
+            return ApiError(503, "not_enough_gpus", str(exc))
+        return Claimed(choice, lease, snapshot, now)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -85,8 +85,6 @@ class LeaseTable:
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)  # notified on every change
         self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
-        self._queue: deque[object] = deque()  # claimers, first come first served
-        self._waiting: set[object] = set()  # claimers that failed once and are waiting
         self._unsaved = False  # the last write failed: retried on every prune
         self._restored: set[str] = set()  # ids loaded from the file, not yet seen on a sample
         # Keys of keyed leases that ended before their expiry → that expiry: a late retry of
@@ -159,11 +157,14 @@ class LeaseTable:
         sort: str = "free",
         window: Window | None = None,
         key: ClaimKey | None = None,
+        reserved: Mapping[str, str] | None = None,
     ) -> tuple[Selection, Lease | None]:
         """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them.
 
         The lease returned carries its token (:attr:`Lease.token`). With ``key``, a lease an
         earlier claim with that key made is returned instead (see :meth:`again`).
+        ``reserved`` (UUID → why) are GPUs that earlier waiters keep from this request.
+
         Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`LeaseError`.
         """
         if ttl_seconds > self.max_ttl_seconds:
@@ -201,6 +202,8 @@ class LeaseTable:
                         f"limit of {self.max_gpus_per_requester} per requester",
                         "n",
                     )
+            if reserved:
+                leased = {**reserved, **leased}
             choice = choose(snapshot.gpus, n, filters, sort=sort, window=window, leased=leased)
             if ttl_seconds <= 0:
                 return choice, None
@@ -286,43 +289,14 @@ class LeaseTable:
             self._hold(lease, old, f"the lease was not renewed (it ends in {left:.0f} s)")
             return lease
 
-    # -- the queue of claimers ----------------------------------------------------------------
-    @property
-    def queued(self) -> int:
-        """Claimers in the queue now: being served, waiting for their turn or for GPUs."""
+    # -- waking waiters ---------------------------------------------------------------------
+    def wake_waiters(self) -> None:
+        """Wake every :meth:`wait_for_change` now (a waiter left: what it reserved is free)."""
         with self._lock:
-            return len(self._queue)
-
-    def enqueue(self) -> object:
-        """Join the queue of claimers; the returned ticket must be passed to :meth:`dequeue`."""
-        ticket = object()
-        with self._lock:
-            self._queue.append(ticket)
-        return ticket
-
-    def ahead_of(self, ticket: object) -> tuple[int, int]:
-        """(claimers before this one, how many of those are waiting for GPUs).
-
-        Claimers ahead that are merely being served take a millisecond; only waiters ahead
-        make a request without ``wait`` give up.
-        """
-        with self._lock:
-            position = self._queue.index(ticket)
-            waiting = sum(1 for t in list(self._queue)[:position] if t in self._waiting)
-            return position, waiting
-
-    def mark_waiting(self, ticket: object) -> None:
-        with self._lock:
-            self._waiting.add(ticket)
-
-    def dequeue(self, ticket: object) -> None:
-        with self._lock:
-            self._queue.remove(ticket)
-            self._waiting.discard(ticket)
             self.changed.notify_all()
 
     def wait_for_change(self, timeout_seconds: float) -> None:
-        """Block until the table changes or a claimer leaves the queue, or the timeout ends."""
+        """Block until the table changes, :meth:`wake_waiters` is called, or the timeout ends."""
         with self._lock:
             self.changed.wait(timeout_seconds)
 

@@ -154,10 +154,7 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     # fleet (bench/cluster.py ranks 10,000).
     reasons: list[str] = []
     d = filters.defaulted
-    if filters.include and not any(selector_matches(gpu, s) for s in filters.include):
-        reasons.append("not included")
-    if filters.exclude and any(selector_matches(gpu, s) for s in filters.exclude):
-        reasons.append("excluded")
+    _identity_reasons(reasons, gpu, filters)
     if filters.model is not None and filters.model.lower() not in (gpu.name or "").lower():
         reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
     if filters.min_free_bytes is not None:
@@ -189,6 +186,56 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
         elif procs > filters.max_procs:
             reasons.append(f"{procs} compute processes > max_procs {filters.max_procs}")
     return tuple(reasons)
+
+
+def _identity_reasons(reasons: list[str], gpu: GpuSample, filters: Filters) -> None:
+    if filters.include and not any(selector_matches(gpu, s) for s in filters.include):
+        reasons.append("not included")
+    if filters.exclude and any(selector_matches(gpu, s) for s in filters.exclude):
+        reasons.append("excluded")
+
+
+def never_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
+    """Why ``gpu`` can never qualify under ``filters``, whatever its load; empty when it might.
+
+    Only what no job changes counts: the device's kind (whole card or MIG device, MIG mode),
+    ``include``/``exclude``, its model and its total memory (also against ``min_free``). A GPU
+    that is down, or a figure it does not report, might still come good.
+    """
+    mig_reason = _mig_reason(gpu, filters.mig)
+    if mig_reason is not None:
+        return (mig_reason,)
+    reasons: list[str] = []
+    _identity_reasons(reasons, gpu, filters)
+    if filters.model is not None and gpu.name and filters.model.lower() not in gpu.name.lower():
+        reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
+    total = gpu.memory_total_bytes
+    if total is not None:
+        _at_least(reasons, "total memory", total, filters.min_total_bytes, "min_total", ())
+        _at_least(reasons, "total memory", total, filters.min_free_bytes, "min_free", ())
+    return tuple(reasons)
+
+
+def never_enough(gpus: Iterable[GpuSample], n: int, filters: Filters) -> str | None:
+    """Why ``n`` devices can never qualify here under ``filters`` (too few devices, or too
+    few that the filters' fixed limits could ever accept), or None when they might.
+
+    >>> gpu = GpuSample(index=0, uuid="GPU-0", up=True, memory_total_bytes=40 * GIB)
+    >>> never_enough([gpu], 2, Filters()), never_enough([gpu], 1, Filters()) is None
+    ('at most 1 of the 1 GPUs here could ever qualify', True)
+    """
+    possible, never = 0, []
+    devices = candidates(gpus, filters.mig)
+    for gpu in devices:
+        reasons = never_reasons(gpu, filters)
+        if reasons:
+            never.append(f"gpu {gpu.index}: {', '.join(reasons)}")
+        else:
+            possible += 1
+    if possible >= n:
+        return None
+    details = f" ({'; '.join(never)})" if never else ""
+    return f"at most {possible} of the {len(devices)} GPUs here could ever qualify{details}"
 
 
 def _at_least(

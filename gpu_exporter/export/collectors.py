@@ -21,6 +21,7 @@ from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
 from gpu_exporter.export.spec import (
     BUILD_INFO,
     CHOOSE_REQUESTS,
+    CHOOSE_WAITERS,
     FIELD_SUPPORTED,
     GPU_DOWN_REASON,
     GPU_INFO,
@@ -66,6 +67,15 @@ class Leases(Protocol):
     @property
     def state_write_errors(self) -> int:
         """Writes of the state file that failed."""
+        ...
+
+
+class WaiterCount(Protocol):
+    """What the waiters gauge reads (:class:`gpu_exporter.choose.claim.Waiters` has it)."""
+
+    @property
+    def active(self) -> int:
+        """Requests waiting for GPUs now."""
         ...
 
 
@@ -263,6 +273,7 @@ class GpuCollector(Collector):
         leases: Leases | None = None,
         requests: RequestCounter | None = None,
         rejections: RequestCounter | None = None,
+        waiters: WaiterCount | None = None,
         xids: XidCounter | None = None,
         pcie: PcieRates | None = None,
         process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
@@ -274,6 +285,7 @@ class GpuCollector(Collector):
         self._leases = leases
         self._requests = requests or RequestCounter()
         self._rejections = rejections
+        self._waiters = waiters
         self._xids = xids
         self._pcie = pcie
         self._process_series_limit = process_series_limit
@@ -311,6 +323,10 @@ class GpuCollector(Collector):
             yield from lease_families(snapshot, self._leases, self._requests)
         if self._rejections is not None:
             yield _counts(REQUESTS_REJECTED, self._rejections)
+        if self._waiters is not None:
+            gauge = _family(CHOOSE_WAITERS)
+            gauge.add_metric([], self._waiters.active)
+            yield gauge
 
 
 class WebConfigCollector(Collector):

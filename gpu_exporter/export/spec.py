@@ -394,8 +394,17 @@ REQUESTS_REJECTED = MetricSpec(
     "gpu_exporter_requests_rejected_total",
     "counter",
     "Requests refused by the request limits: too_many_requests (--max-requests-in-flight), "
-    "too_many_waiters (--max-waiters), uri_too_long.",
+    "too_many_waiters (--max-waiters, --max-waiters-per-requester), uri_too_long.",
     ("reason",),
+    "the exporter",
+    unit="requests",
+)
+CHOOSE_WAITERS = MetricSpec(
+    "gpu_exporter_choose_waiters",
+    "gauge",
+    "Requests waiting for GPUs now (/choose and /cluster/choose with wait=), each in one "
+    "--max-waiters slot.",
+    (),
     "the exporter",
     unit="requests",
 )
@@ -430,6 +439,7 @@ EXPORTER_METRICS = (
     LEASES_DROPPED,
     STATE_WRITE_ERRORS,
     REQUESTS_REJECTED,
+    CHOOSE_WAITERS,
     WEB_CONFIG_RELOADS,
     WEB_CONFIG_OK,
 )

@@ -36,6 +36,7 @@ from gpu_exporter.choose.tokens import (
 )
 from gpu_exporter.units import parse_duration
 from gpu_exporter.web.pages import gpu_json
+from gpu_exporter.web.server import CONNECTED
 from gpu_exporter.web.services import services
 
 api = Blueprint("api", __name__)
@@ -103,7 +104,7 @@ def choose_route() -> Response:
         if request.method == "HEAD":  # a link checker or monitor must never take a GPU
             req = replace(req, lease_seconds=0.0)
         key = claim_key(req.lease_seconds, requester)
-        claimed = svc.claimer.claim(req, requester, key)
+        claimed = svc.claimer.claim(req, requester, key, connected=request.environ.get(CONNECTED))
     except (ApiError, LeaseError) as exc:
         svc.requests.inc(exc.code)
         raise
@@ -124,6 +125,7 @@ def choose_route() -> Response:
                 "lease": {**lease.to_json(), "token": lease.token} if lease else None,
                 "sampled_at": snapshot.taken_at_seconds,
                 "snapshot_age_seconds": round(snapshot.age_seconds(claimed.monotonic_now), 3),
+                "waiting": [w.to_json(claimed.monotonic_now) for w in svc.claimer.waiting()],
             }
         )
     else:

@@ -118,7 +118,8 @@ def _errors(*statuses: int, **override: str) -> dict[str, Any]:
         404: "No such lease.",
         409: "The lease claimed with this Idempotency-Key has ended (lease_ended).",
         422: "This Idempotency-Key was used with other parameters (idempotency_key_reused).",
-        429: "Over a lease limit.",
+        429: "Over a lease limit, or this client already has --max-waiters-per-requester "
+        "requests waiting (too_many_waiters).",
         414: "The query string is longer than 4096 bytes (uri_too_long).",
         503: "Not enough GPUs qualify (not_enough_gpus), NVML is unavailable "
         "(nvml_unavailable), the sample is stale (snapshot_stale), the server is at its "

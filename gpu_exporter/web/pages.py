@@ -50,6 +50,8 @@ def index() -> str:
         age_seconds=snapshot.age_seconds(now),
         problem=problem.message if problem else None,
         filters=parse_choose_args({}, defaults=svc.choose_defaults).filters,
+        waiting=svc.claimer.waiting(),
+        monotonic_now=now,
     )
     return render_template("index.html", view=view, version=__version__, fmt=format_bytes)
 

@@ -5,17 +5,23 @@ one process, so a pre-fork server would add a master process for nothing and inv
 initialisation before a fork; cheroot is a mature, pure-Python threaded WSGI server (the one
 under CherryPy) with TLS through the standard ``ssl`` module, and binding happens in a
 separate step, so a busy port is reported at once instead of after retries.
+
+Every request's WSGI environ carries :data:`CONNECTED`, a callable that says whether the
+client is still connected (:func:`client_connected`), so a request that waits (``/choose``
+with ``wait=``) can give up as soon as its client does.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import re
+import select
 import socket
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from cheroot import errors, wsgi
 from cheroot.server import HTTPConnection
@@ -32,6 +38,52 @@ HANDSHAKE_TIMEOUT_SECONDS = 5.0
 # Nothing here needs more: cheroot answers 413 beyond these instead of buffering them.
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
+# The environ key of the "is the client still connected?" callable (:class:`Gateway`).
+CONNECTED = "gpu_exporter.client_connected"
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its sending side
+_GONE = _POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def client_connected(sock: socket.socket) -> bool:
+    """False once the client closed or reset the connection (never blocks; never reads).
+
+    Linux says so with ``POLLRDHUP`` even when unread bytes wait (a pipelined request) and on
+    the TCP socket under TLS, whose ``close_notify`` is such a byte. Elsewhere, a readable
+    plain socket is peeked for end-of-file; a TLS one then counts as connected. A client that
+    only half-closes (shuts down writing, still reading) counts as gone, as with Go's
+    ``net/http``: HTTP clients do not do that while awaiting an answer.
+    """
+    try:
+        fd = sock.fileno()
+    except OSError:
+        return False
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | _POLLRDHUP)
+    events = poller.poll(0)
+    if not events:
+        return True
+    revents = events[0][1]
+    if revents & _GONE:
+        return False
+    if _POLLRDHUP or isinstance(sock, ssl.SSLSocket):
+        return True  # readable but not closed: bytes of a pipelined request
+    try:
+        return sock.recv(1, socket.MSG_PEEK) != b""
+    except (BlockingIOError, InterruptedError, TimeoutError):
+        return True
+    except OSError:
+        return False
+
+
+class Gateway(wsgi.Gateway_10):
+    """cheroot's WSGI 1.0 gateway, adding :data:`CONNECTED` to each request's environ."""
+
+    def get_environ(self) -> dict[str, Any]:  # type: ignore[override]  # stubs say None
+        environ = cast(dict[str, Any], super().get_environ())  # type: ignore[no-untyped-call]
+        environ[CONNECTED] = functools.partial(client_connected, self.req.conn.socket)
+        return environ
 
 
 class ListenError(Exception):
@@ -160,6 +212,7 @@ class Server:
                 request_queue_size=LISTEN_BACKLOG,
             )
             server.server_name = "gpu-exporter"
+            server.gateway = Gateway
             server.max_request_header_size = MAX_HEADER_BYTES
             server.max_request_body_size = MAX_BODY_BYTES
             if self._tls is not None:

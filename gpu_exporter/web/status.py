@@ -1,7 +1,8 @@
 """What the status page at ``/`` shows, computed from one snapshot and the lease table.
 
 Pure: no Flask, no NVML. The recommendation is :func:`gpu_exporter.choose.rank.rank` with no
-filters and the current leases, i.e. what ``/choose?n=1`` would answer now, without claiming.
+filters, the current leases and the GPUs waiting requests reserve, i.e. what ``/choose?n=1``
+would claim now.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.rank import Filters, rank
+from gpu_exporter.choose.waitqueue import Waiter, reserved_for
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import format_bytes
 
@@ -101,6 +103,13 @@ class LeaseRow:
 
 
 @dataclass(frozen=True, slots=True)
+class WaitingRow:
+    wants: str  # "2 GPUs (model=A100)"
+    holder: str  # owner, else the requester's address
+    since_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Recommendation:
     gpu: GpuSample | None  # the GPU /choose?n=1 would return now, if any qualifies
     why_not: tuple[str, ...]  # when none qualifies: "gpu 3: leased …" per GPU
@@ -114,6 +123,7 @@ class StatusView:
     leases: tuple[LeaseRow, ...]
     recommendation: Recommendation
     problem: str | None  # why /choose would refuse right now (NVML down, stale, starting)
+    waiting: tuple[WaitingRow, ...] = ()  # requests waiting for GPUs, earliest first
 
 
 def _holder(lease: Lease) -> str:
@@ -128,6 +138,8 @@ def status_view(
     age_seconds: float,
     problem: str | None,
     filters: Filters | None = None,
+    waiting: tuple[Waiter, ...] = (),
+    monotonic_now: float = 0.0,
 ) -> StatusView:
     """What ``/`` shows; the recommendation is what ``/choose?n=1`` would give under
     ``filters`` (the server's ``--choose-defaults``)."""
@@ -156,11 +168,20 @@ def status_view(
         )
         for lease in leases
     )
-    leased = {uuid: f"leased by {_holder(lease)}" for uuid, lease in held.items()}
+    leased = {
+        **reserved_for(snapshot.gpus, waiting),
+        **{uuid: f"leased by {_holder(lease)}" for uuid, lease in held.items()},
+    }
     ranking = rank(snapshot.gpus, filters or Filters(), leased=leased)
     if problem is None and ranking.qualified:
         recommendation = Recommendation(ranking.qualified[0], ())
     else:
         why = tuple(f"gpu {r.gpu.index}: {', '.join(r.reasons)}" for r in ranking.rejected)
         recommendation = Recommendation(None, (problem,) if problem else why)
-    return StatusView(snapshot, age_seconds, tuple(rows), lease_rows, recommendation, problem)
+    waiting_rows = tuple(
+        WaitingRow(w.describe(), w.owner or w.requester, monotonic_now - w.since_monotonic_seconds)
+        for w in waiting
+    )
+    return StatusView(
+        snapshot, age_seconds, tuple(rows), lease_rows, recommendation, problem, waiting_rows
+    )

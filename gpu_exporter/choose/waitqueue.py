@@ -1,0 +1,116 @@
+"""The queue of ``/choose`` requests waiting for GPUs, and the GPUs each one reserves.
+
+Plain data, no locking of its own: :class:`~gpu_exporter.choose.claim.Claimer` guards it with
+its lock. A request joins only once it found too few GPUs and may wait (``wait=``) for a
+lease; advice (``lease=0``) never joins.
+
+What a waiter blocks (:func:`reserved_for`): the GPUs that qualify for it by its filters on
+the current sample, leased or not. A later request chooses among the other GPUs; one that
+could use only reserved GPUs fails (or, with ``wait=``, queues behind). So GPUs that several
+waiters could use go first come first served, and a waiter never holds back GPUs it could not
+use anyway. The ``idle_for`` window is not consulted here: a GPU busy a minute ago that the
+filters accept now is reserved, which errs towards the earlier request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from gpu_exporter.choose.rank import Filters, candidates, rejection_reasons
+from gpu_exporter.model import GpuSample
+from gpu_exporter.units import format_bytes
+
+_NO_FILTERS = Filters()
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """One request waiting for GPUs; ``ticket`` orders the queue (smaller is earlier)."""
+
+    ticket: int
+    n: int
+    filters: Filters
+    requester: str  # the client's address
+    owner: str | None
+    since_monotonic_seconds: float  # when it started waiting, on the claimer's clock
+
+    def filters_json(self) -> dict[str, Any]:
+        """The filters it gave (those that differ from no filter), by field name."""
+        out: dict[str, Any] = {}
+        for f in fields(Filters):
+            value = getattr(self.filters, f.name)
+            if value != getattr(_NO_FILTERS, f.name):
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def describe(self) -> str:
+        """``2 GPUs (model=A100, min_total_bytes=40.0 GiB)``, for people."""
+        parts = [f"{name}={_text(name, value)}" for name, value in self.filters_json().items()]
+        gpus = "1 GPU" if self.n == 1 else f"{self.n} GPUs"
+        return gpus + (f" ({', '.join(parts)})" if parts else "")
+
+    def to_json(self, monotonic_now: float) -> dict[str, Any]:
+        return {
+            "n": self.n,
+            "filters": self.filters_json(),
+            "requester": self.requester,
+            "owner": self.owner,
+            "since_seconds": round(max(0.0, monotonic_now - self.since_monotonic_seconds), 3),
+        }
+
+
+def _text(name: str, value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(value)
+    return format_bytes(value) if name.endswith("_bytes") else str(value)
+
+
+class WaitQueue:
+    """Waiting requests, first come first served. Not thread-safe: the claimer locks it."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[int, Waiter] = {}  # insertion order is ticket order
+        self._next_ticket = 0
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def join(
+        self, n: int, filters: Filters, requester: str, owner: str | None, now: float
+    ) -> Waiter:
+        """Queue a request at the end; it must :meth:`leave` when it ends, however it ends."""
+        self._next_ticket += 1
+        waiter = Waiter(self._next_ticket, n, filters, requester, owner, now)
+        self._waiters[waiter.ticket] = waiter
+        return waiter
+
+    def leave(self, waiter: Waiter) -> None:
+        self._waiters.pop(waiter.ticket, None)
+
+    def waiting(self) -> tuple[Waiter, ...]:
+        """Every waiter, earliest first."""
+        return tuple(self._waiters.values())
+
+    def ahead_of(self, waiter: Waiter | None) -> tuple[Waiter, ...]:
+        """The waiters before ``waiter``; all of them for a request not in the queue."""
+        if waiter is None:
+            return self.waiting()
+        return tuple(w for w in self._waiters.values() if w.ticket < waiter.ticket)
+
+
+def reserved_for(gpus: Iterable[GpuSample], ahead: Sequence[Waiter]) -> Mapping[str, str]:
+    """UUID → why it is reserved: every device that qualifies for a waiter in ``ahead`` by its
+    filters on these samples (leases ignored), attributed to the earliest such waiter."""
+    if not ahead:
+        return {}
+    gpus = tuple(gpus)
+    reserved: dict[str, str] = {}
+    for waiter in ahead:
+        for gpu in candidates(gpus, waiter.filters.mig):
+            if gpu.uuid not in reserved and not rejection_reasons(gpu, waiter.filters):
+                reserved[gpu.uuid] = (
+                    f"reserved for an earlier request waiting for {waiter.describe()}"
+                )
+    return reserved
