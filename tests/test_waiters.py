@@ -24,6 +24,7 @@ from typing import Any
 
 from tls_certs import CA
 
+from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
 from gpu_exporter.web.server import client_connected
 from harness import ROOT
@@ -101,7 +102,7 @@ def test_a_client_that_hangs_up_stops_waiting_at_once_and_claims_nothing() -> No
         status, body, headers = call(exporter, f"/choose?n=2&{ALL}")
         assert status == 200, body
         time.sleep(0.3)  # had the abandoned waiter claimed, its lease would show by now
-        assert exporter.lease_ids() == {headers["X-GPU-Lease"]}
+        assert exporter.lease_ids() == {lease_id_of(headers["X-GPU-Lease"])}
         _, metrics, _ = call(exporter, "/metrics")
         assert 'gpu_exporter_choose_requests_total{result="client_closed"} 1.0' in metrics
         assert waiters_gauge(exporter) == 0
