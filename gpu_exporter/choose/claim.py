@@ -216,6 +216,7 @@ class Claimer:
                     owner=req.owner,
                     sort=req.sort,
                     window=window,
+                    pids=req.pids,
                 )
             except NotEnoughGpus as exc:
                 if self._clock.monotonic() < deadline:

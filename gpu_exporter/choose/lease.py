@@ -3,25 +3,37 @@
 A lease holds GPUs (by UUID) until the first of:
 
 * it is released (``DELETE /leases/<id>``) or its TTL runs out (``POST …/renew`` extends it);
-* the claimant's work shows up on that GPU — a new compute process, or memory use up by more
-  than :data:`ARRIVAL_BYTES` since the lease began — after which NVML's own figures keep
-  other jobs away and the lease is no longer needed for that GPU;
 * the GPU disappears or goes down (reported in the log and in
-  ``gpu_exporter_leases_dropped_total``).
+  ``gpu_exporter_leases_dropped_total``);
+* the claimant's work shows up on that GPU ("arrived"), after which NVML's own figures keep
+  other jobs away and the lease is no longer needed for that GPU. Only the claimant's work
+  counts, so that a neighbour's job can never free a card somebody holds (:func:`_arrived`):
+
+  - a lease its holder has renewed never ends this way: the job holds its card for its
+    whole life (``gpu-exporter run``, ``use_gpus()`` renew);
+  - a lease with registered PIDs (``pid=``, ``POST /leases/<id>/pids``) ends on a GPU when a
+    process :func:`attributed` to it is there: a registered PID, a descendant of one, or a
+    process of the same Slurm job, pod, container or cgroup;
+  - a lease without (a plain ``curl``) ends when a compute process appears that was not there
+    at claim time and is not attributed to another lease.
+
+  Memory rises alone never end a lease, and neither do processes the exporter cannot see
+  (another PID namespace, no ``/proc`` access: ``ancestors`` is None): the lease then runs
+  to its TTL or release.
 
 Pure data and pure functions: :class:`~gpu_exporter.choose.leases.LeaseTable` holds the
-lock, and :mod:`gpu_exporter.choose.statefile` the file.
+lock, and :mod:`gpu_exporter.choose.statefile` the file. What ``/proc`` says arrives in the
+snapshot (:class:`~gpu_exporter.model.ProcessSample`'s ``ancestors`` and ``cgroup``) and,
+for the registered PIDs, in the lease (``cgroups``, read when they were registered).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpu_exporter.model import GpuSample, Snapshot, all_devices
-
-ARRIVAL_BYTES = 256 * 2**20  # a memory rise this large means the claimant's job has started
+from gpu_exporter.model import GpuSample, ProcessSample, Snapshot, all_devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +44,9 @@ class Held:
     index: int
     processes_at_claim: int | None
     memory_used_at_claim: int | None
+    # The compute processes there at claim time; None in state files written before 13.1
+    # (processes_at_claim is compared then).
+    pids_at_claim: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +57,9 @@ class Lease:
     expires_at: float
     requester: str  # client address
     owner: str | None = None  # free-form label from ?owner=
+    pids: tuple[int, ...] = ()  # registered by the claimant: its job's processes
+    cgroups: tuple[str, ...] = ()  # the registered PIDs' cgroup keys (never shown: privacy)
+    renewed: bool = False  # renewed at least once: its holder is alive and keeps it
 
     @property
     def uuids(self) -> tuple[str, ...]:
@@ -56,39 +74,74 @@ class Lease:
             "expires_at": self.expires_at,
             "requester": self.requester,
             "owner": self.owner,
+            "pids": list(self.pids),
+            "renewed": self.renewed,
         }
 
     def to_state(self) -> dict[str, Any]:
         return {
             **self.to_json(),
             "held": [
-                [g.uuid, g.index, g.processes_at_claim, g.memory_used_at_claim] for g in self.gpus
+                [
+                    g.uuid,
+                    g.index,
+                    g.processes_at_claim,
+                    g.memory_used_at_claim,
+                    None if g.pids_at_claim is None else list(g.pids_at_claim),
+                ]
+                for g in self.gpus
             ],
+            "cgroups": list(self.cgroups),
         }
 
     @classmethod
     def from_state(cls, data: dict[str, Any]) -> Lease:
         return cls(
             id=str(data["id"]),
-            gpus=tuple(Held(str(u), int(i), p, m) for u, i, p, m in data["held"]),
+            gpus=tuple(_held(h) for h in data["held"]),
             created_at=float(data["created_at"]),
             expires_at=float(data["expires_at"]),
             requester=str(data["requester"]),
             owner=data.get("owner"),
+            pids=tuple(int(p) for p in data.get("pids") or ()),
+            cgroups=tuple(str(c) for c in data.get("cgroups") or ()),
+            renewed=bool(data.get("renewed", False)),
         )
 
 
-def _arrived(held: Held, gpu: GpuSample) -> bool:
-    procs, used = gpu.compute_processes, gpu.memory_used_bytes
-    if (
-        procs is not None
-        and held.processes_at_claim is not None
-        and procs > held.processes_at_claim
-    ):
+def _held(entry: list[Any]) -> Held:
+    uuid, index, procs, used, *rest = entry  # older files have no pids_at_claim
+    pids = rest[0] if rest else None
+    return Held(str(uuid), int(index), procs, used, None if pids is None else tuple(pids))
+
+
+def pids_of(gpu: GpuSample) -> tuple[int, ...] | None:
+    """The compute processes on ``gpu`` now, None when the driver cannot list them."""
+    return None if gpu.processes is None else tuple(p.pid for p in gpu.processes)
+
+
+def attributed(proc: ProcessSample, lease: Lease) -> bool:
+    """Is ``proc`` the work of ``lease``'s claimant: a registered PID, a descendant of one,
+    or in the same job cgroup as one?"""
+    if proc.pid in lease.pids:
         return True
-    if used is not None and held.memory_used_at_claim is not None:
-        return used - held.memory_used_at_claim >= ARRIVAL_BYTES
-    return False
+    if proc.ancestors and not set(proc.ancestors).isdisjoint(lease.pids):
+        return True
+    return proc.cgroup is not None and proc.cgroup in lease.cgroups
+
+
+def _arrived(lease: Lease, held: Held, gpu: GpuSample, others: Iterable[Lease]) -> bool:
+    if lease.renewed or not gpu.processes:
+        return False
+    # Only processes /proc shows: an invisible one may be anybody's.
+    visible = [p for p in gpu.processes if p.ancestors is not None]
+    if lease.pids:
+        return any(attributed(p, lease) for p in visible)
+    theirs = [p for p in visible if not any(attributed(p, o) for o in others)]
+    if held.pids_at_claim is not None:
+        return any(p.pid not in held.pids_at_claim for p in theirs)
+    # A state file from before pids_at_claim: more unattributed processes than at claim.
+    return held.processes_at_claim is not None and len(theirs) > held.processes_at_claim
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,13 +171,14 @@ def settle(
         if snapshot.taken_at_seconds <= lease.created_at:
             kept[lease.id] = lease
             continue
+        others = [o for o in live.values() if o.id != lease.id and (o.pids or o.cgroups)]
         keep = []
         for held in lease.gpus:
             gpu = by_uuid.get(held.uuid)
             reason = (
                 "gone" if gpu is None
                 else "down" if not gpu.up
-                else "arrived" if _arrived(held, gpu)
+                else "arrived" if _arrived(lease, held, gpu, others)
                 else None
             )  # fmt: skip
             if reason is None:

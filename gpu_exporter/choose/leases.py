@@ -17,16 +17,23 @@ import logging
 import secrets
 import threading
 from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from gpu_exporter.choose.lease import Held, Lease, settle
+from gpu_exporter.choose.lease import Held, Lease, pids_of, settle
 from gpu_exporter.choose.rank import Filters, Selection, Window, choose
 from gpu_exporter.choose.statefile import StateFile
 from gpu_exporter.clock import Clock
 from gpu_exporter.model import Snapshot
 
 log = logging.getLogger(__name__)
+
+MAX_PIDS = 64  # registered PIDs per lease: a job's launcher or two, not its every worker
+
+
+def _no_cgroup(pid: int) -> str | None:
+    return None
 
 
 class LeaseError(Exception):
@@ -50,8 +57,11 @@ class LeaseTable:
         state_file: Path | None = None,
         max_ttl_seconds: float = 3600.0,
         max_gpus_per_requester: int = 0,
+        cgroup_of: Callable[[int], str | None] = _no_cgroup,
     ) -> None:
         self._clock = clock
+        # pid → its cgroup key (procinfo.read_cgroup_key, injected: choose/ reads no /proc)
+        self._cgroup_of = cgroup_of
         self._state = StateFile(state_file) if state_file is not None else None
         self.max_ttl_seconds = max_ttl_seconds
         self.max_gpus_per_requester = max_gpus_per_requester
@@ -98,8 +108,10 @@ class LeaseTable:
         owner: str | None = None,
         sort: str = "free",
         window: Window | None = None,
+        pids: Iterable[int] = (),
     ) -> tuple[Selection, Lease | None]:
-        """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them.
+        """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them
+        for the job whose processes are ``pids`` (see :func:`~gpu_exporter.choose.lease.settle`).
 
         Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`LeaseError`.
         """
@@ -137,16 +149,19 @@ class LeaseTable:
             choice = choose(snapshot.gpus, n, filters, sort=sort, window=window, leased=leased)
             if ttl_seconds <= 0:
                 return choice, None
-            lease = Lease(
-                id=secrets.token_urlsafe(9),
-                gpus=tuple(
-                    Held(g.uuid, g.index, g.compute_processes, g.memory_used_bytes)
-                    for g in choice.chosen
+            lease = self._with_pids(
+                Lease(
+                    id=secrets.token_urlsafe(9),
+                    gpus=tuple(
+                        Held(g.uuid, g.index, g.compute_processes, g.memory_used_bytes, pids_of(g))
+                        for g in choice.chosen
+                    ),
+                    created_at=now,
+                    expires_at=now + ttl_seconds,
+                    requester=requester,
+                    owner=owner,
                 ),
-                created_at=now,
-                expires_at=now + ttl_seconds,
-                requester=requester,
-                owner=owner,
+                pids,
             )
             self._leases[lease.id] = lease
             self._changed()
@@ -171,10 +186,40 @@ class LeaseTable:
             )
         with self._lock:
             self._prune(None)
-            lease = replace(self.get(lease_id), expires_at=self._clock.time() + ttl_seconds)
+            lease = replace(
+                self.get(lease_id), expires_at=self._clock.time() + ttl_seconds, renewed=True
+            )
             self._leases[lease_id] = lease
             self._changed()
             return lease
+
+    def add_pids(self, lease_id: str, pids: Iterable[int]) -> Lease:
+        """Register more of the job's processes with its lease (e.g. once the job started)."""
+        with self._lock:
+            self._prune(None)
+            lease = self._with_pids(self.get(lease_id), pids)
+            self._leases[lease_id] = lease
+            self._changed()
+            return lease
+
+    def _with_pids(self, lease: Lease, pids: Iterable[int]) -> Lease:
+        new = [p for p in dict.fromkeys(pids) if p not in lease.pids]
+        if not new:
+            return lease
+        if len(lease.pids) + len(new) > MAX_PIDS:
+            raise LeaseError(
+                400,
+                "too_many_pids",
+                f"a lease takes at most {MAX_PIDS} PIDs; register the job's launcher, "
+                "its descendants count as its own",
+                "pid",
+            )
+        cgroups = (self._cgroup_of(p) for p in new)
+        return replace(
+            lease,
+            pids=lease.pids + tuple(new),
+            cgroups=tuple(dict.fromkeys([*lease.cgroups, *(c for c in cgroups if c)])),
+        )
 
     # -- the queue of claimers ----------------------------------------------------------------
     @property

@@ -37,6 +37,7 @@ from gpu_exporter.choose.values import (
     label,
     not_empty,
     one_of,
+    pid_list,
     positive,
     process_count,
     selectors,
@@ -52,6 +53,7 @@ CHOOSE_FORMATS = ("uuid", "index", "env", "json")
 DEFAULT_FLEET_MAX_AGE_SECONDS = 60.0  # four missed scrapes at Prometheus' usual 15 s
 MAX_FLEET_MAX_AGE_SECONDS = 3600.0
 MAX_OWNER_CHARS = 64
+MAX_PIDS = 64  # per request; leases.MAX_PIDS caps a lease
 
 Args: TypeAlias = Mapping[str, str]
 """What the parsers read: a ``dict[str, str]`` or a Werkzeug ``MultiDict`` (a dict too)."""
@@ -135,6 +137,17 @@ PARAMS: tuple[Param, ...] = (
         label(MAX_OWNER_CHARS),
         "A label shown in /leases.",
         {"type": "string", "maxLength": MAX_OWNER_CHARS},
+    ),
+    Param(
+        "pid",
+        pid_list(MAX_PIDS),
+        "The job's process ids (comma-separated), as this host's /proc shows them: the lease "
+        "ends early on a GPU only when one of them, a descendant or a process in the same "
+        "cgroup (Slurm job, container, pod) shows up there. More can be added with "
+        "POST /leases/<id>/pids.",
+        {"type": "string", "pattern": r"^\s*[0-9]+(\s*,\s*[0-9]+)*\s*$", "examples": ["4242"]},
+        default=(),
+        cluster=False,  # a PID means something on one host only
     ),
     Param(
         "wait",
@@ -294,6 +307,7 @@ class ChooseRequest:
     owner: str | None = None
     wait_seconds: float = 0.0
     idle_for_seconds: float | None = None
+    pids: tuple[int, ...] = ()  # the job's processes, registered with its lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +385,7 @@ def parse_choose_args(
         owner=v["owner"],
         wait_seconds=v["wait"],
         idle_for_seconds=v["idle_for"],
+        pids=v["pid"],
     )
 
 

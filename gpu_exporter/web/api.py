@@ -14,6 +14,7 @@ from flask import Blueprint, Response, jsonify, request
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.leases import LeaseError
 from gpu_exporter.choose.params import (
+    BY_NAME,
     DEFAULT_LEASE_SECONDS,
     ApiError,
     bad,
@@ -21,6 +22,7 @@ from gpu_exporter.choose.params import (
     parse_choose_args,
     parse_cluster_args,
     parsed,
+    value_of,
 )
 from gpu_exporter.choose.rank import Rejected, Selection, score
 from gpu_exporter.units import parse_duration
@@ -127,4 +129,15 @@ def renew_lease(lease_id: str) -> Response:
     if ttl is not None and ttl <= 0:
         bad("ttl", "ttl must be more than 0; DELETE the lease to release it")
     lease = services().leases.renew(lease_id, DEFAULT_LEASE_SECONDS if ttl is None else ttl)
+    return jsonify(lease.to_json())
+
+
+@api.post("/leases/<lease_id>/pids")
+def add_lease_pids(lease_id: str) -> Response:
+    """Register the job's processes (``pid=4242[,4243]``) with its lease: see
+    :func:`gpu_exporter.choose.lease.settle` for what they change."""
+    check_params(request.values, ("pid",), "/leases/<id>/pids")
+    if "pid" not in request.values:
+        bad("pid", "pid is required: the job's process ids, comma-separated")
+    lease = services().leases.add_pids(lease_id, value_of(request.values, BY_NAME["pid"]))
     return jsonify(lease.to_json())
