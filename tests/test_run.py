@@ -289,8 +289,11 @@ def test_choose_passes_every_flag_to_the_server(
     for flag, value in filters.items():
         argv += [flag, value]
     assert main(argv) == 0, capsys.readouterr().err
-    method, path, params = exporter.requests[-1]
+    method, path, params = exporter.requests[-2]
     assert (method, path) == ("POST", "/choose")
+    # then the job script's shell (our parent) is registered with the lease
+    assert exporter.requests[-1][0::2] == ("POST", {"pid": str(os.getppid())})
+    assert exporter.requests[-1][1].endswith("/pids")
     assert params == {
         "n": "1",
         "format": "uuid",

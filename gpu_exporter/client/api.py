@@ -9,6 +9,7 @@ to both.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -27,6 +28,8 @@ from gpu_exporter.client.transport import (
     str_or_none,
 )
 from gpu_exporter.units import parse_duration
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LEASE: Final = "60s"
 LEASE_HEADER: Final = "X-GPU-Lease"
@@ -49,6 +52,7 @@ class Lease:
     expires_at: float
     owner: str | None = None
     requester: str | None = None
+    pids: tuple[int, ...] = ()  # the job's processes registered with it
 
     @property
     def ttl_seconds(self) -> float:
@@ -65,6 +69,7 @@ class Lease:
                 expires_at=float(data["expires_at"]),
                 owner=str_or_none(data.get("owner")),
                 requester=str_or_none(data.get("requester")),
+                pids=tuple(int(p) for p in data.get("pids") or ()),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise GpuExporterError(f"malformed lease in the server's answer: {data!r}") from exc
@@ -306,6 +311,43 @@ def renew(
         lease_endpoint=True,
     )
     return Lease.from_json(json_body(resp, f"{base}/leases/{lease_id}/renew"))
+
+
+def register_pids(
+    choice_or_id: Choice | Lease | str,
+    pids: Iterable[int],
+    url: str | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+) -> str | None:
+    """Tell the server these processes (and their descendants) are the lease's job, so that
+    only their work ends it early (``POST /leases/<id>/pids``); None when registered, else a
+    note saying why not.
+
+    Never raises: a server from before 13.1 (404), a lease already ended or no answer leaves
+    the lease as it was, ended early only by a new process nobody else claims.
+    """
+    lease_id, base = _lease_ref(choice_or_id, url)
+    if lease_id is None:
+        return None
+    params = {"pid": ",".join(str(p) for p in pids)}
+    try:
+        request(
+            "POST",
+            base,
+            _lease_path(lease_id, "/pids"),
+            params,
+            timeout=timeout,
+            lease_endpoint=True,
+        )
+    except GpuExporterError as exc:
+        note = (
+            f"could not register the job's process with lease {lease_id} (an older "
+            f"gpu-exporter?): {exc}; the lease works without it"
+        )
+        log.info("%s", note)
+        return note
+    return None
 
 
 def leases(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> list[Lease]:

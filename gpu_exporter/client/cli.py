@@ -31,7 +31,7 @@ import warnings
 from typing import Any
 
 from gpu_exporter.choose.params import PARAMS
-from gpu_exporter.client.api import DEFAULT_LEASE, choose_raw, release
+from gpu_exporter.client.api import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.choosing import choose_cluster
 from gpu_exporter.client.fleet import ClusterChoice
 from gpu_exporter.client.transport import (
@@ -257,6 +257,11 @@ def choose_main(args: argparse.Namespace) -> int:
             owner=args.owner,
             **filters_of(args),
         )
+        if answer.lease_id is not None:
+            # Our parent is the job script's shell: what it starts is the lease's work.
+            note = register_pids(answer.lease_id, [os.getppid()], answer.url)
+            if note is not None:
+                print(f"gpu-exporter: note: {note}", file=sys.stderr)
     except GpuExporterError as exc:
         return fail(exc)
     except KeyboardInterrupt:

@@ -23,6 +23,7 @@ from gpu_exporter.client.api import (
     Duration,
     FilterValue,
     format_duration,
+    register_pids,
     release,
     renew,
 )
@@ -208,6 +209,8 @@ class GpuSession:
         self.choice = choice
         try:
             if choice.lease_id is not None:
+                if choice.host is None:  # this process is the job (a PID names one host's)
+                    register_pids(choice, [os.getpid()], timeout=self._timeout)
                 self.keeper = LeaseKeeper(choice, timeout=self._timeout).start()
             replacing = replaced_visible_devices(choice)
             if replacing is not None:
