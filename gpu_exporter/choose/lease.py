@@ -15,7 +15,10 @@ A lease holds GPUs (by UUID) until the first of:
     process :func:`attributed` to it is there: a registered PID, a descendant of one, or a
     process of the same Slurm job, pod, container or cgroup;
   - a lease without (a plain ``curl``) ends when a compute process appears that was not there
-    at claim time and is not attributed to another lease.
+    at claim time and is not attributed to another lease — nor kin of the processes that
+    were there (their child, a sibling, the same job cgroup: the incumbent job restarting or
+    forking a worker). Wrongly taking the claimant's work for kin only keeps the lease to
+    its TTL; the other way round would hand the card out twice.
 
   Memory rises alone never end a lease, and neither do processes the exporter cannot see
   (another PID namespace, no ``/proc`` access: ``ancestors`` is None): the lease then runs
@@ -47,6 +50,29 @@ class Held:
     # The compute processes there at claim time; None in state files written before 13.1
     # (processes_at_claim is compared then).
     pids_at_claim: tuple[int, ...] | None = None
+    kin_at_claim: tuple[int, ...] = ()  # those processes' ancestors (init excluded)
+    cgroups_at_claim: tuple[str, ...] = ()  # and their cgroup keys
+
+    @classmethod
+    def of(cls, gpu: GpuSample) -> Held:
+        """``gpu`` as it is at claim time."""
+        procs = gpu.processes or ()
+        return cls(
+            gpu.uuid,
+            gpu.index,
+            gpu.compute_processes,
+            gpu.memory_used_bytes,
+            None if gpu.processes is None else tuple(p.pid for p in procs),
+            tuple(dict.fromkeys(a for p in procs for a in p.ancestors or ())),
+            tuple(dict.fromkeys(p.cgroup for p in procs if p.cgroup)),
+        )
+
+    def kin(self, proc: ProcessSample) -> bool:
+        """Is ``proc`` related to a process that was on this GPU at claim time?"""
+        family = {*(self.pids_at_claim or ()), *self.kin_at_claim}
+        if proc.ancestors and not family.isdisjoint(proc.ancestors):
+            return True
+        return proc.cgroup is not None and proc.cgroup in self.cgroups_at_claim
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +114,8 @@ class Lease:
                     g.processes_at_claim,
                     g.memory_used_at_claim,
                     None if g.pids_at_claim is None else list(g.pids_at_claim),
+                    list(g.kin_at_claim),
+                    list(g.cgroups_at_claim),
                 ]
                 for g in self.gpus
             ],
@@ -110,14 +138,17 @@ class Lease:
 
 
 def _held(entry: list[Any]) -> Held:
-    uuid, index, procs, used, *rest = entry  # older files have no pids_at_claim
-    pids = rest[0] if rest else None
-    return Held(str(uuid), int(index), procs, used, None if pids is None else tuple(pids))
-
-
-def pids_of(gpu: GpuSample) -> tuple[int, ...] | None:
-    """The compute processes on ``gpu`` now, None when the driver cannot list them."""
-    return None if gpu.processes is None else tuple(p.pid for p in gpu.processes)
+    uuid, index, procs, used, *rest = entry  # older files stop after the memory
+    pids, kin, cgroups = [*rest, None, (), ()][:3]
+    return Held(
+        str(uuid),
+        int(index),
+        procs,
+        used,
+        None if pids is None else tuple(int(p) for p in pids),
+        tuple(int(p) for p in kin),
+        tuple(str(c) for c in cgroups),
+    )
 
 
 def attributed(proc: ProcessSample, lease: Lease) -> bool:
@@ -137,7 +168,7 @@ def _arrived(lease: Lease, held: Held, gpu: GpuSample, others: Iterable[Lease]) 
     visible = [p for p in gpu.processes if p.ancestors is not None]
     if lease.pids:
         return any(attributed(p, lease) for p in visible)
-    theirs = [p for p in visible if not any(attributed(p, o) for o in others)]
+    theirs = [p for p in visible if not held.kin(p) and not any(attributed(p, o) for o in others)]
     if held.pids_at_claim is not None:
         return any(p.pid not in held.pids_at_claim for p in theirs)
     # A state file from before pids_at_claim: more unattributed processes than at claim.

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from gpu_exporter.choose.lease import Held, Lease, pids_of, settle
+from gpu_exporter.choose.lease import Held, Lease, settle
 from gpu_exporter.choose.rank import Filters, Selection, Window, choose
 from gpu_exporter.choose.statefile import StateFile
 from gpu_exporter.clock import Clock
@@ -152,10 +152,7 @@ class LeaseTable:
             lease = self._with_pids(
                 Lease(
                     id=secrets.token_urlsafe(9),
-                    gpus=tuple(
-                        Held(g.uuid, g.index, g.compute_processes, g.memory_used_bytes, pids_of(g))
-                        for g in choice.chosen
-                    ),
+                    gpus=tuple(Held.of(g) for g in choice.chosen),
                     created_at=now,
                     expires_at=now + ttl_seconds,
                     requester=requester,

@@ -55,6 +55,7 @@ from gpu_exporter.client.api import (
     duration_seconds,
     format_duration,
     leases,
+    register_pids,
     release,
     renew,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "format_duration",
     "is_loopback",
     "leases",
+    "register_pids",
     "release",
     "renew",
     "replaced_visible_devices",
