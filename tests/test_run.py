@@ -484,3 +484,12 @@ def test_release_without_a_lease_is_a_usage_error(exporter: Served) -> None:
     env = {k: v for k, v in os.environ.items() if k != "GPU_LEASE"}
     status, _, err = finish(cli("release", env=env))
     assert status == 2 and err == "error: no lease given and GPU_LEASE is not set\n"
+
+
+def test_run_registers_itself_so_the_commands_work_is_the_leases(exporter: Served) -> None:
+    proc = cli("run", "-q", "--", sys.executable, "-c", "import os; print(os.getppid())")
+    status, out, err = finish(proc)
+    assert status == 0, err
+    assert int(out) == proc.pid  # COMMAND is run's child: a descendant of the registered pid
+    registered = [(p, q) for m, p, q in exporter.requests if m == "POST" and p.endswith("/pids")]
+    assert [q for _, q in registered] == [{"pid": str(proc.pid)}]

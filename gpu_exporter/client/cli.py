@@ -139,7 +139,8 @@ def add_choose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Ask a gpu-exporter for the freest GPUs and print its answer as it is. "
         "The GPUs are leased (--lease, default 60s) so that a concurrent chooser gets others: "
         "start the job within that time (or use `run`, which holds the lease while a command "
-        "runs); DELETE /leases/$GPU_LEASE gives them back early.",
+        "runs); DELETE /leases/$GPU_LEASE gives them back early. The lease is registered to "
+        "the calling shell (our parent process): only its work ends the lease early.",
         epilog="Exit status: 0 chosen, 3 not enough GPUs qualify, 2 bad arguments, 1 otherwise.",
     )
     _add_choice_arguments(parser)
