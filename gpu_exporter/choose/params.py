@@ -139,17 +139,6 @@ PARAMS: tuple[Param, ...] = (
         {"type": "string", "maxLength": MAX_OWNER_CHARS},
     ),
     Param(
-        "pid",
-        pid_list(MAX_PIDS),
-        "The job's process ids (comma-separated), as this host's /proc shows them: the lease "
-        "ends early on a GPU only when one of them, a descendant or a process in the same "
-        "cgroup (Slurm job, container, pod) shows up there. More can be added with "
-        "POST /leases/<id>/pids.",
-        {"type": "string", "pattern": r"^\s*[0-9]+(\s*,\s*[0-9]+)*\s*$", "examples": ["4242"]},
-        default=(),
-        cluster=False,  # a PID means something on one host only
-    ),
-    Param(
         "wait",
         units(parse_duration, MAX_WAIT_SECONDS),
         "Wait up to this long (at most 1h) for enough GPUs, first come first served.",
@@ -268,6 +257,17 @@ PARAMS: tuple[Param, ...] = (
         default="deny",
         filter=True,
         cluster=False,  # /cluster/choose hands out whole cards only
+    ),
+    Param(
+        "pid",
+        pid_list(MAX_PIDS),
+        "The job's process ids (comma-separated), as this host's /proc shows them: the lease "
+        "ends early on a GPU only when one of them, a descendant or a process in the same "
+        "cgroup (Slurm job, container, pod) shows up there. More can be added with "
+        "POST /leases/<id>/pids.",
+        {"type": "string", "pattern": r"^\s*[0-9]+(\s*,\s*[0-9]+)*\s*$", "examples": ["4242"]},
+        default=(),
+        cluster=False,  # a PID means something on one host only
     ),
     # /cluster/choose only: where the GPUs may be, and how old the fleet's figures may be.
     Param(
