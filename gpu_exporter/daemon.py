@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -39,7 +40,7 @@ from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.background import NvmlThread
 from gpu_exporter.collect.cache import HISTORY_LENGTH, SnapshotCache, new_cache
 from gpu_exporter.collect.pcie import PcieThroughputSampler
-from gpu_exporter.collect.procinfo import ProcInfoCache
+from gpu_exporter.collect.procinfo import ProcInfoCache, read_cgroup_key
 from gpu_exporter.collect.sampler import Sampler
 from gpu_exporter.collect.xid import XidListener
 from gpu_exporter.config import ServeConfig
@@ -204,6 +205,7 @@ def build(
         state_file=state_file(config.state_dir),
         max_ttl_seconds=config.max_lease_seconds,
         max_gpus_per_requester=config.max_gpus_per_requester,
+        cgroup_of=functools.partial(read_cgroup_key, proc_root=config.proc_root),
     )
     # Leases are pruned once per sample (expired, GPU gone or down, the job arrived), never
     # by a read: a scrape must not fsync leases.json.
@@ -268,9 +270,8 @@ def build(
     )
     app = create_app(services)
 
-    procinfo = (
-        ProcInfoCache(config.process_labels, config.proc_root) if config.process_labels else None
-    )
+    # Always: lease attribution needs every GPU process's ancestors and cgroup.
+    procinfo = ProcInfoCache(config.process_labels, config.proc_root, lineage=True)
     sampler = Sampler(
         nvml,
         cache,

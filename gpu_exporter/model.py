@@ -32,6 +32,9 @@ PROCESS_LABELS = ("user", "command", "container", "slurm_job", "pod")
 VISIBILITIES = ("full", "partial", "none")
 
 
+_SHOWN = ("pid", "used_memory_bytes", *PROCESS_LABELS)
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessSample:
     """A compute process on one GPU or MIG device.
@@ -48,13 +51,18 @@ class ProcessSample:
     container: str | None = None  # 64-hex container id from /proc/<pid>/cgroup
     slurm_job: str | None = None
     pod: str | None = None  # Kubernetes pod UID
+    # For lease attribution only, read whatever --process-labels says and never exported
+    # (they would say who runs what): the parent, grandparent … as first seen (None: /proc
+    # does not show this process), and its cgroup identity (procinfo.cgroup_key).
+    ancestors: tuple[int, ...] | None = None
+    cgroup: str | None = None
 
     def label(self, name: str) -> str:
         value: str | None = getattr(self, name)
         return value or ""
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name in _SHOWN}
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from gpu_exporter.export.exposition import Exposition
 from gpu_exporter.model import Snapshot
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import SimGpu, SimulatedNvml
+from served import NO_PROC
 
 
 class FakeClock:
@@ -106,12 +107,13 @@ def build_stack(
     """The production wiring (:func:`gpu_exporter.daemon.build`) over a simulator.
 
     ``config`` are :class:`~gpu_exporter.config.ServeConfig` fields; by default leases are
-    kept in memory only (no state directory).
+    kept in memory only (no state directory), and ``/proc`` shows no process (simulated pids
+    must not meet this machine's real ones; pass ``proc_root`` a :func:`fake_proc` tree).
     """
     clock = clock or FakeClock()
     sim = sim_factory(clock)
     daemon = build(
-        ServeConfig(**{"state_dir": None, **config}),
+        ServeConfig(**{"state_dir": None, "proc_root": NO_PROC, **config}),
         nvml=Nvml(sim, simulated=True),
         clock=clock,
         version="test",
@@ -151,7 +153,16 @@ def without_process_metrics(text: bytes) -> bytes:
 CID = "3f4e8a1b2c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f7"
 
 
-def fake_proc(root: Path, pid: int, *, uid: int, cmdline: bytes, cgroup: str, start: int) -> None:
+def fake_proc(
+    root: Path,
+    pid: int,
+    *,
+    uid: int = 1000,
+    cmdline: bytes = b"python\0",
+    cgroup: str = "0::/\n",
+    start: int = 100,
+    ppid: int = 0,
+) -> None:
     """A /proc/<pid> directory with the files gpu_exporter.collect.procinfo reads."""
     d = root / str(pid)
     d.mkdir(parents=True)
@@ -160,5 +171,5 @@ def fake_proc(root: Path, pid: int, *, uid: int, cmdline: bytes, cgroup: str, st
     (d / "comm").write_text("kworker\n")
     (d / "cgroup").write_text(cgroup)
     # Field 2 with spaces and parentheses, as a process can name itself.
-    fields = ["S"] + ["0"] * 18 + [str(start)] + ["0"] * 30
+    fields = ["S", str(ppid)] + ["0"] * 17 + [str(start)] + ["0"] * 30
     (d / "stat").write_text(f"{pid} (my (odd) name) " + " ".join(fields) + "\n")

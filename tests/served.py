@@ -28,6 +28,7 @@ from gpu_exporter.daemon import Daemon, build
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import DEFAULT_MODEL, Fault, Load, SimGpu, SimulatedNvml
 
+NO_PROC = "/dev/null/proc"  # a proc_root where every read fails: no process is visible
 Noted = tuple[str, str, dict[str, str]]  # method, path, query (the last value of each name)
 
 
@@ -126,14 +127,21 @@ def served(
     """The exporter over ``sim`` (default :func:`four_gpus`), serving once it has a sample.
 
     ``config``: :class:`~gpu_exporter.config.ServeConfig` fields; by default leases are kept in
-    memory only, the GPUs are sampled every 0.2 s and no Xid listener runs (stopping it takes
-    a while, and no client test needs it). ``sampling=False`` takes one sample and
+    memory only, the GPUs are sampled every 0.2 s, no Xid listener runs (stopping it takes
+    a while, and no client test needs it) and ``/proc`` shows no process (``proc_root``: the
+    simulated pids must not meet this machine's real ones). ``sampling=False`` takes one sample and
     starts no threads but the server's. ``port`` 0 is any free one; a test that stops and
     restarts the server names one (``harness.free_port()``): cheroot sets SO_REUSEADDR only on
     a port it was given, and without it the connections just closed keep the port taken.
     """
     sim = sim if sim is not None else four_gpus()
-    settings = {"state_dir": None, "interval_seconds": 0.2, "xid_events": False, **config}
+    settings = {
+        "state_dir": None,
+        "interval_seconds": 0.2,
+        "xid_events": False,
+        "proc_root": NO_PROC,
+        **config,
+    }
     daemon = build(ServeConfig(**settings), nvml=Nvml(sim, simulated=True), version="test")
     log = RequestLog(daemon.app.wsgi_app)
     daemon.app.wsgi_app = log  # type: ignore[method-assign]  # outside all the middleware

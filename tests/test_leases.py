@@ -17,10 +17,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from conftest import FakeClock, Stack, build_stack, sim_of
-from gpu_exporter.choose.lease import ARRIVAL_BYTES
+from conftest import FakeClock, Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.choose.leases import LeaseError, LeaseTable
 from gpu_exporter.choose.rank import Filters, NotEnoughGpus
+from gpu_exporter.model import ProcessSample
 from gpu_exporter.simulate import Fault, Load, SimGpu
 from gpu_exporter.web.server import Server
 
@@ -131,8 +131,9 @@ def test_release_renew_expiry() -> None:
     assert s.client.post("/leases/nope/renew").status_code == 404
 
 
-def test_lease_ends_when_the_claimants_work_arrives() -> None:
-    s = idle_box(2)
+def test_lease_ends_when_the_claimants_work_arrives(tmp_path: Path) -> None:
+    fake_proc(tmp_path, 4100, ppid=900)  # the simulator's first process on GPU 1
+    s = idle_box(2, proc_root=str(tmp_path))
     lease = s.client.get("/choose?n=2&format=json").get_json()["lease"]["id"]
     s.clock.advance(2)
     s.sim.gpus[1].load = Load("constant", memory_used_ratio=0.5, processes=1)
@@ -146,14 +147,22 @@ def test_lease_ends_when_the_claimants_work_arrives() -> None:
     assert s.value("gpu_leased", 0) == 1 and s.value("gpu_leased", 1) == 0
 
 
-def test_memory_rise_alone_counts_as_arrival() -> None:
-    s = idle_box(1)
-    s.client.get("/choose")
-    s.clock.advance(1)
-    # a process in another container: memory rises, no visible process
-    s.sim.gpus[0].load = Load("hidden", memory_used_ratio=2 * ARRIVAL_BYTES / (80 * 2**30))
+def test_memory_rises_alone_never_end_a_lease(tmp_path: Path) -> None:
+    fake_proc(tmp_path, 4000, ppid=900)
+    s = build_stack(
+        sim_of(SimGpu(0, A100, Load("constant", memory_used_ratio=0.01, processes=1))),
+        proc_root=str(tmp_path),
+    )
     s.sample()
-    assert s.client.get("/leases").get_json()["leases"] == []
+    lease = s.client.get("/choose?max_util=100%&max_mem_util=100%").headers["X-GPU-Lease"]
+    for ratio in (0.3, 0.6, 0.9):  # the process there at claim time grows …
+        s.clock.advance(1)
+        s.sim.gpus[0].load = Load("constant", memory_used_ratio=ratio, processes=1)
+        s.sample()
+    s.clock.advance(1)  # … and a process in another container takes memory, invisibly
+    s.sim.gpus[0].load = Load("hidden", memory_used_ratio=0.95)
+    s.sample()
+    assert [x["id"] for x in s.client.get("/leases").get_json()["leases"]] == [lease]
 
 
 def test_lost_gpu_is_dropped_from_its_lease() -> None:
@@ -360,7 +369,9 @@ def test_reads_show_an_arrived_gpu_as_free_without_pruning(tmp_path: Path) -> No
         sampled,
         taken_at_seconds=s.clock.time(),
         gpus=tuple(
-            replace(g, compute_processes=(g.compute_processes or 0) + 1) if g.index == 1 else g
+            replace(g, compute_processes=1, processes=(ProcessSample(777, 2**30, ancestors=()),))
+            if g.index == 1
+            else g
             for g in sampled.gpus
         ),
     )

@@ -291,8 +291,11 @@ def test_choose_passes_every_flag_to_the_server(
     for flag, value in filters.items():
         argv += [flag, value]
     assert main(argv) == 0, capsys.readouterr().err
-    method, path, params = exporter.requests[-1]
+    method, path, params = exporter.requests[-2]
     assert (method, path) == ("POST", "/choose")
+    # then the job script's shell (our parent) is registered with the lease
+    assert exporter.requests[-1][0::2] == ("POST", {"pid": str(os.getppid())})
+    assert exporter.requests[-1][1].endswith("/pids")
     assert params == {
         "n": "1",
         "format": "uuid",
@@ -501,3 +504,12 @@ def test_release_without_a_lease_is_a_usage_error(exporter: Served) -> None:
     env = {k: v for k, v in os.environ.items() if k != "GPU_LEASE"}
     status, _, err = finish(cli("release", env=env))
     assert status == 2 and err == "error: no lease given and GPU_LEASE is not set\n"
+
+
+def test_run_registers_itself_so_the_commands_work_is_the_leases(exporter: Served) -> None:
+    proc = cli("run", "-q", "--", sys.executable, "-c", "import os; print(os.getppid())")
+    status, out, err = finish(proc)
+    assert status == 0, err
+    assert int(out) == proc.pid  # COMMAND is run's child: a descendant of the registered pid
+    registered = [(p, q) for m, p, q in exporter.requests if m == "POST" and p.endswith("/pids")]
+    assert [q for _, q in registered] == [{"pid": str(proc.pid)}]

@@ -300,6 +300,7 @@ class Claimer:
                 window=window,
                 reserved=reserved,
                 key=key,
+                pids=req.pids,
             )
         except NotEnoughGpus as exc:
             never = never_enough(snapshot.gpus, req.n, req.filters)

@@ -1,29 +1,19 @@
-"""One lease as data, and :func:`settle`: which leases and GPUs are still in force.
+"""One lease as data: the GPUs it holds, who may end it, and how it is kept in ``leases.json``.
 
-A lease holds GPUs (by UUID) until the first of:
-
-* it is released (``DELETE /leases/<token>``) or its TTL runs out (``POST …/renew`` extends
-  it); both take the lease's token (:mod:`gpu_exporter.choose.tokens`), not just its id;
-* the claimant's work shows up on that GPU — a new compute process, or memory use up by more
-  than :data:`ARRIVAL_BYTES` since the lease began — after which NVML's own figures keep
-  other jobs away and the lease is no longer needed for that GPU;
-* the GPU disappears or goes down (reported in the log and in
-  ``gpu_exporter_leases_dropped_total``).
-
-Pure data and pure functions: :class:`~gpu_exporter.choose.leases.LeaseTable` holds the
-lock, and :mod:`gpu_exporter.choose.statefile` the file.
+What ends a lease early is :mod:`gpu_exporter.choose.settle`'s; the table holding leases under
+one lock is :class:`~gpu_exporter.choose.leases.LeaseTable`, the file
+:mod:`gpu_exporter.choose.statefile`. Release and renewal take the lease's token
+(:mod:`gpu_exporter.choose.tokens`), not just its id. :meth:`Lease.from_state` checks every
+entry strictly, so one malformed entry in ``leases.json`` is skipped, never served.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_exporter.choose.tokens import Keyed, token_matches
-from gpu_exporter.model import GpuSample, Snapshot, all_devices
-
-ARRIVAL_BYTES = 256 * 2**20  # a memory rise this large means the claimant's job has started
+from gpu_exporter.model import GpuSample, ProcessSample
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +24,32 @@ class Held:
     index: int
     processes_at_claim: int | None
     memory_used_at_claim: int | None
+    # The compute processes there at claim time; None in state files written before 13.1
+    # (processes_at_claim is compared then).
+    pids_at_claim: tuple[int, ...] | None = None
+    kin_at_claim: tuple[int, ...] = ()  # those processes' ancestors (init excluded)
+    cgroups_at_claim: tuple[str, ...] = ()  # and their cgroup keys
+
+    @classmethod
+    def of(cls, gpu: GpuSample) -> Held:
+        """``gpu`` as it is at claim time."""
+        procs = gpu.processes or ()
+        return cls(
+            gpu.uuid,
+            gpu.index,
+            gpu.compute_processes,
+            gpu.memory_used_bytes,
+            None if gpu.processes is None else tuple(p.pid for p in procs),
+            tuple(dict.fromkeys(a for p in procs for a in p.ancestors or ())),
+            tuple(dict.fromkeys(p.cgroup for p in procs if p.cgroup)),
+        )
+
+    def kin(self, proc: ProcessSample) -> bool:
+        """Is ``proc`` related to a process that was on this GPU at claim time?"""
+        family = {*(self.pids_at_claim or ()), *self.kin_at_claim}
+        if proc.ancestors and not family.isdisjoint(proc.ancestors):
+            return True
+        return proc.cgroup is not None and proc.cgroup in self.cgroups_at_claim
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +64,9 @@ class Lease:
     keyed: Keyed | None = None  # the Idempotency-Key it was claimed with, if any
     # The token itself: set only on the Lease handed to its claimant, never kept or listed.
     token: str | None = field(default=None, compare=False, repr=False)
+    pids: tuple[int, ...] = ()  # registered by the claimant: its job's processes
+    cgroups: tuple[str, ...] = ()  # the registered PIDs' cgroup keys (never shown: privacy)
+    renewed: bool = False  # renewed at least once: its holder is alive and keeps it
 
     def accepts(self, ref: str) -> bool:
         """Does ``ref`` (a token, or an id for a lease from before tokens) prove the claim?"""
@@ -66,14 +85,26 @@ class Lease:
             "expires_at": self.expires_at,
             "requester": self.requester,
             "owner": self.owner,
+            "pids": list(self.pids),
+            "renewed": self.renewed,
         }
 
     def to_state(self) -> dict[str, Any]:
         return {
             **self.to_json(),
             "held": [
-                [g.uuid, g.index, g.processes_at_claim, g.memory_used_at_claim] for g in self.gpus
+                [
+                    g.uuid,
+                    g.index,
+                    g.processes_at_claim,
+                    g.memory_used_at_claim,
+                    None if g.pids_at_claim is None else list(g.pids_at_claim),
+                    list(g.kin_at_claim),
+                    list(g.cgroups_at_claim),
+                ]
+                for g in self.gpus
             ],
+            "cgroups": list(self.cgroups),
             "token_hash": self.token_hash,
             "idempotency": self.keyed.to_state() if self.keyed is not None else None,
         }
@@ -104,6 +135,10 @@ class Lease:
             # Files written before tokens have neither: such a lease takes its id as its token.
             token_hash=_text(data, "token_hash") if data.get("token_hash") is not None else None,
             keyed=Keyed.from_state(data.get("idempotency")),
+            # Files written before job PIDs were registered have none of these.
+            pids=_counts(data.get("pids"), "'pids'", MAX_PID),
+            cgroups=_texts(data.get("cgroups"), "'cgroups'"),
+            renewed=_flag(data.get("renewed", False), "'renewed'"),
         )
 
 
@@ -111,6 +146,7 @@ class Lease:
 MAX_UNIX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z
 MAX_INDEX = 2**31 - 1
 MAX_COUNT = 2**63 - 1
+MAX_PID = 2**22  # Linux's pid_max limit
 
 
 def _kind(value: object) -> str:
@@ -140,10 +176,38 @@ def _count(value: object, what: str, limit: int) -> int:
     return value
 
 
+def _counts(value: object, what: str, limit: int) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list, not {_kind(value)}")
+    return tuple(_count(v, f"each of {what}", limit) for v in value)
+
+
+def _texts(value: object, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{what} must be a list of strings")
+    return tuple(value)
+
+
+def _flag(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be true or false, not {_kind(value)}")
+    return value
+
+
 def _held(entry: object) -> Held:
-    if not isinstance(entry, list) or len(entry) != 4:
-        raise ValueError("each 'held' entry must be [uuid, index, processes, memory_used]")
-    uuid, index, procs, used = entry
+    # [uuid, index, processes, memory_used]; files written since PIDs are registered add
+    # [pids_at_claim, kin_at_claim, cgroups_at_claim].
+    if not isinstance(entry, list) or len(entry) not in (4, 7):
+        raise ValueError(
+            "each 'held' entry must be [uuid, index, processes, memory_used] "
+            "(and pids, kin, cgroups at claim)"
+        )
+    uuid, index, procs, used, *rest = entry
+    pids, kin, cgroups = [*rest, None, None, None][:3]
     if not isinstance(uuid, str) or not uuid:
         raise ValueError(f"a held GPU's uuid must be a non-empty string, not {_kind(uuid)}")
     return Held(
@@ -151,64 +215,7 @@ def _held(entry: object) -> Held:
         _count(index, "a held GPU's index", MAX_INDEX),
         None if procs is None else _count(procs, "a held GPU's process count", MAX_COUNT),
         None if used is None else _count(used, "a held GPU's memory used", MAX_COUNT),
+        None if pids is None else _counts(pids, "a held GPU's pids", MAX_PID),
+        _counts(kin, "a held GPU's kin", MAX_PID),
+        _texts(cgroups, "a held GPU's cgroups"),
     )
-
-
-def _arrived(held: Held, gpu: GpuSample) -> bool:
-    procs, used = gpu.compute_processes, gpu.memory_used_bytes
-    if (
-        procs is not None
-        and held.processes_at_claim is not None
-        and procs > held.processes_at_claim
-    ):
-        return True
-    if used is not None and held.memory_used_at_claim is not None:
-        return used - held.memory_used_at_claim >= ARRIVAL_BYTES
-    return False
-
-
-@dataclass(frozen=True, slots=True)
-class Drop:
-    """One GPU let go from a lease before its expiry, and why: gone, down or arrived."""
-
-    lease_id: str
-    uuid: str
-    reason: str
-
-
-def settle(
-    leases: Mapping[str, Lease], snapshot: Snapshot | None, now: float
-) -> tuple[dict[str, Lease], list[Drop]]:
-    """The leases still in force at wall time ``now`` after ``snapshot``, and the GPUs it let go.
-
-    Pure: the table's reads show the result, :meth:`LeaseTable.prune` commits it. A snapshot
-    taken before a lease began says nothing about that lease's GPUs.
-    """
-    live = {lease.id: lease for lease in leases.values() if lease.expires_at > now}
-    if snapshot is None or not snapshot.nvml_up:
-        return live, []
-    by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
-    kept: dict[str, Lease] = {}
-    drops: list[Drop] = []
-    for lease in live.values():
-        if snapshot.taken_at_seconds <= lease.created_at:
-            kept[lease.id] = lease
-            continue
-        keep = []
-        for held in lease.gpus:
-            gpu = by_uuid.get(held.uuid)
-            reason = (
-                "gone" if gpu is None
-                else "down" if not gpu.up
-                else "arrived" if _arrived(held, gpu)
-                else None
-            )  # fmt: skip
-            if reason is None:
-                keep.append(held)
-            else:
-                drops.append(Drop(lease.id, held.uuid, reason))
-        if len(keep) == len(lease.gpus):
-            kept[lease.id] = lease
-        elif keep:
-            kept[lease.id] = replace(lease, gpus=tuple(keep))
-    return kept, drops

@@ -1,9 +1,9 @@
 """Leases: ``/choose`` selects AND claims GPUs under one lock, so concurrent jobs never share.
 
-What a lease is and what ends it early is :mod:`gpu_exporter.choose.lease`'s. The table is
-written to ``<state-dir>/leases.json`` (:mod:`gpu_exporter.choose.statefile`) on every change
-and read back at start, so a restart never re-issues GPUs that were just handed out. Expiry
-uses the wall clock for that reason.
+A lease as data is :mod:`gpu_exporter.choose.lease`'s, what ends it early
+:mod:`gpu_exporter.choose.settle`'s. The table is written to ``<state-dir>/leases.json``
+(:mod:`gpu_exporter.choose.statefile`) on every change and read back at start, so a restart
+never re-issues GPUs that were just handed out. Expiry uses the wall clock for that reason.
 
 A change that holds GPUs longer (a claim, a renewal) is made only once it is saved: if
 ``leases.json`` cannot be written it is rolled back and refused with 503 ``state_unwritable``.
@@ -17,7 +17,7 @@ NVML up drops the others (``not_on_this_host``), e.g. when two exporters once sh
 state directory.
 
 Reads never change the table (a scrape must not fsync ``leases.json`` or wake waiters): they
-show what :func:`~gpu_exporter.choose.lease.settle` would keep, and
+show what :func:`~gpu_exporter.choose.settle.settle` would keep, and
 :meth:`~LeaseTable.prune` commits it on every published sample (the daemon subscribes it to
 the snapshot cache) and before each change.
 
@@ -33,12 +33,13 @@ import logging
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from gpu_exporter.choose.lease import Held, Lease, settle
+from gpu_exporter.choose.lease import Held, Lease
 from gpu_exporter.choose.rank import Filters, Selection, Window, choose
+from gpu_exporter.choose.settle import settle
 from gpu_exporter.choose.statefile import StateFile, StateWriteError
 from gpu_exporter.choose.tokens import (
     ClaimKey,
@@ -53,6 +54,12 @@ from gpu_exporter.clock import Clock
 from gpu_exporter.model import Snapshot, all_devices
 
 log = logging.getLogger(__name__)
+
+MAX_PIDS = 64  # registered PIDs per lease: a job's launcher or two, not its every worker
+
+
+def _no_cgroup(pid: int) -> str | None:
+    return None
 
 
 class LeaseError(Exception):
@@ -76,8 +83,11 @@ class LeaseTable:
         state_file: Path | StateFile | None = None,
         max_ttl_seconds: float = 3600.0,
         max_gpus_per_requester: int = 0,
+        cgroup_of: Callable[[int], str | None] = _no_cgroup,
     ) -> None:
         self._clock = clock
+        # pid → its cgroup key (procinfo.read_cgroup_key, injected: choose/ reads no /proc)
+        self._cgroup_of = cgroup_of
         self._state = StateFile(state_file) if isinstance(state_file, Path) else state_file
         self.max_ttl_seconds = max_ttl_seconds
         self.max_gpus_per_requester = max_gpus_per_requester
@@ -158,8 +168,10 @@ class LeaseTable:
         window: Window | None = None,
         key: ClaimKey | None = None,
         reserved: Mapping[str, str] | None = None,
+        pids: Iterable[int] = (),
     ) -> tuple[Selection, Lease | None]:
-        """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them.
+        """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them
+        for the job whose processes are ``pids`` (see :func:`~gpu_exporter.choose.settle.settle`).
 
         The lease returned carries its token (:attr:`Lease.token`). With ``key``, a lease an
         earlier claim with that key made is returned instead (see :meth:`again`).
@@ -213,18 +225,18 @@ class LeaseTable:
             if key is not None:  # a retry with this key must get the same token
                 keyed = Keyed(key.key_hash, key.request_hash, new_salt())
                 secret = new_secret(keyed.salt, key.key)
-            lease = Lease(
-                id=lease_id,
-                gpus=tuple(
-                    Held(g.uuid, g.index, g.compute_processes, g.memory_used_bytes)
-                    for g in choice.chosen
+            lease = self._with_pids(
+                Lease(
+                    id=lease_id,
+                    gpus=tuple(Held.of(g) for g in choice.chosen),
+                    created_at=now,
+                    expires_at=now + ttl_seconds,
+                    requester=requester,
+                    owner=owner,
+                    token_hash=sha256_hex(secret),
+                    keyed=keyed,
                 ),
-                created_at=now,
-                expires_at=now + ttl_seconds,
-                requester=requester,
-                owner=owner,
-                token_hash=sha256_hex(secret),
-                keyed=keyed,
+                pids,
             )
             self._hold(lease, None, "no GPU was claimed")
             return choice, replace(lease, token=make_token(lease.id, secret))
@@ -284,10 +296,39 @@ class LeaseTable:
         with self._lock:
             self._prune(None)
             old = self.get(lease_id)
-            lease = replace(old, expires_at=self._clock.time() + ttl_seconds)
+            lease = replace(old, expires_at=self._clock.time() + ttl_seconds, renewed=True)
             left = old.expires_at - self._clock.time()
             self._hold(lease, old, f"the lease was not renewed (it ends in {left:.0f} s)")
             return lease
+
+    def add_pids(self, lease_id: str, pids: Iterable[int]) -> Lease:
+        """Register more of the job's processes with its lease (e.g. once the job started)."""
+        with self._lock:
+            self._prune(None)
+            old = self.get(lease_id)
+            lease = self._with_pids(old, pids)
+            if lease is not old:
+                self._hold(lease, old, "the PIDs were not registered")
+            return lease
+
+    def _with_pids(self, lease: Lease, pids: Iterable[int]) -> Lease:
+        new = [p for p in dict.fromkeys(pids) if p not in lease.pids]
+        if not new:
+            return lease
+        if len(lease.pids) + len(new) > MAX_PIDS:
+            raise LeaseError(
+                400,
+                "too_many_pids",
+                f"a lease takes at most {MAX_PIDS} PIDs; register the job's launcher, "
+                "its descendants count as its own",
+                "pid",
+            )
+        cgroups = (self._cgroup_of(p) for p in new)
+        return replace(
+            lease,
+            pids=lease.pids + tuple(new),
+            cgroups=tuple(dict.fromkeys([*lease.cgroups, *(c for c in cgroups if c)])),
+        )
 
     # -- waking waiters ---------------------------------------------------------------------
     def wake_waiters(self) -> None:

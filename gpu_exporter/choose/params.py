@@ -45,6 +45,7 @@ from gpu_exporter.choose.values import (
     label,
     not_empty,
     one_of,
+    pid_list,
     positive,
     process_count,
     selectors,
@@ -63,6 +64,7 @@ MIG_LIST_FORMATS = ("list", "json")
 DEFAULT_FLEET_MAX_AGE_SECONDS = 60.0  # four missed scrapes at Prometheus' usual 15 s
 MAX_FLEET_MAX_AGE_SECONDS = 3600.0
 MAX_OWNER_CHARS = 64
+MAX_PIDS = 64  # per request; leases.MAX_PIDS caps a lease
 
 Args: TypeAlias = Mapping[str, str]
 """What the parsers read: a ``dict[str, str]`` or a Werkzeug ``MultiDict`` (a dict too)."""
@@ -274,6 +276,17 @@ PARAMS: tuple[Param, ...] = (
         filter=True,
         cluster=False,  # /cluster/choose hands out whole cards only
     ),
+    Param(
+        "pid",
+        pid_list(MAX_PIDS),
+        "The job's process ids (comma-separated), as this host's /proc shows them: the lease "
+        "ends early on a GPU only when one of them, a descendant or a process in the same "
+        "cgroup (Slurm job, container, pod) shows up there. More can be added with "
+        "POST /leases/<id>/pids.",
+        {"type": "string", "pattern": r"^\s*[0-9]+(\s*,\s*[0-9]+)*\s*$", "examples": ["4242"]},
+        default=(),
+        cluster=False,  # a PID means something on one host only
+    ),
     # /cluster/choose only: where the GPUs may be, and how old the fleet's figures may be.
     Param(
         "spread",
@@ -325,6 +338,8 @@ class ChooseRequest:
             name: {"value": list(value) if isinstance(value, tuple) else value, "from": source}
             for name, value, source in sorted(self.applied)
         }
+
+    pids: tuple[int, ...] = ()  # the job's processes, registered with its lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +458,7 @@ def parse_choose_args(
         wait_seconds=v["wait"],
         idle_for_seconds=v["idle_for"],
         applied=applied,
+        pids=v["pid"],
     )
 
 

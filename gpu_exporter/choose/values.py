@@ -106,3 +106,28 @@ def flag(name: str, text: str) -> bool:
     if text not in ("0", "1", "false", "true"):
         raise ValueError(f"{name} must be 0 or 1, got {text!r}")
     return text in ("1", "true")
+
+
+MAX_PID = 4_194_304  # Linux's largest pid_max (2^22)
+
+
+def pid_list(most: int) -> Reader:
+    """Process ids, comma-separated: ``4242`` or ``4242,4243``; each from 1 to 2^22.
+
+    >>> pid_list(4)("pid", "4242, 17")
+    (4242, 17)
+    """
+
+    def read(name: str, text: str) -> tuple[int, ...]:
+        items = [s.strip() for s in text.split(",")]
+        for item in items:
+            if not (item.isascii() and item.isdigit()) or not 1 <= int(item) <= MAX_PID:
+                raise ValueError(
+                    f"{name} must be process ids (whole numbers from 1 to {MAX_PID}, "
+                    f"comma-separated), got {text!r}"
+                )
+        if len(items) > most:
+            raise ValueError(f"{name}: at most {most} process ids, got {len(items)}")
+        return tuple(dict.fromkeys(int(item) for item in items))
+
+    return read

@@ -59,6 +59,7 @@ from gpu_exporter.client.api import (
     duration_seconds,
     format_duration,
     leases,
+    register_pids,
     release,
     renew,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "format_duration",
     "is_loopback",
     "leases",
+    "register_pids",
     "release",
     "renew",
     "replaced_visible_devices",

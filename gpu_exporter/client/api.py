@@ -79,6 +79,7 @@ class Lease:
     owner: str | None = None
     requester: str | None = None
     token: str | None = field(default=None, repr=False)
+    pids: tuple[int, ...] = ()  # the job's processes registered with it
 
     @property
     def ttl_seconds(self) -> float:
@@ -96,6 +97,7 @@ class Lease:
                 owner=str_or_none(data.get("owner")),
                 requester=str_or_none(data.get("requester")),
                 token=str_or_none(data.get("token")),
+                pids=tuple(int(p) for p in data.get("pids") or ()),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise GpuExporterError(f"malformed lease in the server's answer: {data!r}") from exc
@@ -380,6 +382,43 @@ def renew(
         lease_endpoint=True,
     )
     return Lease.from_json(json_body(resp, f"{base}/leases/{lease_id_of(ref)}/renew"))
+
+
+def register_pids(
+    choice_or_id: Choice | Lease | str,
+    pids: Iterable[int],
+    url: str | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+) -> str | None:
+    """Tell the server these processes (and their descendants) are the lease's job, so that
+    only their work ends it early (``POST /leases/<id>/pids``); None when registered, else a
+    note saying why not.
+
+    Never raises: a server from before 13.1 (404), a lease already ended or no answer leaves
+    the lease as it was, ended early only by a new process nobody else claims.
+    """
+    lease_id, base = _lease_ref(choice_or_id, url)
+    if lease_id is None:
+        return None
+    params = {"pid": ",".join(str(p) for p in pids)}
+    try:
+        request(
+            "POST",
+            base,
+            _lease_path(lease_id, "/pids"),
+            params,
+            timeout=timeout,
+            lease_endpoint=True,
+        )
+    except GpuExporterError as exc:
+        note = (
+            f"could not register the job's process with lease {lease_id} (an older "
+            f"gpu-exporter?): {exc}; the lease works without it"
+        )
+        log.info("%s", note)
+        return note
+    return None
 
 
 def leases(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> list[Lease]:

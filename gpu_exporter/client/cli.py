@@ -33,7 +33,7 @@ import warnings
 from typing import Any
 
 from gpu_exporter.choose.params import PARAMS
-from gpu_exporter.client.api import DEFAULT_LEASE, choose_raw, release
+from gpu_exporter.client.api import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.choosing import choose_cluster
 from gpu_exporter.client.fleet import ClusterChoice
 from gpu_exporter.client.transport import (
@@ -150,7 +150,8 @@ def add_choose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Ask a gpu-exporter for the freest GPUs and print its answer as it is. "
         "The GPUs are leased (--lease, default 60s) so that a concurrent chooser gets others: "
         "start the job within that time (or use `run`, which holds the lease while a command "
-        "runs); DELETE /leases/$GPU_LEASE gives them back early.",
+        "runs); DELETE /leases/$GPU_LEASE gives them back early. The lease is registered to "
+        "the calling shell (our parent process): only its work ends the lease early.",
         epilog="Exit status: 0 chosen, 3 not enough GPUs qualify, 2 bad arguments, 1 otherwise.",
     )
     _add_choice_arguments(parser)
@@ -269,6 +270,11 @@ def choose_main(args: argparse.Namespace) -> int:
             owner=args.owner,
             **filters_of(args),
         )
+        if answer.lease_id is not None:
+            # Our parent is the job script's shell: what it starts is the lease's work.
+            note = register_pids(answer.lease_id, [os.getppid()], answer.url)
+            if note is not None:
+                print(f"gpu-exporter: note: {note}", file=sys.stderr)
     except GpuExporterError as exc:
         return fail(exc)
     except KeyboardInterrupt:

@@ -20,7 +20,7 @@ import sys
 import warnings
 from types import FrameType
 
-from gpu_exporter.client.api import Choice, release
+from gpu_exporter.client.api import Choice, register_pids, release
 from gpu_exporter.client.cli import (
     EXIT_USAGE,
     across_hosts,
@@ -159,6 +159,10 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
                 for warning in caught:
                     print(f"{prefix}warning: {warning.message}", file=sys.stderr)
             if choice.lease_id is not None:
+                if choice.host is None:  # COMMAND, our child, runs here: its work is the lease's
+                    note = register_pids(choice, [os.getpid()])
+                    if note is not None and not args.quiet:
+                        print(f"{prefix}note: {note}", file=sys.stderr)
                 keeper = LeaseKeeper(choice).start()
             if not args.quiet:
                 print(f"{prefix}{_describe(choice, keeper)}", file=sys.stderr)

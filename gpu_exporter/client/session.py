@@ -23,6 +23,7 @@ from gpu_exporter.client.api import (
     Duration,
     FilterValue,
     format_duration,
+    register_pids,
     release,
     renew,
 )
@@ -49,9 +50,9 @@ class LeaseKeeper:
     lease runs out). Once the server no longer knows the lease, renewing stops and
     :attr:`ended` says why:
 
-    * ``"dropped"`` — it ended before its expiry: the server lets a lease go once the job's
-      work shows on its GPUs (NVML's figures keep others away from then on), or someone
-      released it. Normal; logged at INFO.
+    * ``"dropped"`` — it ended before its expiry: someone released it, or, before its first
+      renewal, the job's own work showed on its GPUs (NVML's figures keep others away from
+      then on; a renewed lease is never let go that way). Logged at INFO.
     * ``"expired"`` — renewals failed until it ran out: its GPUs may be handed to someone
       else. Logged as an error.
 
@@ -224,6 +225,8 @@ class GpuSession:
         self.choice = choice
         try:
             if choice.lease_id is not None:
+                if choice.host is None:  # this process is the job (a PID names one host's)
+                    register_pids(choice, [os.getpid()], timeout=self._timeout)
                 self.keeper = LeaseKeeper(choice, timeout=self._timeout).start()
             replacing = replaced_visible_devices(choice)
             if replacing is not None:

@@ -131,7 +131,7 @@ def _processes(
     nvml: Nvml, handle: Any, procinfo: ProcInfoCache | None
 ) -> tuple[ProcessSample, ...]:
     """The compute processes on one device, one entry per pid (memory summed), attributed
-    from /proc when enabled."""
+    from /proc as ``procinfo`` reads it."""
     memory: dict[int, int | None] = {}
     for p in nvml.compute_processes(handle):
         if p.pid in memory:
@@ -147,7 +147,15 @@ def _processes(
         else:
             out.append(
                 ProcessSample(
-                    pid, used, info.user, info.command, info.container, info.slurm_job, info.pod
+                    pid,
+                    used,
+                    info.user,
+                    info.command,
+                    info.container,
+                    info.slurm_job,
+                    info.pod,
+                    info.ancestors,
+                    info.cgroup,
                 )
             )
     return tuple(out)

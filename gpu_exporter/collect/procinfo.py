@@ -13,6 +13,13 @@ of the file's text so they can be tested on real-world lines:
 
 A process outside this PID namespace (another container) has no ``/proc`` entry here: every
 field is None, and the GPU's ``process_visibility`` says so.
+
+For lease attribution (:mod:`gpu_exporter.choose.settle`), always read and never exported:
+
+* ``/proc/<pid>/stat`` → the parent pid; walked up, the process's :func:`ancestors`;
+* ``/proc/<pid>/cgroup`` → a :func:`cgroup_key`: the Slurm job, pod or container, else the
+  cgroup path — ``None`` for cgroups that hold unrelated processes (the root, ``init.scope``,
+  a login session's ``session-N.scope``).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class ProcInfo:
     container: str | None = None
     slurm_job: str | None = None
     pod: str | None = None
+    ancestors: tuple[int, ...] | None = None  # with lineage: None when /proc does not show it
+    cgroup: str | None = None  # with lineage: cgroup_key()
 
 
 def parse_cgroup(text: str) -> CgroupInfo:
@@ -118,18 +127,84 @@ def _read(path: str, limit: int = 65536) -> bytes | None:
         return None
 
 
-def start_time(pid: int, proc_root: str = "/proc") -> int | None:
-    """The process's start time in clock ticks (``stat`` field 22): with the pid, a
-    process identity that survives pid reuse."""
+def _stat_field(pid: int, proc_root: str, field: int) -> int | None:
+    """Numeric field ``field`` (1-based, as proc(5) counts) of ``/proc/<pid>/stat``."""
     raw = _read(f"{proc_root}/{pid}/stat", 4096)
     if raw is None:
         return None
     # The command in field 2 may contain spaces and parentheses: split after the last ")".
     rest = raw[raw.rfind(b")") + 2 :].split()
     try:
-        return int(rest[19])
+        return int(rest[field - 3])
     except (IndexError, ValueError):
         return None
+
+
+def start_time(pid: int, proc_root: str = "/proc") -> int | None:
+    """The process's start time in clock ticks (``stat`` field 22): with the pid, a
+    process identity that survives pid reuse."""
+    return _stat_field(pid, proc_root, 22)
+
+
+def parent_pid(pid: int, proc_root: str = "/proc") -> int | None:
+    """The parent's pid (``stat`` field 4); 0 for init, None when /proc does not show it."""
+    return _stat_field(pid, proc_root, 4)
+
+
+# init and kthreadd are everyone's ancestors: they attribute nothing.
+_EVERYONES = frozenset({0, 1, 2})
+MAX_ANCESTORS = 64
+
+
+def ancestors(pid: int, proc_root: str = "/proc") -> tuple[int, ...] | None:
+    """Parent, grandparent … of ``pid``, without init; None when /proc does not show it."""
+    parent = parent_pid(pid, proc_root)
+    if parent is None:
+        return None
+    chain: list[int] = []
+    while parent is not None and parent not in _EVERYONES and len(chain) < MAX_ANCESTORS:
+        chain.append(parent)
+        parent = parent_pid(parent, proc_root)
+    return tuple(chain)
+
+
+_SHARED_CGROUP = re.compile(
+    r"(?:^/?$|/init\.scope$|/session-[^/]+\.scope$|^/user\.slice(?:/[^/]+)?$)"
+)
+
+
+def cgroup_key(text: str) -> str | None:
+    """What makes processes one job, from the text of ``/proc/<pid>/cgroup``: the Slurm job,
+    pod or container, else the cgroup path; None when that cgroup holds unrelated processes.
+
+    >>> cgroup_key("0::/slurm/uid_1000/job_42/step_0/task_0\\n")
+    'slurm_job:42'
+    >>> cgroup_key("0::/user.slice/user-1000.slice/session-3.scope\\n") is None
+    True
+    """
+    info = parse_cgroup(text)
+    if info.slurm_job is not None:  # every step of a job: srun's tasks are not descendants
+        return f"slurm_job:{info.slurm_job}"
+    if info.pod is not None:
+        return f"pod:{info.pod}"
+    if info.container is not None:
+        return f"container:{info.container}"
+    paths = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            paths[parts[1]] = parts[2].strip()
+    # cgroup v2's single hierarchy, else v1's systemd one (where services and scopes live)
+    path = paths.get("", paths.get("name=systemd"))
+    if path is None or _SHARED_CGROUP.search(path):
+        return None
+    return f"cgroup:{path}"
+
+
+def read_cgroup_key(pid: int, proc_root: str = "/proc") -> str | None:
+    """:func:`cgroup_key` of a running process; None when /proc does not show it."""
+    raw = _read(f"{proc_root}/{pid}/cgroup")
+    return cgroup_key(raw.decode("utf-8", "replace")) if raw is not None else None
 
 
 def read_procinfo(
@@ -138,11 +213,15 @@ def read_procinfo(
     *,
     fields: Iterable[str] = FIELDS,
     users: Callable[[int], str] = user_name,
+    lineage: bool = False,
 ) -> ProcInfo:
-    """What ``/proc`` says about ``pid``: only the requested ``fields`` are read."""
+    """What ``/proc`` says about ``pid``: only the requested ``fields`` are read, and
+    ``ancestors`` and ``cgroup`` with ``lineage``."""
     wanted = set(fields)
     base = f"{proc_root}/{pid}"
     info = ProcInfo()
+    if lineage:
+        info = ProcInfo(ancestors=ancestors(pid, proc_root), cgroup=read_cgroup_key(pid, proc_root))
     if "user" in wanted:
         status = _read(f"{base}/status")
         uid = parse_uid(status.decode("utf-8", "replace")) if status is not None else None
@@ -170,6 +249,8 @@ def read_procinfo(
 class ProcInfoCache:
     """:func:`read_procinfo` remembered per (pid, start time), so a long-running job costs
     one ``stat`` read per sample, and a reused pid is never mistaken for the old process.
+    ``lineage`` adds what lease attribution needs; ancestors are kept as first seen (a
+    process whose parent exits stays its grandparent's descendant).
 
     Thread-safe: GPUs may be read on several threads.
     """
@@ -181,8 +262,10 @@ class ProcInfoCache:
         *,
         users: Callable[[int], str] = user_name,
         max_entries: int = 4096,
+        lineage: bool = False,
     ) -> None:
         self.fields = tuple(f for f in FIELDS if f in set(fields))
+        self.lineage = lineage
         self.proc_root = proc_root
         self._users = users
         self._max = max_entries
@@ -190,7 +273,7 @@ class ProcInfoCache:
         self._lock = threading.Lock()
 
     def get(self, pid: int) -> ProcInfo:
-        if not self.fields:
+        if not self.fields and not self.lineage:
             return ProcInfo()
         started = start_time(pid, self.proc_root)
         if started is None:  # not visible from here
@@ -201,7 +284,9 @@ class ProcInfoCache:
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
-        info = read_procinfo(pid, self.proc_root, fields=self.fields, users=self._users)
+        info = read_procinfo(
+            pid, self.proc_root, fields=self.fields, users=self._users, lineage=self.lineage
+        )
         with self._lock:
             self._cache[key] = info
             while len(self._cache) > self._max:

@@ -9,11 +9,12 @@ Scenario files are TOML::
     [[gpus]]
     model = "NVIDIA A100-SXM4-80GB"  # one of MODELS
     count = 2                        # optional, default 1
-    load = "sine"                    # idle | busy | light | sine | steps | hidden | constant
-    period_seconds = 120             # sine and steps
-    utilization = 0.3                # constant only (0–1)
-    memory_used_ratio = 0.5          # constant and hidden (0–1)
-    processes = 2                    # constant only
+    load = "sine"                    # idle | busy | light | sine | steps | hidden | constant | grow
+    period_seconds = 120             # sine and steps; grow: time to fill the card
+    utilization = 0.3                # constant and grow (0–1)
+    memory_used_ratio = 0.5          # constant and hidden (0–1); grow: where it starts
+    processes = 2                    # constant and grow
+    pids = [4242, 4243]              # optional: the listed processes' pids
     hidden_processes = 1             # constant only: using memory, invisible (other container)
     unsupported = ["nvmlDeviceGetFanSpeed"]   # raise NOT_SUPPORTED
     mig = ["3g.40gb", "2g.20gb", "1g.10gb"]   # MIG mode on, with these MIG devices
@@ -64,7 +65,8 @@ else:  # pragma: no cover
 HANG = "HANG"  # a fault that blocks the call instead of failing it
 DEFAULT_DRIVER_VERSION = "550.54.15"
 DEFAULT_CUDA_DRIVER_VERSION = 12040  # NVML's integer form of 12.4
-LOADS = ("idle", "busy", "light", "sine", "steps", "hidden", "constant")
+GROW_TO = 0.95  # the memory ratio a "grow" load ends at
+LOADS = ("idle", "busy", "light", "sine", "steps", "hidden", "constant", "grow")
 # --simulate N cycles through these, so a demo box has busy, idle and changing cards.
 DEFAULT_LOADS = ("busy", "idle", "sine", "light", "steps", "idle", "hidden", "sine")
 # Shipped as package data (pyproject.toml), so a wheel install has them too.
@@ -81,6 +83,7 @@ class Load:
     memory_used_ratio: float = 0.0
     processes: int = 0
     hidden_processes: int = 0  # constant only: they use memory but are not listed
+    pids: tuple[int, ...] = ()  # the listed processes' pids (default 4000 + 100·index + k)
 
     def at(self, t: float, phase: float) -> tuple[float, float, int]:
         if self.kind == "idle":
@@ -93,6 +96,10 @@ class Load:
             return 0.0, self.memory_used_ratio or 0.4, 0
         if self.kind == "constant":
             return self.utilization, self.memory_used_ratio, self.processes
+        if self.kind == "grow":  # a job whose memory keeps growing until the card is full
+            start = self.memory_used_ratio
+            grown = start + (GROW_TO - start) * min(1.0, t / self.period_seconds)
+            return self.utilization, round(grown, 4), max(1, self.processes)
         wave = math.sin(2 * math.pi * (t / self.period_seconds + phase))
         if self.kind == "sine":
             util = round(0.5 + 0.5 * wave, 2)
@@ -319,6 +326,7 @@ def _gpus(entries: list[Mapping[str, Any]]) -> tuple[SimGpu, ...]:
             float(entry.get("memory_used_ratio", 0.0)),
             int(entry.get("processes", 0)),
             int(entry.get("hidden_processes", 0)),
+            tuple(int(p) for p in entry.get("pids", ())),
         )
         health = Health.from_table(entry.get("health", {}))
         mode = str(entry.get("compute_mode", "default"))

@@ -72,7 +72,10 @@ def gpu_state(gpu: SimGpu, t: float) -> GpuState:
     else:
         hidden = gpu.load.hidden_processes if gpu.load.kind == "constant" else 0
         per_proc = used // (nprocs + hidden) if nprocs + hidden else 0
-        processes = tuple((4000 + 100 * index + k, per_proc) for k in range(nprocs))
+        pids = gpu.load.pids
+        processes = tuple(
+            (pids[k] if k < len(pids) else 4000 + 100 * index + k, per_proc) for k in range(nprocs)
+        )
     busy = util > 0
     sm = _int(m.max_sm_clock_mhz * min(1.0, 0.5 + util)) if busy else 210
     reasons = 0

@@ -19,6 +19,7 @@ from flask import Blueprint, Response, jsonify, request
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.leases import LeaseError
 from gpu_exporter.choose.params import (
+    BY_NAME,
     DEFAULT_LEASE_SECONDS,
     ApiError,
     bad,
@@ -26,6 +27,7 @@ from gpu_exporter.choose.params import (
     parse_choose_args,
     parse_cluster_args,
     parsed,
+    value_of,
 )
 from gpu_exporter.choose.rank import Rejected, Selection, score
 from gpu_exporter.choose.tokens import (
@@ -184,4 +186,16 @@ def renew_lease(lease_id: str) -> Response:
         bad("ttl", "ttl must be more than 0; DELETE the lease to release it")
     lease_seconds = DEFAULT_LEASE_SECONDS if ttl is None else ttl
     lease = services().leases.renew(authorized(lease_id), lease_seconds)
+    return jsonify(lease.to_json())
+
+
+@api.post("/leases/<lease_id>/pids")  # the lease's token, as for DELETE
+def add_lease_pids(lease_id: str) -> Response:
+    """Register the job's processes (``pid=4242[,4243]``) with its lease: see
+    :func:`gpu_exporter.choose.settle.settle` for what they change."""
+    check_params(request.values, ("pid",), "/leases/<token>/pids")
+    if "pid" not in request.values:
+        bad("pid", "pid is required: the job's process ids, comma-separated")
+    pids = value_of(request.values, BY_NAME["pid"])
+    lease = services().leases.add_pids(authorized(lease_id), pids)
     return jsonify(lease.to_json())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_exporter import __version__
-from gpu_exporter.choose.params import DURATION_SCHEMA, PARAMS
+from gpu_exporter.choose.params import BY_NAME, DURATION_SCHEMA, PARAMS
 from gpu_exporter.config import DEFAULT_CHOOSE_DEFAULTS
 
 FREE_BY_DEFAULT = (
@@ -78,6 +78,15 @@ _LEASE = {
         "expires_at": {"type": "number"},
         "requester": {"type": "string"},
         "owner": {"type": ["string", "null"]},
+        "pids": {
+            "type": "array",
+            "items": {"type": "integer"},
+            "description": "The job's processes registered with the lease.",
+        },
+        "renewed": {
+            "type": "boolean",
+            "description": "Renewed at least once: it then lasts until released or expired.",
+        },
     },
 }
 _GPU = {
@@ -285,6 +294,25 @@ def document() -> dict[str, Any]:
                     "responses": {
                         "200": _json(lease_ref, "The renewed lease."),
                         **_errors(400, 403, 404, 429, 503),
+                    },
+                }
+            },
+            "/leases/{lease_id}/pids": {
+                "post": {
+                    "summary": "Register the job's processes with its lease",
+                    "description": BY_NAME["pid"].help,
+                    "parameters": [
+                        lease_id,
+                        {
+                            "name": "pid",
+                            "in": "query",
+                            "required": True,
+                            "schema": BY_NAME["pid"].schema,
+                        },
+                    ],
+                    "responses": {
+                        "200": _json(lease_ref, "The lease, with its registered pids."),
+                        **_errors(400, 404),
                     },
                 }
             },
