@@ -23,6 +23,7 @@ from conftest import FakeClock, build_stack, fake_proc, sim_of
 from gpu_exporter import client
 from gpu_exporter.choose.lease import Held, Lease
 from gpu_exporter.choose.settle import settle
+from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.collect.procinfo import ProcInfo, ProcInfoCache, ancestors, cgroup_key
 from gpu_exporter.model import GpuSample, ProcessSample, Snapshot
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
@@ -268,7 +269,9 @@ def test_pids_given_on_the_claim_and_later_show_in_leases(tmp_path: Path) -> Non
     lease = s.client.get("/choose?pid=500,501").headers["X-GPU-Lease"]
     body = s.client.post(f"/leases/{lease}/pids?pid=502,500").get_json()
     assert body["pids"] == [500, 501, 502] and body["renewed"] is False
-    assert s.leases.get(lease).cgroups == ("slurm_job:7",)  # read once, when registered
+    assert s.leases.get(lease_id_of(lease)).cgroups == (
+        "slurm_job:7",
+    )  # read once, when registered
     assert s.client.get("/leases").get_json()["leases"][0]["pids"] == [500, 501, 502]
     assert s.client.post(f"/leases/{lease}/renew").get_json()["renewed"] is True
 
@@ -391,7 +394,9 @@ class ForeignProcesses(RuleBasedStateMachine):
     def leased_gpus_stay_leased(self) -> None:
         active = self.s.leases.active(self.s.cache.get())
         live = {x.id: x.uuids for x in active if self.s.sim.gpus[4].uuid not in x.uuids}
-        want = {k: (self.s.sim.gpus[g].uuid,) for k, (_, g, _) in self.expected.items()}
+        want = {
+            lease_id_of(k): (self.s.sim.gpus[g].uuid,) for k, (_, g, _) in self.expected.items()
+        }
         assert live == want
         assert self.s.leases.dropped["arrived"] == 0
         free = self.s.client.get(f"/choose?{ANY}&lease=0&n=1&format=json").get_json()

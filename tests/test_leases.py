@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from conftest import FakeClock, Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.choose.leases import LeaseError, LeaseTable
 from gpu_exporter.choose.rank import Filters, NotEnoughGpus
+from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.model import ProcessSample
 from gpu_exporter.simulate import Fault, Load, SimGpu
 from gpu_exporter.web.server import Server
@@ -162,7 +163,7 @@ def test_memory_rises_alone_never_end_a_lease(tmp_path: Path) -> None:
     s.clock.advance(1)  # … and a process in another container takes memory, invisibly
     s.sim.gpus[0].load = Load("hidden", memory_used_ratio=0.95)
     s.sample()
-    assert [x["id"] for x in s.client.get("/leases").get_json()["leases"]] == [lease]
+    assert [x["id"] for x in s.client.get("/leases").get_json()["leases"]] == [lease_id_of(lease)]
 
 
 def test_lost_gpu_is_dropped_from_its_lease() -> None:
