@@ -12,6 +12,7 @@ from typing import Any
 from gpu_exporter import __version__
 from gpu_exporter.choose.params import BY_NAME, DURATION_SCHEMA, PARAMS
 from gpu_exporter.config import DEFAULT_CHOOSE_DEFAULTS
+from gpu_exporter.web.openapi_schemas import LEASE_REF, schemas
 
 FREE_BY_DEFAULT = (
     "What 'free' means unless the request says otherwise: the exporter's --choose-defaults "
@@ -21,15 +22,6 @@ FREE_BY_DEFAULT = (
     "GPU cannot report (a MIG device has no utilization) passes a default, never a filter the "
     "request gave. format=json lists the filters applied and where each came from."
 )
-_FILTERS = {
-    "type": "object",
-    "description": "The filters applied: {name: {value, from: request or default}}.",
-    "additionalProperties": {
-        "type": "object",
-        "required": ["value", "from"],
-        "properties": {"value": {}, "from": {"enum": ["request", "default"]}},
-    },
-}
 
 
 def _query_parameters(cluster: bool) -> list[dict[str, Any]]:
@@ -45,76 +37,6 @@ def _query_parameters(cluster: bool) -> list[dict[str, Any]]:
         for p in PARAMS
         if (p.cluster if cluster else p.choose)
     ]
-
-
-_ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["code", "message", "param"],
-            "properties": {
-                "code": {"type": "string"},
-                "message": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-_LEASE = {
-    "type": "object",
-    "required": ["id", "gpus", "indices", "created_at", "expires_at", "requester", "owner"],
-    "properties": {
-        "id": {"type": "string", "description": "Public: shown on the status page and /leases."},
-        "token": {
-            "type": "string",
-            "description": "Renews and releases the lease (<id>.<secret>); only in the claim's "
-            "answer, never in /leases.",
-        },
-        "gpus": {"type": "array", "items": {"type": "string"}},
-        "indices": {"type": "array", "items": {"type": "integer"}},
-        "created_at": {"type": "number"},
-        "expires_at": {"type": "number"},
-        "requester": {"type": "string"},
-        "owner": {"type": ["string", "null"]},
-        "pids": {
-            "type": "array",
-            "items": {"type": "integer"},
-            "description": "The job's processes registered with the lease.",
-        },
-        "renewed": {
-            "type": "boolean",
-            "description": "Renewed at least once: it then lasts until released or expired.",
-        },
-    },
-}
-_GPU = {
-    "type": "object",
-    "required": ["index", "uuid", "up"],
-    "properties": {
-        "index": {"type": "integer"},
-        "uuid": {"type": "string"},
-        "up": {"type": "boolean"},
-        "name": {"type": ["string", "null"]},
-        "memory_free_bytes": {"type": ["integer", "null"]},
-        "utilization_ratio": {"type": ["number", "null"]},
-        "parent_uuid": {"type": ["string", "null"], "description": "Set on MIG devices."},
-        "mig_devices": {"type": "array", "items": {"type": "object"}},
-        "processes": {
-            "type": ["array", "null"],
-            "items": {
-                "type": "object",
-                "required": ["pid", "used_memory_bytes"],
-                "properties": {
-                    "pid": {"type": "integer"},
-                    "used_memory_bytes": {"type": ["integer", "null"]},
-                },
-            },
-        },
-        "process_visibility": {"enum": ["full", "partial", "none", None]},
-    },
-}
 
 
 def _errors(*statuses: int, **override: str) -> dict[str, Any]:
@@ -230,7 +152,6 @@ def document() -> dict[str, Any]:
         "--lease-admins (or a lease from before tokens).",
         "schema": {"type": "string"},
     }
-    lease_ref = {"$ref": "#/components/schemas/Lease"}
     return {
         "openapi": "3.1.0",
         "info": {
@@ -254,7 +175,7 @@ def document() -> dict[str, Any]:
                             {
                                 "type": "object",
                                 "required": ["leases"],
-                                "properties": {"leases": {"type": "array", "items": lease_ref}},
+                                "properties": {"leases": {"type": "array", "items": LEASE_REF}},
                             },
                             "Active leases, oldest first.",
                         ),
@@ -271,7 +192,7 @@ def document() -> dict[str, Any]:
                             {
                                 "type": "object",
                                 "required": ["released", "lease"],
-                                "properties": {"released": {"type": "string"}, "lease": lease_ref},
+                                "properties": {"released": {"type": "string"}, "lease": LEASE_REF},
                             },
                             "Released.",
                         ),
@@ -292,7 +213,7 @@ def document() -> dict[str, Any]:
                         },
                     ],
                     "responses": {
-                        "200": _json(lease_ref, "The renewed lease."),
+                        "200": _json(LEASE_REF, "The renewed lease."),
                         **_errors(400, 403, 404, 429, 503),
                     },
                 }
@@ -311,7 +232,7 @@ def document() -> dict[str, Any]:
                         },
                     ],
                     "responses": {
-                        "200": _json(lease_ref, "The lease, with its registered pids."),
+                        "200": _json(LEASE_REF, "The lease, with its registered pids."),
                         **_errors(400, 404),
                     },
                 }
@@ -363,83 +284,6 @@ def document() -> dict[str, Any]:
         },
         "components": {
             "securitySchemes": {"basicAuth": {"type": "http", "scheme": "basic"}},
-            "schemas": {
-                "Error": _ERROR,
-                "Lease": _LEASE,
-                "Gpu": _GPU,
-                "Choice": {
-                    "type": "object",
-                    "required": ["n", "chosen", "rejected", "lease", "snapshot_age_seconds"],
-                    "properties": {
-                        "n": {"type": "integer"},
-                        "sort": {"type": "string"},
-                        "chosen": {"type": "array", "items": {"$ref": "#/components/schemas/Gpu"}},
-                        "rejected": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "required": ["index", "uuid", "reasons"],
-                                "properties": {
-                                    "index": {"type": "integer"},
-                                    "uuid": {"type": "string"},
-                                    "reasons": {"type": "array", "items": {"type": "string"}},
-                                },
-                            },
-                        },
-                        "lease": {"oneOf": [lease_ref, {"type": "null"}]},
-                        "snapshot_age_seconds": {"type": "number"},
-                        "filters": _FILTERS,
-                    },
-                },
-                "Placements": {
-                    "type": "object",
-                    "required": ["n", "spread", "source", "placements", "passed_over"],
-                    "properties": {
-                        "n": {"type": "integer"},
-                        "spread": {"type": "boolean"},
-                        "source": {"type": "string", "enum": ["prometheus", "hosts"]},
-                        "evaluated_at": {"type": ["number", "null"]},
-                        "filters": _FILTERS,
-                        "placements": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "required": ["host", "url", "uuids", "indices", "lease"],
-                                "properties": {
-                                    "host": {"type": "string"},
-                                    "url": {"type": "string"},
-                                    "uuids": {"type": "array", "items": {"type": "string"}},
-                                    "indices": {"type": "array", "items": {"type": "integer"}},
-                                    "lease": {"type": ["object", "null"]},
-                                    "chosen": {"type": "array", "items": _GPU},
-                                },
-                            },
-                        },
-                        "passed_over": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "required": ["host", "url", "reason"],
-                                "properties": {
-                                    "host": {"type": "string"},
-                                    "url": {"type": "string"},
-                                    "reason": {"type": "string"},
-                                },
-                            },
-                        },
-                        "notes": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
-                "Snapshot": {
-                    "type": "object",
-                    "required": ["simulated", "nvml_up", "gpus"],
-                    "properties": {
-                        "simulated": {"type": "boolean"},
-                        "nvml_up": {"type": "boolean"},
-                        "nvml_error": {"type": ["string", "null"]},
-                        "gpus": {"type": "array", "items": {"$ref": "#/components/schemas/Gpu"}},
-                    },
-                },
-            },
+            "schemas": schemas(),
         },
     }
