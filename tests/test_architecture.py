@@ -280,6 +280,8 @@ def test_create_app_is_short() -> None:
         "nvml",
         "config",
         "choose.params",
+        "choose.request",
+        "choose.filters",
         "choose.defaults",
         "choose.selectors",
         "choose.fleet",

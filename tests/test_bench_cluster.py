@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.fleet import rank_fleet
 from gpu_exporter.choose.promql import parse_fleet
-from gpu_exporter.choose.rank import Filters
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "cluster.py"
 

@@ -6,16 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_exporter.choose.rank import (
-    GIB,
-    Filters,
-    NotEnoughGpus,
-    choose,
-    rank,
-    rejection_reasons,
-    selector_matches,
-    sort_key,
-)
+from gpu_exporter.choose.filters import Filters, rejection_reasons
+from gpu_exporter.choose.rank import GIB, NotEnoughGpus, choose, rank, sort_key
+from gpu_exporter.choose.selectors import selector_matches
 from gpu_exporter.model import GpuSample
 
 

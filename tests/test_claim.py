@@ -20,9 +20,10 @@ from gpu_exporter.choose.claim import (
     history_window,
     snapshot_problem,
 )
+from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.leases import LeaseTable
-from gpu_exporter.choose.params import ApiError, ChooseRequest, parse_choose_args
-from gpu_exporter.choose.rank import Filters
+from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.request import ChooseRequest, parse_choose_args
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
 

@@ -12,10 +12,11 @@ import pytest
 
 from conftest import build_stack
 from gpu_exporter import client
+from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.fleet import Fleet, Host, rank_fleet
-from gpu_exporter.choose.params import ApiError, parse_cluster_args
+from gpu_exporter.choose.params import ApiError
 from gpu_exporter.choose.promql import fleet_queries, parse_fleet
-from gpu_exporter.choose.rank import Filters
+from gpu_exporter.choose.request import parse_cluster_args
 from gpu_exporter.client import Choice, ServerUnreachable
 from gpu_exporter.client.fleet import (
     ClusterChoice,

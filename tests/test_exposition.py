@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from conftest import Stack, build_stack, sim_of
 from conftest import without_process_metrics as bare
-from gpu_exporter.choose.rank import Filters
+from gpu_exporter.choose.filters import Filters
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.export.collectors import GpuCollector
 from gpu_exporter.export.exposition import Exposition

@@ -20,7 +20,8 @@ from conftest import build_stack, sim_of
 from gpu_exporter import client
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS, parse_defaults
 from gpu_exporter.choose.fleet import Fleet, Host
-from gpu_exporter.choose.params import ApiError, parse_choose_args, parse_cluster_args
+from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.request import parse_choose_args, parse_cluster_args
 from gpu_exporter.client import Choice, NoGpusAvailable
 from gpu_exporter.client.fleet import choose_fleet, http_claimer
 from gpu_exporter.daemon import BuildError

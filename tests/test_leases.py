@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import FakeClock, Stack, build_stack, fake_proc, sim_of
+from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.leases import LeaseError, LeaseTable
-from gpu_exporter.choose.rank import Filters, NotEnoughGpus
+from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.model import ProcessSample
 from gpu_exporter.simulate import Fault, Load, SimGpu

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import build_stack
-from gpu_exporter.choose.rank import Filters
+from gpu_exporter.choose.filters import Filters
 from gpu_exporter.clock import SystemClock
 from gpu_exporter.config import ServeConfig
 from gpu_exporter.daemon import build

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpu_exporter import client
-from gpu_exporter.choose.rank import Filters
+from gpu_exporter.choose.filters import Filters
 from gpu_exporter.cli import build_parser, main
 from gpu_exporter.client.run import run_main
 from gpu_exporter.nvml import Nvml

@@ -17,7 +17,7 @@ one request at a time per thread. What a request does, and what it blocks:
   ``--max-waiters`` slot but without a place in the queue, so it blocks nobody.
 * ``n`` more than the GPUs here could ever give under the request's fixed filters (device
   count, kind, ``include``/``exclude``, ``model``, total memory;
-  :func:`~gpu_exporter.choose.rank.never_enough`) is refused at once, never waited for.
+  :func:`~gpu_exporter.choose.filters.never_enough`) is refused at once, never waited for.
 * Waiting takes one of the ``--max-waiters`` slots (:class:`Waiters`), at most
   ``--max-waiters-per-requester`` of them per client address, held until the request ends,
   so long-polling clients can never take every server thread.
@@ -39,10 +39,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpu_exporter.choose.filters import Window, never_enough
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.leases import LeaseTable
-from gpu_exporter.choose.params import ApiError, ChooseRequest
-from gpu_exporter.choose.rank import NotEnoughGpus, Selection, Window, never_enough
+from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.rank import NotEnoughGpus, Selection
+from gpu_exporter.choose.request import ChooseRequest
 from gpu_exporter.choose.tokens import ClaimKey
 from gpu_exporter.choose.waitqueue import Waiter, WaitQueue, reserved_for
 from gpu_exporter.clock import Clock

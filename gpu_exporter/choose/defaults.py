@@ -6,7 +6,7 @@ By default a GPU is free under 50 % utilization and 50 % memory-bandwidth utiliz
 and ``wait=`` never waits. The defaults are filters in the query string's syntax; each applies
 when a request does not give that parameter (``max_util=100%`` turns that one off), and a
 value a GPU cannot report (a MIG device has no utilization) passes a default, never a filter
-the request gave (:attr:`gpu_exporter.choose.rank.Filters.defaulted`).
+the request gave (:attr:`gpu_exporter.choose.filters.Filters.defaulted`).
 
 The server parses its own (``gpu-exporter serve --choose-defaults``); clients that choose
 without a server's word — the cluster chooser, choosing from this host's NVML — use
@@ -18,7 +18,8 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Mapping
 
-from gpu_exporter.choose.params import DEFAULTABLE, ApiError, parse_choose_args
+from gpu_exporter.choose.params import DEFAULTABLE, ApiError
+from gpu_exporter.choose.request import parse_choose_args
 from gpu_exporter.config import DEFAULT_CHOOSE_DEFAULTS
 
 __all__ = ["DEFAULT_CHOOSE_DEFAULTS", "SHIPPED_DEFAULTS", "parse_defaults"]

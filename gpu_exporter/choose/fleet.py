@@ -20,7 +20,8 @@ import urllib.parse
 from dataclasses import dataclass, fields
 from typing import Any
 
-from gpu_exporter.choose.rank import Filters, NotEnoughGpus, SortKey, Window, rank, sort_key
+from gpu_exporter.choose.filters import Filters, Window
+from gpu_exporter.choose.rank import NotEnoughGpus, SortKey, rank, sort_key
 from gpu_exporter.model import GpuSample
 
 

@@ -37,8 +37,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from gpu_exporter.choose.filters import Filters, Window
 from gpu_exporter.choose.lease import Held, Lease
-from gpu_exporter.choose.rank import Filters, Selection, Window, choose
+from gpu_exporter.choose.rank import Selection, choose
 from gpu_exporter.choose.settle import settle
 from gpu_exporter.choose.statefile import StateFile, StateWriteError
 from gpu_exporter.choose.tokens import (

@@ -1,44 +1,34 @@
-"""``/choose`` and ``/cluster/choose`` parameters: each described once, parsed once, without Flask.
+"""``/choose`` and ``/cluster/choose`` parameters: each described once, without Flask.
 
 :data:`PARAMS` is the one list of them. Each :class:`Param` carries its name, its reader
 (:mod:`gpu_exporter.choose.values`), its help text and its JSON schema, and says where it
 applies. Everything else is built from it:
 
-* the server's parser, :func:`parse_choose_args` / :func:`parse_cluster_args`, which the
-  server (:mod:`gpu_exporter.web.app`), the client's local fallback
-  (:mod:`gpu_exporter.client.local`) and the cluster chooser (:mod:`gpu_exporter.client.fleet`)
-  all read parameters through, so a value means the same everywhere and is refused with the
-  same message;
+* the parsers, :func:`~gpu_exporter.choose.request.parse_choose_args` and
+  :func:`~gpu_exporter.choose.request.parse_cluster_args` (:mod:`gpu_exporter.choose.request`),
+  which the server, the client's local fallback and the cluster chooser all read parameters
+  through;
 * the OpenAPI document's parameter lists (:mod:`gpu_exporter.web.openapi`);
 * the filter flags of ``gpu-exporter choose`` and ``run`` (:mod:`gpu_exporter.client.cli`),
   the filters choosing locally can apply (:data:`LOCAL_FILTERS`) and those a host checks again
   when a cluster choice claims there (:data:`POINT_FILTERS`).
 
-``args`` is anything with ``in``, ``[]``, ``.get`` and iteration — a plain ``dict`` of strings
-or Werkzeug's ``MultiDict`` (whose ``getlist`` also catches repeated parameters). Every refusal
-is an :class:`ApiError` carrying the HTTP status, a code and the parameter.
+Every refusal is an :class:`ApiError` carrying the HTTP status, a code and the parameter.
 
->>> parse_choose_args({"n": "2", "min_free": "8GiB"}).filters.min_free_bytes
-8589934592
->>> parse_cluster_args({"n": "2", "spread": "1"}).spread
-True
-
-What "free" means unless a request says otherwise is the server's ``--choose-defaults``
-(:mod:`gpu_exporter.choose.defaults`): filters applied per parameter when a request does not
-give it, each shown in ``format=json`` with where it came from.
-
->>> defaults = {"max_util": "50%", "max_mem_util": "50%"}
->>> parse_choose_args({"max_util": "100%"}, defaults=defaults).filters_json()["max_util"]
-{'value': 1.0, 'from': 'request'}
+>>> BY_NAME["min_free"].option
+'--min-free'
+>>> "pid" in CLUSTER_PARAMS, "spread" in CHOOSE_PARAMS
+(False, False)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, NoReturn
 
-from gpu_exporter.choose.rank import MIG_MODES, SORTS, Filters
+from gpu_exporter.choose.filters import MIG_MODES
+from gpu_exporter.choose.rank import SORTS
 from gpu_exporter.choose.values import (
     Reader,
     flag,
@@ -65,9 +55,6 @@ DEFAULT_FLEET_MAX_AGE_SECONDS = 60.0  # four missed scrapes at Prometheus' usual
 MAX_FLEET_MAX_AGE_SECONDS = 3600.0
 MAX_OWNER_CHARS = 64
 MAX_PIDS = 64  # per request; leases.MAX_PIDS caps a lease
-
-Args: TypeAlias = Mapping[str, str]
-"""What the parsers read: a ``dict[str, str]`` or a Werkzeug ``MultiDict`` (a dict too)."""
 
 
 @dataclass
@@ -312,162 +299,3 @@ LOCAL_FILTERS = tuple(p.name for p in PARAMS if p.local)
 POINT_FILTERS = tuple(p.name for p in PARAMS if p.recheck)
 # What --choose-defaults may set: the filters /choose takes.
 DEFAULTABLE = tuple(p.name for p in PARAMS if p.filter and p.choose)
-NO_DEFAULTS: Mapping[str, str] = {}
-
-
-# -- parsing -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ChooseRequest:
-    n: int
-    format: str
-    filters: Filters
-    sort: str = "free"
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
-    owner: str | None = None
-    wait_seconds: float = 0.0
-    idle_for_seconds: float | None = None
-    # The filters given, by name, with their parsed value and where each came from:
-    # (name, value, "request" or "default"), in PARAMS order.
-    applied: tuple[tuple[str, Any, str], ...] = ()
-
-    def filters_json(self) -> dict[str, dict[str, Any]]:
-        """``format=json``'s ``filters``: ``{"max_util": {"value": 0.5, "from": "default"}}``."""
-        return {
-            name: {"value": list(value) if isinstance(value, tuple) else value, "from": source}
-            for name, value, source in sorted(self.applied)
-        }
-
-    pids: tuple[int, ...] = ()  # the job's processes, registered with its lease
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterRequest:
-    choose: ChooseRequest
-    spread: bool = False  # False: all n GPUs on one host
-    max_age_seconds: float = DEFAULT_FLEET_MAX_AGE_SECONDS
-
-
-def check_params(args: Args, allowed: tuple[str, ...], endpoint: str) -> None:
-    """Unknown or repeated query parameters are errors, never silently ignored."""
-    getlist = getattr(args, "getlist", None)
-    for name in args:
-        if name not in allowed:
-            takes = ", ".join(allowed) if allowed else "no parameters"
-            raise ApiError(
-                400,
-                "unknown_parameter",
-                f"unknown parameter {name!r}; {endpoint} takes {takes}",
-                name,
-            )
-        if getlist is not None and len(getlist(name)) > 1:
-            bad(name, f"{name} given more than once")
-
-
-def parsed(args: Args, name: str, parse: Any) -> Any:
-    """``parse(args[name])``, None when absent; a ValueError becomes a 400 naming ``name``."""
-    if name not in args:
-        return None
-    try:
-        return parse(args[name])
-    except ValueError as exc:
-        bad(name, f"{name}: {exc}")
-
-
-def value_of(args: Args, param: Param) -> Any:
-    """``param`` read from ``args``: parsed when given, its default when not."""
-    if param.name not in args:
-        return param.default
-    try:
-        return param.parse(param.name, args[param.name])
-    except ValueError as exc:
-        bad(param.name, str(exc))
-
-
-def parse_choose_args(
-    args: Args,
-    *,
-    allowed: tuple[str, ...] = CHOOSE_PARAMS,
-    endpoint: str = "/choose",
-    defaults: Mapping[str, str] = NO_DEFAULTS,
-    max_idle_for_seconds: float | None = None,
-) -> ChooseRequest:
-    """Validate ``/choose``'s query string strictly, parameter by parameter in table order.
-
-    ``defaults`` (:func:`gpu_exporter.choose.defaults.parse_defaults`) fill in the filters
-    ``args`` does not give.
-    ``max_idle_for_seconds`` is how far back the server's history reaches: a longer
-    ``idle_for`` could never be met, so it is refused.
-    """
-    check_params(args, allowed, endpoint)
-    merged: dict[str, str] = {k: t for k, t in defaults.items() if k in allowed and k not in args}
-    merged.update((k, args[k]) for k in args)
-    v = {p.name: value_of(merged, p) for p in PARAMS if p.choose}
-    if v["mig"] != "deny" and v["format"] == "index":
-        bad(
-            "format",
-            "format=index cannot name MIG devices (CUDA takes their MIG-… UUID); "
-            "use format=uuid, env or list",
-        )
-    if v["mig"] == "only" and v["n"] > 1 and v["format"] not in MIG_LIST_FORMATS:
-        raise ApiError(
-            400,
-            "mig_single_device",
-            f"a CUDA process can use only one MIG device (NVIDIA's MIG user guide), so "
-            f"n={v['n']} MIG devices cannot share one CUDA_VISIBLE_DEVICES; ask for "
-            "format=list (one MIG-… UUID per line, to start a process on each) or "
-            "format=json, or n=1",
-            "n",
-        )
-    idle_for, most = v["idle_for"], max_idle_for_seconds
-    if idle_for is not None and most is not None and idle_for > most:
-        bad(
-            "idle_for",
-            f"idle_for {idle_for:g} s is longer than the {most:g} s of history this exporter "
-            "keeps (its samples × --interval), so it could never be met; ask for "
-            f"idle_for={most:g}s or less",
-        )
-    defaulted = tuple(k for k in merged if k not in args)
-    filters = Filters(
-        min_free_bytes=v["min_free"],
-        max_util_ratio=v["max_util"],
-        exclude=v["exclude"],
-        min_total_bytes=v["min_total"],
-        max_mem_util_ratio=v["max_mem_util"],
-        max_procs=v["max_procs"],
-        model=v["model"],
-        include=v["include"],
-        mig=v["mig"],
-        # mig=allow: several MIG devices only where the format gives each its own line.
-        max_mig_devices=1 if v["mig"] == "allow" and v["format"] not in MIG_LIST_FORMATS else None,
-        defaulted=defaulted,
-    )
-    applied = tuple(
-        (p.name, v[p.name], "default" if p.name in defaulted else "request")
-        for p in PARAMS
-        if p.filter and p.name in merged
-    )
-    return ChooseRequest(
-        n=v["n"],
-        format=v["format"],
-        filters=filters,
-        sort=v["sort"],
-        lease_seconds=v["lease"],
-        owner=v["owner"],
-        wait_seconds=v["wait"],
-        idle_for_seconds=v["idle_for"],
-        applied=applied,
-        pids=v["pid"],
-    )
-
-
-def parse_cluster_args(args: Args, *, defaults: Mapping[str, str] = NO_DEFAULTS) -> ClusterRequest:
-    """Validate ``/cluster/choose``'s query string: ``/choose``'s, plus spread and max_age."""
-    req = parse_choose_args(
-        args, allowed=CLUSTER_PARAMS, endpoint="/cluster/choose", defaults=defaults
-    )
-    spread = value_of(args, BY_NAME["spread"])
-    if spread and req.format == "env":
-        bad("format", "format=env names one host; with spread=1 ask for format=json or uuid")
-    return ClusterRequest(req, spread=spread, max_age_seconds=value_of(args, BY_NAME["max_age"]))

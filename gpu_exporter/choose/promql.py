@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any, Final
 
+from gpu_exporter.choose.filters import Filters, Window
 from gpu_exporter.choose.fleet import Fleet, Host, base_url
-from gpu_exporter.choose.rank import Filters, Window
 from gpu_exporter.model import GpuSample
 
 URL_LABEL: Final = "gpu_exporter_url"
@@ -332,7 +332,7 @@ def _host_window(
     evaluated_at: float,
     max_age_seconds: float,
 ) -> Window:
-    """idle_for as a :class:`~gpu_exporter.choose.rank.Window`: each GPU's worst figures.
+    """idle_for as a :class:`~gpu_exporter.choose.filters.Window`: each GPU's worst figures.
 
     The window's first sample comes at most one scrape after its start, so a history that
     reaches back to within ``max_age_seconds`` of the start counts as covering it.

@@ -1,6 +1,6 @@
 """Which GPU a selector names: an NVML index, a UUID (or its prefix) or a PCI bus id.
 
-``include=``/``exclude=`` of ``/choose`` (:mod:`gpu_exporter.choose.rank`) match GPUs with it.
+``include=``/``exclude=`` of ``/choose`` (:mod:`gpu_exporter.choose.filters`) match GPUs with it.
 """
 
 from __future__ import annotations

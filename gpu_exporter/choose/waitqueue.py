@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from gpu_exporter.choose.rank import Filters, candidates, rejection_reasons
+from gpu_exporter.choose.filters import Filters, candidates, rejection_reasons
 from gpu_exporter.model import GpuSample
 from gpu_exporter.units import format_bytes
 

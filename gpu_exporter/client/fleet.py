@@ -40,8 +40,9 @@ from gpu_exporter.choose.fleet import (
     host_from_snapshot,
     rank_fleet,
 )
-from gpu_exporter.choose.params import POINT_FILTERS, ApiError, ClusterRequest, parse_cluster_args
+from gpu_exporter.choose.params import POINT_FILTERS, ApiError
 from gpu_exporter.choose.promql import check_selector, fleet_queries, parse_fleet
+from gpu_exporter.choose.request import ClusterRequest, parse_cluster_args
 from gpu_exporter.client.api import DEFAULT_LEASE, Choice, Lease, choose_host, release
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,

@@ -19,9 +19,11 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeAlias
 
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
-from gpu_exporter.choose.params import LOCAL_FILTERS, ApiError, parse_choose_args
-from gpu_exporter.choose.rank import Filters, NotEnoughGpus
+from gpu_exporter.choose.filters import Filters
+from gpu_exporter.choose.params import LOCAL_FILTERS, ApiError
+from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.rank import choose as rank_and_choose
+from gpu_exporter.choose.request import parse_choose_args
 from gpu_exporter.client.api import Choice, Duration, FilterValue, choose_host, filter_value
 from gpu_exporter.client.transport import (
     GpuExporterError,

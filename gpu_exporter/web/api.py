@@ -1,6 +1,6 @@
 """The lease API: ``/choose`` (GET and POST), ``/cluster/choose`` and ``/leases``.
 
-Parsing is :mod:`gpu_exporter.choose.params`'s, claiming and waiting
+Parsing is :mod:`gpu_exporter.choose.request`'s, claiming and waiting
 :class:`~gpu_exporter.choose.claim.Claimer`'s; the views here only turn their results into
 text or JSON. Refusals are raised and answered by :mod:`gpu_exporter.web.errors`.
 
@@ -18,18 +18,15 @@ from flask import Blueprint, Response, jsonify, request
 
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.leases import LeaseError
-from gpu_exporter.choose.params import (
-    BY_NAME,
-    DEFAULT_LEASE_SECONDS,
-    ApiError,
-    bad,
+from gpu_exporter.choose.params import BY_NAME, DEFAULT_LEASE_SECONDS, ApiError, bad
+from gpu_exporter.choose.rank import Rejected, Selection, score
+from gpu_exporter.choose.request import (
     check_params,
     parse_choose_args,
     parse_cluster_args,
     parsed,
     value_of,
 )
-from gpu_exporter.choose.rank import Rejected, Selection, score
 from gpu_exporter.choose.tokens import (
     IDEMPOTENCY_HEADER,
     ClaimKey,

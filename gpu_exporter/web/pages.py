@@ -9,7 +9,7 @@ from flask import Blueprint, Response, jsonify, render_template, request
 
 from gpu_exporter import __version__
 from gpu_exporter.choose.claim import snapshot_problem
-from gpu_exporter.choose.params import check_params, parse_choose_args
+from gpu_exporter.choose.request import check_params, parse_choose_args
 from gpu_exporter.counters import XidCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import format_bytes

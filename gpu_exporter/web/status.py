@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.lease import Lease
-from gpu_exporter.choose.rank import Filters, rank
+from gpu_exporter.choose.rank import rank
 from gpu_exporter.choose.waitqueue import Waiter, reserved_for
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import format_bytes

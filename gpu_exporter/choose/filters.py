@@ -1,0 +1,243 @@
+"""Which GPUs a ``/choose`` request's filters accept, and why not the others: pure functions.
+
+:class:`Filters` is what a request asks of a GPU (:mod:`gpu_exporter.choose.request` builds it
+from the query string). :func:`rejection_reasons` says why a GPU does not qualify now,
+:func:`window_reasons` why it did not throughout ``idle_for`` (a :class:`Window`), and
+:func:`never_reasons` / :func:`never_enough` what no amount of waiting can cure. Ordering the
+GPUs that qualify, and picking ``n``, is :mod:`gpu_exporter.choose.rank`'s.
+
+MIG (``mig=``): ``deny`` (default) hands out whole cards only, and a card in MIG mode is not
+one (CUDA would see only its MIG devices); ``allow`` adds every MIG device as a candidate of
+its own (:func:`candidates`); ``only`` hands out MIG devices only. A MIG device is named by its
+``MIG-…`` UUID, which is what ``CUDA_VISIBLE_DEVICES`` takes; it has its parent's index.
+
+A GPU that is down never qualifies. A filter on a value the GPU cannot report rejects it
+(unknown is not "free") — unless the filter is one of the server's defaults
+(:attr:`Filters.defaulted`), which nobody asked for: a MIG device reports no utilization, and
+``max_util=50%`` by default must not make every MIG device unusable. Memory used by
+processes we cannot see (another container) is already counted in NVML's "used", so it is
+never mistaken for free memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpu_exporter.choose.selectors import selector_matches
+from gpu_exporter.model import GpuSample, all_devices
+from gpu_exporter.units import format_bytes
+
+MIG_MODES = ("deny", "allow", "only")
+
+
+@dataclass(frozen=True, slots=True)
+class Filters:
+    min_free_bytes: int | None = None
+    max_util_ratio: float | None = None
+    exclude: tuple[str, ...] = ()  # NVML indices, UUIDs (or their prefixes), PCI bus ids
+    min_total_bytes: int | None = None
+    max_mem_util_ratio: float | None = None
+    max_procs: int | None = None  # 0: no compute process at all
+    model: str | None = None  # case-insensitive substring of the name
+    include: tuple[str, ...] = ()  # when given, only these GPUs
+    mig: str = "deny"  # deny | allow | only (see MIG_MODES)
+    max_mig_devices: int | None = None  # most MIG devices one answer may name (None: any)
+    defaulted: tuple[str, ...] = ()  # parameters from the defaults: unknown values pass them
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """``idle_for``: every GPU must have met the filters in each of these past samples.
+
+    With ``worst_case``, ``past`` holds one entry per window whose GPUs carry the worst figure
+    of the whole window (least free memory, highest utilization …), as Prometheus' range
+    functions give them, rather than one sample.
+    """
+
+    seconds: float
+    covered_seconds: float  # how far back the history actually reaches
+    past: tuple[tuple[float, tuple[GpuSample, ...]], ...]  # (age in seconds, GPUs), oldest first
+    worst_case: bool = False
+
+
+def candidates(gpus: Iterable[GpuSample], mig: str = "deny") -> list[GpuSample]:
+    """What may be handed out under ``mig``: whole GPUs and, unless denied, MIG devices.
+
+    Sorted by index, a parent before its MIG devices.
+    """
+    out = []
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        out.append(gpu)
+        if mig != "deny":
+            out.extend(sorted(gpu.mig_devices, key=instance_order))
+    return out
+
+
+def instance_order(gpu: GpuSample) -> tuple[int, int, str]:
+    """Orders one card's MIG devices: by GPU instance, then compute instance, then UUID."""
+    return (gpu.gpu_instance_id or 0, gpu.compute_instance_id or 0, gpu.uuid)
+
+
+def _mig_reason(gpu: GpuSample, mig: str) -> str | None:
+    if gpu.is_mig_device:
+        return None if mig != "deny" else "a MIG device (mig=deny)"
+    if mig == "only":
+        return "not a MIG device (mig=only)"
+    if gpu.mig_mode_enabled:
+        hint = "its MIG devices are candidates" if mig == "allow" else "use mig=allow or mig=only"
+        return f"MIG mode is on ({hint})"
+    return None
+
+
+def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
+    """Why ``gpu`` does not qualify; empty when it does.
+
+    >>> g = GpuSample(index=0, uuid="GPU-0", up=True)  # reports no utilization
+    >>> rejection_reasons(g, Filters(max_util_ratio=0.5))
+    ('utilization unknown',)
+    >>> rejection_reasons(g, Filters(max_util_ratio=0.5, defaulted=("max_util",)))
+    ()
+    """
+    if not gpu.up:
+        return (f"down: {gpu.error or 'not answering'}",)
+    mig_reason = _mig_reason(gpu, filters.mig)
+    if mig_reason is not None:
+        return (mig_reason,)
+    # Each check is skipped outright when its filter is unset: this runs for every GPU of a
+    # fleet (bench/cluster.py ranks 10,000).
+    reasons: list[str] = []
+    d = filters.defaulted
+    _identity_reasons(reasons, gpu, filters)
+    if filters.model is not None and filters.model.lower() not in (gpu.name or "").lower():
+        reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
+    if filters.min_free_bytes is not None:
+        _at_least(
+            reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free", d
+        )
+    if filters.min_total_bytes is not None:
+        _at_least(
+            reasons, "total memory", gpu.memory_total_bytes, filters.min_total_bytes, "min_total", d
+        )
+    if filters.max_util_ratio is not None:
+        _at_most(
+            reasons, "utilization", gpu.utilization_ratio, filters.max_util_ratio, "max_util", d
+        )
+    if filters.max_mem_util_ratio is not None:
+        _at_most(
+            reasons,
+            "memory utilization",
+            gpu.memory_utilization_ratio,
+            filters.max_mem_util_ratio,
+            "max_mem_util",
+            d,
+        )
+    if filters.max_procs is not None:
+        procs = gpu.compute_processes
+        if procs is None:  # an unsupported process list never reads as "idle"
+            if "max_procs" not in filters.defaulted:
+                reasons.append("compute processes unknown")
+        elif procs > filters.max_procs:
+            reasons.append(f"{procs} compute processes > max_procs {filters.max_procs}")
+    return tuple(reasons)
+
+
+def _identity_reasons(reasons: list[str], gpu: GpuSample, filters: Filters) -> None:
+    if filters.include and not any(selector_matches(gpu, s) for s in filters.include):
+        reasons.append("not included")
+    if filters.exclude and any(selector_matches(gpu, s) for s in filters.exclude):
+        reasons.append("excluded")
+
+
+def never_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
+    """Why ``gpu`` can never qualify under ``filters``, whatever its load; empty when it might.
+
+    Only what no job changes counts: the device's kind (whole card or MIG device, MIG mode),
+    ``include``/``exclude``, its model and its total memory (also against ``min_free``). A GPU
+    that is down, or a figure it does not report, might still come good.
+    """
+    mig_reason = _mig_reason(gpu, filters.mig)
+    if mig_reason is not None:
+        return (mig_reason,)
+    reasons: list[str] = []
+    _identity_reasons(reasons, gpu, filters)
+    if filters.model is not None and gpu.name and filters.model.lower() not in gpu.name.lower():
+        reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
+    total = gpu.memory_total_bytes
+    if total is not None:
+        _at_least(reasons, "total memory", total, filters.min_total_bytes, "min_total", ())
+        _at_least(reasons, "total memory", total, filters.min_free_bytes, "min_free", ())
+    return tuple(reasons)
+
+
+def never_enough(gpus: Iterable[GpuSample], n: int, filters: Filters) -> str | None:
+    """Why ``n`` devices can never qualify here under ``filters`` (too few devices, or too
+    few that the filters' fixed limits could ever accept), or None when they might.
+
+    >>> gpu = GpuSample(index=0, uuid="GPU-0", up=True, memory_total_bytes=40 * 2**30)
+    >>> never_enough([gpu], 2, Filters()), never_enough([gpu], 1, Filters()) is None
+    ('at most 1 of the 1 GPUs here could ever qualify', True)
+    """
+    possible, never = 0, []
+    devices = candidates(gpus, filters.mig)
+    for gpu in devices:
+        reasons = never_reasons(gpu, filters)
+        if reasons:
+            never.append(f"gpu {gpu.index}: {', '.join(reasons)}")
+        else:
+            possible += 1
+    if possible >= n:
+        return None
+    details = f" ({'; '.join(never)})" if never else ""
+    return f"at most {possible} of the {len(devices)} GPUs here could ever qualify{details}"
+
+
+def _at_least(
+    reasons: list[str],
+    what: str,
+    value: int | None,
+    limit: int | None,
+    param: str,
+    defaulted: tuple[str, ...],
+) -> None:
+    if limit is None:
+        return
+    if value is None:
+        if param not in defaulted:
+            reasons.append(f"{what} unknown")
+    elif value < limit:
+        reasons.append(f"{what} {format_bytes(value)} < {param} {format_bytes(limit)}")
+
+
+def _at_most(
+    reasons: list[str],
+    what: str,
+    value: float | None,
+    limit: float | None,
+    param: str,
+    defaulted: tuple[str, ...],
+) -> None:
+    if limit is None:
+        return
+    if value is None:
+        if param not in defaulted:
+            reasons.append(f"{what} unknown")
+    elif value > limit:
+        reasons.append(f"{what} {value:.2f} > {param} {limit:.2f}")
+
+
+def window_reasons(gpu: GpuSample, filters: Filters, window: Window) -> tuple[str, ...]:
+    """Why ``gpu`` did not meet ``filters`` throughout ``window``; empty when it did."""
+    if window.covered_seconds < window.seconds:
+        return (
+            f"only {window.covered_seconds:.0f} s of history for idle_for {window.seconds:g} s",
+        )
+    for age, gpus in reversed(window.past):  # the most recent violation is the telling one
+        past = next((g for g in all_devices(gpus) if g.uuid == gpu.uuid), None)
+        when = f"within the last {age:.0f} s" if window.worst_case else f"{age:.0f} s ago"
+        if past is None:
+            return (f"no figures {when}" if window.worst_case else f"not present {when}",)
+        reasons = rejection_reasons(past, filters)
+        if reasons:
+            return (f"{when}: {reasons[0]}",)
+    return ()
