@@ -22,7 +22,8 @@ from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
 from gpu_exporter.choose.params import LOCAL_FILTERS, ApiError, parse_choose_args
 from gpu_exporter.choose.rank import Filters, NotEnoughGpus
 from gpu_exporter.choose.rank import choose as rank_and_choose
-from gpu_exporter.client.api import Choice, Duration, FilterValue, choose_host, filter_value
+from gpu_exporter.client.api import Choice, choose_host
+from gpu_exporter.client.params import Duration, FilterValue, filter_value
 from gpu_exporter.client.transport import (
     GpuExporterError,
     GpuExporterWarning,
