@@ -289,6 +289,7 @@ def test_create_app_is_short() -> None:
         "choose.values",
         "client.transport",
         "client.api",
+        "client.params",
         "collect.procinfo",
         "model",
     ],

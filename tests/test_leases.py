@@ -19,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import FakeClock, Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.leases import LeaseError, LeaseTable
+from gpu_exporter.choose.lease import LeaseError
+from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.model import ProcessSample

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 import harness
 from conftest import FakeClock, build_stack, sim_of
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.lease import Lease
-from gpu_exporter.choose.leases import LeaseError, LeaseTable
+from gpu_exporter.choose.lease import Lease, LeaseError
+from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.statefile import StateFile, write_atomically
 from gpu_exporter.simulate import Load, SimGpu
 from served import four_gpus, served

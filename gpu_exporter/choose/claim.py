@@ -231,7 +231,7 @@ class Claimer:
         connected: Callable[[], bool] | None = None,
     ) -> Claimed:
         """Serve ``req`` for ``requester`` (its address); raises :class:`ApiError` or
-        :class:`~gpu_exporter.choose.leases.LeaseError`.
+        :class:`~gpu_exporter.choose.lease.LeaseError`.
 
         With ``key`` (its ``Idempotency-Key``), a retry of a claim already granted gets that
         lease at once, without queueing behind anyone. ``connected`` says whether the client

@@ -1,8 +1,8 @@
 """Leases: ``/choose`` selects AND claims GPUs under one lock, so concurrent jobs never share.
 
 A lease as data is :mod:`gpu_exporter.choose.lease`'s, what ends it early
-:mod:`gpu_exporter.choose.settle`'s. The table is written to ``<state-dir>/leases.json``
-(:mod:`gpu_exporter.choose.statefile`) on every change and read back at start, so a restart
+:mod:`gpu_exporter.choose.settle`'s. The table is written to ``<state-dir>/leases.json`` on
+every change and read back at start (:mod:`gpu_exporter.choose.persistence`), so a restart
 never re-issues GPUs that were just handed out. Expiry uses the wall clock for that reason.
 
 A change that holds GPUs longer (a claim, a renewal) is made only once it is saved: if
@@ -11,10 +11,7 @@ A change that lets GPUs go (a release, expiry, an early end) takes effect at onc
 the worst a restart can do with the stale file is keep those GPUs until the old expiry. While
 writes fail, :attr:`LeaseTable.state_problem` says why (``/readyz``) and every published
 sample tries the write again, so readiness comes back by itself once the disk is fixed.
-
-Leases restored from the file are kept only for GPUs this host has: the first sample with
-NVML up drops the others (``not_on_this_host``), e.g. when two exporters once shared a
-state directory.
+Leases restored from the file are kept only for GPUs this host has (``not_on_this_host``).
 
 Reads never change the table (a scrape must not fsync ``leases.json`` or wake waiters): they
 show what :func:`~gpu_exporter.choose.settle.settle` would keep, and
@@ -24,7 +21,8 @@ the snapshot cache) and before each change.
 Each lease has a public id and a secret token (:mod:`gpu_exporter.choose.tokens`):
 :meth:`~LeaseTable.authorize` checks the token before a renewal or release. A claim with an
 ``Idempotency-Key`` that an earlier try of the same request already granted returns that
-lease again, token included, instead of claiming more GPUs.
+lease again, token included, instead of claiming more GPUs
+(:mod:`gpu_exporter.choose.idempotency`).
 """
 
 from __future__ import annotations
@@ -38,21 +36,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from gpu_exporter.choose.filters import Filters, Window
-from gpu_exporter.choose.lease import Held, Lease
+from gpu_exporter.choose.idempotency import ClaimKeys
+from gpu_exporter.choose.lease import Held, Lease, LeaseError
+from gpu_exporter.choose.persistence import Persistence
 from gpu_exporter.choose.rank import Selection, choose
 from gpu_exporter.choose.settle import settle
-from gpu_exporter.choose.statefile import StateFile, StateWriteError
-from gpu_exporter.choose.tokens import (
-    ClaimKey,
-    Keyed,
-    lease_id_of,
-    make_token,
-    new_salt,
-    new_secret,
-    sha256_hex,
-)
+from gpu_exporter.choose.statefile import StateFile
+from gpu_exporter.choose.tokens import ClaimKey, lease_id_of, make_token, sha256_hex
 from gpu_exporter.clock import Clock
-from gpu_exporter.model import Snapshot, all_devices
+from gpu_exporter.model import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +53,6 @@ MAX_PIDS = 64  # registered PIDs per lease: a job's launcher or two, not its eve
 
 def _no_cgroup(pid: int) -> str | None:
     return None
-
-
-class LeaseError(Exception):
-    """A lease request that must be refused; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
 
 
 class LeaseTable:
@@ -89,20 +70,16 @@ class LeaseTable:
         self._clock = clock
         # pid → its cgroup key (procinfo.read_cgroup_key, injected: choose/ reads no /proc)
         self._cgroup_of = cgroup_of
-        self._state = StateFile(state_file) if isinstance(state_file, Path) else state_file
+        self._file = Persistence(
+            StateFile(state_file) if isinstance(state_file, Path) else state_file
+        )
         self.max_ttl_seconds = max_ttl_seconds
         self.max_gpus_per_requester = max_gpus_per_requester
-        self._leases: dict[str, Lease] = {}
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)  # notified on every change
         self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
-        self._unsaved = False  # the last write failed: retried on every prune
-        self._restored: set[str] = set()  # ids loaded from the file, not yet seen on a sample
-        # Keys of keyed leases that ended before their expiry → that expiry: a late retry of
-        # such a claim is refused rather than granted anew. In memory only.
-        self._spent: dict[str, float] = {}
-        if self._state is not None:
-            self._load(self._state)
+        self._keys = ClaimKeys()  # keys of keyed leases that ended early
+        self._leases: dict[str, Lease] = self._file.restore(clock.time(), max_ttl_seconds)
 
     # -- queries: they never change the table, save it or wake anyone -----------------------
     def active(self, snapshot: Snapshot | None = None) -> tuple[Lease, ...]:
@@ -120,12 +97,12 @@ class LeaseTable:
     @property
     def state_problem(self) -> str | None:
         """Why the last write of ``leases.json`` failed, until one succeeds (``/readyz``)."""
-        return self._state.problem if self._state is not None else None
+        return self._file.problem
 
     @property
     def state_write_errors(self) -> int:
         """Writes of ``leases.json`` that failed since start."""
-        return self._state.write_errors if self._state is not None else 0
+        return self._file.write_errors
 
     def get(self, lease_id: str) -> Lease:
         with self._lock:
@@ -192,7 +169,7 @@ class LeaseTable:
             self._prune(snapshot)
             now = self._clock.time()
             if key is not None and ttl_seconds > 0:
-                again = self._again(key, snapshot)
+                again = self._keys.again(self._leases.values(), key, snapshot, now)
                 if again is not None:
                     return again
             leased = {
@@ -220,15 +197,10 @@ class LeaseTable:
             choice = choose(snapshot.gpus, n, filters, sort=sort, window=window, leased=leased)
             if ttl_seconds <= 0:
                 return choice, None
-            lease_id = secrets.token_urlsafe(9)
-            keyed = None
-            secret = new_secret()
-            if key is not None:  # a retry with this key must get the same token
-                keyed = Keyed(key.key_hash, key.request_hash, new_salt())
-                secret = new_secret(keyed.salt, key.key)
+            keyed, secret = self._keys.credentials(key)  # keyed: a retry derives the same token
             lease = self._with_pids(
                 Lease(
-                    id=lease_id,
+                    id=secrets.token_urlsafe(9),
                     gpus=tuple(Held.of(g) for g in choice.chosen),
                     created_at=now,
                     expires_at=now + ttl_seconds,
@@ -249,32 +221,7 @@ class LeaseTable:
         parameters, 409 ``lease_ended`` if its lease was released (or let go) before expiry.
         """
         with self._lock:
-            return self._again(key, snapshot)
-
-    def _again(self, key: ClaimKey, snapshot: Snapshot) -> tuple[Selection, Lease] | None:
-        key_hash = key.key_hash
-        for lease in self._leases.values():
-            if lease.keyed is None or lease.keyed.key_hash != key_hash:
-                continue
-            if lease.keyed.request_hash != key.request_hash:
-                raise LeaseError(
-                    422,
-                    "idempotency_key_reused",
-                    f"this Idempotency-Key was used for another request (lease {lease.id}); "
-                    "a retry must repeat the parameters, a new request needs a new key",
-                )
-            by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
-            chosen = tuple(by_uuid[u] for u in lease.uuids if u in by_uuid)
-            token = make_token(lease.id, new_secret(lease.keyed.salt, key.key))
-            return Selection(chosen, ()), replace(lease, token=token)
-        if self._spent.get(key_hash, 0.0) > self._clock.time():
-            raise LeaseError(
-                409,
-                "lease_ended",
-                "the lease claimed with this Idempotency-Key has already ended (released, or "
-                "let go early); claim again with a new key",
-            )
-        return None
+            return self._keys.again(self._leases.values(), key, snapshot, self._clock.time())
 
     def release(self, lease_id: str) -> Lease:
         """End the lease ``lease_id`` now (check the caller with :meth:`authorize` first)."""
@@ -351,12 +298,13 @@ class LeaseTable:
         """
         with self._lock:
             self._prune(snapshot)
-            if self._unsaved:
-                self._save()
+            if self._file.unsaved:
+                self._file.save(self._leases.values())
 
     def _prune(self, snapshot: Snapshot | None) -> None:
-        if self._restored and snapshot is not None and snapshot.nvml_up and snapshot.sequence:
-            self._drop_foreign(snapshot)
+        if snapshot is not None and (foreign := self._file.drop_foreign(self._leases, snapshot)):
+            self.dropped["not_on_this_host"] += foreign
+            self._changed()
         kept, drops = settle(self._leases, snapshot, self._clock.time())
         if kept == self._leases:
             return
@@ -367,34 +315,11 @@ class LeaseTable:
         self._set(kept)
         self._changed()
 
-    def _drop_foreign(self, snapshot: Snapshot) -> None:
-        """Once, at the first sample: keep restored leases only for GPUs this host has."""
-        here = {g.uuid for g in all_devices(snapshot.gpus)}
-        foreign = 0
-        for lease_id in self._restored & self._leases.keys():
-            lease = self._leases[lease_id]
-            keep = tuple(g for g in lease.gpus if g.uuid in here)
-            foreign += len(lease.gpus) - len(keep)
-            if not keep:
-                del self._leases[lease_id]
-            elif len(keep) < len(lease.gpus):
-                self._leases[lease_id] = replace(lease, gpus=keep)
-        self._restored = set()
-        if foreign:
-            self.dropped["not_on_this_host"] += foreign
-            log.warning(
-                "dropped %d GPUs of leases restored from %s that this host does not have "
-                "(did another exporter use this --state-dir?)",
-                foreign,
-                self._state.path if self._state is not None else "the state file",
-            )
-            self._changed()
-
     def _hold(self, lease: Lease, old: Lease | None, refused: str) -> None:
         """Put ``lease`` in the table (replacing ``old``) only if the table can be saved;
         otherwise undo and raise ``state_unwritable`` (503), saying ``refused``."""
         self._leases[lease.id] = lease
-        failure = self._save()
+        failure = self._file.save(self._leases.values())
         if failure is not None:
             if old is None:
                 del self._leases[lease.id]
@@ -405,46 +330,10 @@ class LeaseTable:
 
     def _set(self, leases: Mapping[str, Lease]) -> None:
         """Replace the table, remembering the keys of keyed leases that end before expiry."""
-        now = self._clock.time()
-        self._spent = {k: until for k, until in self._spent.items() if until > now}
-        for lease in self._leases.values():
-            if lease.id not in leases and lease.keyed is not None and lease.expires_at > now:
-                self._spent[lease.keyed.key_hash] = lease.expires_at
+        self._keys.ended(self._leases.values(), leases, self._clock.time())
         self._leases = dict(leases)
 
     def _changed(self) -> None:
         """A change that lets GPUs go: in force at once, saved if the file can be written."""
-        self._save()
+        self._file.save(self._leases.values())
         self.changed.notify_all()
-
-    def _save(self) -> StateWriteError | None:
-        """Write the table; the failure (already counted and logged), or None."""
-        if self._state is None:
-            return None
-        try:
-            self._state.save(self._leases.values())
-        except StateWriteError as exc:
-            self._unsaved = True
-            return exc
-        self._unsaved = False
-        return None
-
-    def _load(self, state: StateFile) -> None:
-        now = self._clock.time()
-        loaded = state.load()
-        latest = now + self.max_ttl_seconds  # no renewal reaches further
-        leases = [x for x in loaded.leases if x.expires_at > now]
-        clamped = sum(1 for x in leases if x.expires_at > latest)
-        self._leases = {x.id: replace(x, expires_at=min(x.expires_at, latest)) for x in leases}
-        self._restored = set(self._leases)
-        if self._leases:
-            log.info("restored %d active leases from %s", len(self._leases), state.path)
-        if clamped:
-            log.warning(
-                "%d leases in %s ended more than --max-lease (%g s) from now; they now end then",
-                clamped,
-                state.path,
-                self.max_ttl_seconds,
-            )
-        if loaded.skipped or clamped:
-            self._save()  # the good entries, as they are now in force

@@ -37,7 +37,8 @@ is checked against the system CAs, or the file in ``$SSL_CERT_FILE``. Every fail
     expired, or let go by the server once the job's work showed on its GPUs).
 
 The modules, from the wire up: :mod:`~gpu_exporter.client.transport` (the one HTTP stack and
-the errors), :mod:`~gpu_exporter.client.api` (one exporter's endpoints),
+the errors), :mod:`~gpu_exporter.client.params` (``/choose``'s query from Python values),
+:mod:`~gpu_exporter.client.api` (one exporter's endpoints),
 :mod:`~gpu_exporter.client.fleet` (across hosts), :mod:`~gpu_exporter.client.choosing`
 (:func:`choose`: one host or the fleet), :mod:`~gpu_exporter.client.local` (this host's NVML
 when no server answers), :mod:`~gpu_exporter.client.session` (:func:`use_gpus`), and
@@ -52,12 +53,8 @@ from gpu_exporter.client.api import (
     LEASE_HEADER,
     Choice,
     ChooseAnswer,
-    Duration,
-    FilterValue,
     Lease,
     choose_raw,
-    duration_seconds,
-    format_duration,
     leases,
     register_pids,
     release,
@@ -66,6 +63,7 @@ from gpu_exporter.client.api import (
 from gpu_exporter.client.choosing import choose, choose_cluster
 from gpu_exporter.client.fleet import ClusterChoice
 from gpu_exporter.client.local import choose_locally, choose_or_fallback
+from gpu_exporter.client.params import Duration, FilterValue, duration_seconds, format_duration
 from gpu_exporter.client.session import (
     GpuSession,
     LeaseKeeper,

@@ -11,16 +11,9 @@ import warnings
 from collections.abc import Iterable, Mapping
 
 from gpu_exporter.choose.params import ApiError
-from gpu_exporter.client.api import (
-    DEFAULT_LEASE,
-    Choice,
-    Duration,
-    FilterValue,
-    choose_host,
-    choose_params,
-    format_duration,
-)
+from gpu_exporter.client.api import DEFAULT_LEASE, Choice, choose_host
 from gpu_exporter.client.fleet import ClusterChoice, choose_fleet
+from gpu_exporter.client.params import Duration, FilterValue, choose_params, format_duration
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,
     GpuExporterWarning,

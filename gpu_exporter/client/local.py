@@ -24,7 +24,8 @@ from gpu_exporter.choose.params import LOCAL_FILTERS, ApiError
 from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.rank import choose as rank_and_choose
 from gpu_exporter.choose.request import parse_choose_args
-from gpu_exporter.client.api import Choice, Duration, FilterValue, choose_host, filter_value
+from gpu_exporter.client.api import Choice, choose_host
+from gpu_exporter.client.params import Duration, FilterValue, filter_value
 from gpu_exporter.client.transport import (
     GpuExporterError,
     GpuExporterWarning,

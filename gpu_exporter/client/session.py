@@ -17,18 +17,10 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Literal
 
-from gpu_exporter.client.api import (
-    DEFAULT_LEASE,
-    Choice,
-    Duration,
-    FilterValue,
-    format_duration,
-    register_pids,
-    release,
-    renew,
-)
+from gpu_exporter.client.api import DEFAULT_LEASE, Choice, register_pids, release, renew
 from gpu_exporter.client.envcheck import near_miss_warning
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
+from gpu_exporter.client.params import Duration, FilterValue, format_duration
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,
     GpuExporterError,

@@ -16,8 +16,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 
-from gpu_exporter.choose.lease import Lease
-from gpu_exporter.choose.leases import LeaseError
+from gpu_exporter.choose.lease import Lease, LeaseError
 from gpu_exporter.choose.params import BY_NAME, DEFAULT_LEASE_SECONDS, ApiError, bad
 from gpu_exporter.choose.rank import Rejected, Selection, score
 from gpu_exporter.choose.request import (

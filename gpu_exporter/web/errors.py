@@ -17,7 +17,7 @@ from flask import Flask, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Request, Response
 
-from gpu_exporter.choose.leases import LeaseError
+from gpu_exporter.choose.lease import LeaseError
 from gpu_exporter.choose.params import ApiError
 
 log = logging.getLogger(__name__)
