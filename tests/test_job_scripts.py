@@ -48,6 +48,19 @@ def test_no_document_teaches_an_idiom_that_hides_a_failed_choose() -> None:
     assert broken == []
 
 
+UNQUOTED_QUERY = re.compile(r"curl\s[^'\"]*?\s[\w.:/-]+\?\w")  # zsh: "no matches found"
+
+
+def test_every_curl_url_with_a_query_is_quoted() -> None:
+    unquoted = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in documents()
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if UNQUOTED_QUERY.search(line)
+    ]
+    assert unquoted == []
+
+
 def readme_snippet(first_line_start: str, lines: int) -> str:
     """``lines`` lines of the README from the one starting with ``first_line_start``."""
     text = README.read_text().splitlines()
