@@ -262,4 +262,4 @@ def test_health_mig_xids_pcie_and_process_labels_end_to_end(tmp_path: Path) -> N
     finally:
         err = stop(proc)
     assert "Traceback" not in err
-    assert "listening for Xid errors on 1 GPUs" in err
+    assert "listening for Xid errors on 1 GPU\n" in err
