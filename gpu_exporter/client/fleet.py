@@ -38,6 +38,7 @@ from gpu_exporter.choose.fleet import (
     Host,
     base_url,
     host_from_snapshot,
+    host_labels,
     rank_fleet,
 )
 from gpu_exporter.choose.params import POINT_FILTERS, ApiError
@@ -51,6 +52,7 @@ from gpu_exporter.client.transport import (
     ServerUnreachable,
     send,
 )
+from gpu_exporter.units import plural
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +189,10 @@ class ClusterChoice:
 
     def text(self, fmt: str) -> str:
         """``uuid``: ``HOST GPU-a,GPU-b`` per host; ``index``: ``HOST 0,1``; ``env``: one
-        ``export GPU_HOST=… GPU_EXPORTER_URL=… CUDA_VISIBLE_DEVICES=… GPU_LEASE=…`` line."""
+        ``export GPU_HOST=… GPU_EXPORTER_URL=… CUDA_VISIBLE_DEVICES=… GPU_LEASE=…`` line.
+
+        HOST is ``host:port`` where the exporter's port is not 9400 or two exporters share
+        the host name."""
         if fmt == "env":
             if len(self.placements) != 1:
                 raise ValueError("format env names one host")
@@ -195,12 +200,13 @@ class ClusterChoice:
             return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + "\n"
         if fmt == "json":
             return json.dumps(self.to_json()) + "\n"
+        labels = host_labels([c.url for c in self.placements], DEFAULT_EXPORTER_PORT)
         if fmt == "list":  # one GPU per line: 'HOST GPU-a'
-            return "".join(f"{c.host} {u}\n" for c in self.placements for u in c.uuids)
+            return "".join(f"{labels[c.url]} {u}\n" for c in self.placements for u in c.uuids)
         lines = []
         for choice in self.placements:
             gpus = choice.uuids if fmt == "uuid" else tuple(str(i) for i in choice.indices)
-            lines.append(f"{choice.host} {','.join(gpus)}\n")
+            lines.append(f"{labels[choice.url]} {','.join(gpus)}\n")
         return "".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -287,10 +293,12 @@ def place(
     """Claim down the ranking until ``n`` GPUs are held; refusals move on to the next host.
 
     Returns the claims (empty unless all ``n`` were had: partial spread claims are released)
-    and every host passed over with why.
+    and every host passed over with why (with ``spread``, the hosts claimed on say how many
+    qualified there).
     """
     passed = list(ranking.passed_over)
     placements: list[Choice] = []
+    claimed_on: list[tuple[Host, str]] = []
     need = n
     for candidate in ranking.candidates:
         take = need if not spread else min(need, len(candidate.qualified))
@@ -306,6 +314,7 @@ def place(
             passed.append((candidate.host, f"refused: {exc}"))
             continue
         placements.append(replace(choice, host=candidate.host.name))
+        claimed_on.append((candidate.host, candidate.shortfall))
         need -= len(choice.uuids)
         if need <= 0:
             return placements, passed
@@ -314,7 +323,7 @@ def place(
             release(choice)
         except GpuExporterError as exc:
             log.warning("could not release lease %s (it expires by itself): %s", choice, exc)
-    return [], passed
+    return [], claimed_on + passed
 
 
 def choose_fleet(
@@ -384,7 +393,8 @@ def choose_fleet(
         if remaining <= 0:
             where = "on one host" if not req.spread else "in the fleet"
             details = "; ".join(f"{url}: {why}" for _, url, why in passed_over)
-            message = f"no {c.n} GPUs qualify {where} ({len(fleet.hosts)} hosts"
+            gpus = "no GPU qualifies" if c.n == 1 else f"no {c.n} GPUs qualify"
+            message = f"{gpus} {where} ({plural(len(fleet.hosts), 'host')}"
             message += f"; {details})" if details else ")"
             raise ApiError(503, "not_enough_gpus", " ".join([*notes, message]))
         sleep(min(remaining, WAIT_POLL_SECONDS))
