@@ -98,3 +98,19 @@ def test_a_url_that_is_not_http_is_refused_at_once(
     ]
     with pytest.raises(client.GpuExporterError, match="not an http"):
         client.choose(1, url)
+
+
+@pytest.mark.parametrize(
+    ("flags", "where"),
+    [
+        (["--prometheus", "ftp://prom:9090"], "ftp://prom:9090"),
+        (["--hosts", "a,ftp://b"], "ftp://b"),
+    ],
+)
+def test_a_fleet_source_that_is_not_http_is_refused_at_once(
+    flags: list[str], where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started = time.monotonic()
+    assert main(["choose", *flags]) == 2
+    assert time.monotonic() - started < 1.0
+    assert capsys.readouterr().err == f"error: {where}: not an http:// or https:// URL\n"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from gpu_exporter.choose.filters import Filters, Window
+from gpu_exporter.choose.params import ApiError
 from gpu_exporter.choose.rank import (
     NotEnoughGpus,
     Ranking,
@@ -90,6 +91,22 @@ def base_url(text: str, default_port: int | None = None) -> str:
     if default_port is not None and urllib.parse.urlsplit("//" + text).port is None:
         text = f"{text}:{default_port}"
     return "http://" + text
+
+
+def check_sources(prometheus: str | None, hosts: Sequence[str]) -> None:
+    """Refuse (400) a Prometheus or host that is not an http:// or https:// address.
+
+    >>> check_sources("prom:9090", ["a", "b:9401", "https://c"])
+    >>> check_sources(None, ["ftp://a"])
+    Traceback (most recent call last):
+    ...
+    gpu_exporter.choose.params.ApiError: ftp://a: not an http:// or https:// URL
+    """
+    named = [("prometheus", prometheus)] if prometheus else []
+    for param, where in [*named, *(("hosts", h) for h in hosts)]:
+        if urllib.parse.urlsplit(base_url(where)).scheme.lower() not in ("http", "https"):
+            message = f"{where}: not an http:// or https:// URL"
+            raise ApiError(400, "invalid_parameter", message, param)
 
 
 # -- ranking ---------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from gpu_exporter.choose.fleet import (
     FleetRanking,
     Host,
     base_url,
+    check_sources,
     host_from_snapshot,
     host_labels,
     rank_fleet,
@@ -83,8 +84,8 @@ def http_get_json(url: str, timeout: float) -> Any:
         resp = send("GET", url, timeout=timeout, credentials=False, user_agent=USER_AGENT)
     except ServerUnreachable as exc:
         raise SourceUnavailable(f"cannot reach {where}: {exc.reason}") from None
-    except ValueError as exc:  # not a URL urllib can ask
-        raise SourceUnavailable(f"cannot reach {where}: {exc}") from None
+    except (ValueError, GpuExporterError) as exc:  # not a URL urllib can ask, not HTTP(S)
+        raise SourceUnavailable(f"cannot ask {where or url}: {exc}") from None
     if resp.status >= 400:
         detail = resp.body[:300].decode("utf-8", "replace")
         raise SourceUnavailable(f"HTTP {resp.status} from {where}: {detail}")
@@ -190,9 +191,7 @@ class ClusterChoice:
     def text(self, fmt: str) -> str:
         """``uuid``: ``HOST GPU-a,GPU-b`` per host; ``index``: ``HOST 0,1``; ``env``: one
         ``export GPU_HOST=… GPU_EXPORTER_URL=… CUDA_VISIBLE_DEVICES=… GPU_LEASE=…`` line.
-
-        HOST is ``host:port`` where the exporter's port is not 9400 or two exporters share
-        the host name."""
+        HOST has the port where needed (:func:`~gpu_exporter.choose.fleet.host_labels`)."""
         if fmt == "env":
             if len(self.placements) != 1:
                 raise ValueError("format env names one host")
@@ -293,8 +292,7 @@ def place(
     """Claim down the ranking until ``n`` GPUs are held; refusals move on to the next host.
 
     Returns the claims (empty unless all ``n`` were had: partial spread claims are released)
-    and every host passed over with why (with ``spread``, the hosts claimed on say how many
-    qualified there).
+    and every host passed over with why (with ``spread``, how many qualified on each).
     """
     passed = list(ranking.passed_over)
     placements: list[Choice] = []
@@ -353,6 +351,7 @@ def choose_fleet(
     req = parse_cluster_args(args, defaults=defaults)
     if not prometheus and not hosts:
         raise ApiError(400, "invalid_parameter", "name a Prometheus or hosts to choose among")
+    check_sources(prometheus, hosts)
     try:
         check_selector(selector)
     except ValueError as exc:

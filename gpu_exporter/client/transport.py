@@ -105,8 +105,8 @@ def error_from_response(
 ) -> ServerError:
     """The exception for an error answer: a JSON ``{"error": {...}}`` body or one plain line.
 
-    A body that is neither (a web page, "404 page not found") is :class:`NotAnExporter`, naming ``asked``
-    (the URL requested; default ``url``, the server).
+    A body that is neither (a web page, "404 page not found") is :class:`NotAnExporter`,
+    naming ``asked`` (the URL requested; default ``url``, the server).
 
     >>> e = error_from_response(503, b'{"error": {"code": "not_enough_gpus", "message": "0 of 2"}}')
     >>> type(e).__name__, e.status, e.code, str(e)
@@ -243,8 +243,9 @@ def send(
     import urllib.error
     import urllib.request
 
-    check_scheme(url, "gpu-exporter and Prometheus speak HTTP")  # urllib would try FTP, file:
     split = urllib.parse.urlsplit(url)
+    # urllib would try FTP or read a file:
+    check_scheme(f"{split.scheme}://{split.netloc}", "gpu-exporter and Prometheus speak HTTP")
     server = server or f"{split.scheme}://{split.netloc}"
     req = urllib.request.Request(
         url,
