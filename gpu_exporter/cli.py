@@ -287,6 +287,9 @@ def _selector(text: str, parser: argparse.ArgumentParser) -> str:
 
 
 def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
+    prometheus = args.prometheus_url or ""
+    if "://" in prometheus and not prometheus.lower().startswith(("http://", "https://")):
+        parser.error(f"--prometheus-url: not an http:// or https:// URL: {prometheus}")
     try:
         host, port = parse_listen_address(args.listen_address)
     except ValueError as exc:

@@ -170,6 +170,7 @@ def test_bad_flags_are_one_clear_message(args: list[str], message: str) -> None:
         (["run", "--wait", "x", "--", "true"], "gpu-exporter run", "argument --wait: expected"),
         (["serve", "--listen-address", "9400"], "gpu-exporter serve", "--listen-address: "),
         (["serve", "--choose-defaults", "x=1"], "gpu-exporter serve", "--choose-defaults: "),
+        (["serve", "--prometheus-url", "ftp://p"], "gpu-exporter serve", "--prometheus-url: not"),
         (["nope"], "gpu-exporter", "argument COMMAND: invalid choice: 'nope'"),
         ([], "gpu-exporter", "the following arguments are required: COMMAND"),
     ],
