@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpu_exporter import __version__
+from gpu_exporter.argparsing import Parser, parse, parser_of
 from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
     DEFAULT_LISTEN,
@@ -61,14 +62,16 @@ def _bundled_scenarios() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gpu-exporter",
         description="NVIDIA GPU metrics for Prometheus, and a free-GPU picker for job scripts.",
         epilog="Every flag can also be set in the environment as GPU_EXPORTER_<FLAG>, "
         "e.g. GPU_EXPORTER_LISTEN_ADDRESS=127.0.0.1:9400.",
     )
     parser.add_argument("--version", action="version", version=f"gpu-exporter {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=Parser
+    )
 
     serve = sub.add_parser(
         "serve",
@@ -284,6 +287,9 @@ def _selector(text: str, parser: argparse.ArgumentParser) -> str:
 
 
 def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
+    prometheus = args.prometheus_url or ""
+    if "://" in prometheus and not prometheus.lower().startswith(("http://", "https://")):
+        parser.error(f"--prometheus-url: not an http:// or https:// URL: {prometheus}")
     try:
         host, port = parse_listen_address(args.listen_address)
     except ValueError as exc:
@@ -312,8 +318,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     try:
         parse_defaults(args.choose_defaults)  # idle_for's limit is checked by build()
-    except ValueError as exc:  # one line, exit 2: no usage screen for a bad value
-        parser.exit(2, f"gpu-exporter serve: error: --choose-defaults: {exc}\n")
+    except ValueError as exc:
+        parser.error(f"--choose-defaults: {exc}")
     if args.web_config_file is not None:
         from gpu_exporter.web.webconfig import WebConfigError, load
 
@@ -351,9 +357,10 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if args.command == "serve":
-        config = _serve_config(args, parser)
+        # Its checks name `gpu-exporter serve` and point to its --help.
+        config = _serve_config(args, parser_of(parser, args))
         logging.basicConfig(
             level=config.log_level.upper(),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -49,6 +49,7 @@ from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
 from gpu_exporter.export.exposition import Exposition
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.revision import revision
+from gpu_exporter.units import plural
 from gpu_exporter.web.app import create_app
 from gpu_exporter.web.limits import PROBE_THREADS
 from gpu_exporter.web.server import ListenError, Server
@@ -145,8 +146,8 @@ def open_nvml(config: ServeConfig, clock: Clock) -> Nvml:
     except ValueError as exc:
         raise BuildError(str(exc)) from None
     log.warning(
-        "simulating %d GPUs (--simulate %s): no real device is read",
-        len(lib.gpus),
+        "simulating %s (--simulate %s): no real device is read",
+        plural(len(lib.gpus), "GPU"),
         config.simulate,
     )
     return Nvml(lib, simulated=True)

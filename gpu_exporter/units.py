@@ -82,3 +82,13 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``"1 GPU"``, ``"2 GPUs"``: a count and its noun, for messages (``nouns``: an irregular
+    plural).
+
+    >>> plural(1, "GPU"), plural(0, "GPU"), plural(2, "lease"), plural(3, "entry", "entries")
+    ('1 GPU', '0 GPUs', '2 leases', '3 entries')
+    """
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"

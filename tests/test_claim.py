@@ -155,7 +155,7 @@ def test_beyond_max_waiters_the_request_is_refused_and_counted() -> None:
     assert first.code == "not_enough_gpus"
     assert (second[0].status, second[0].code, second[0].param) == (503, "too_many_waiters", "wait")
     assert second[0].message == (
-        "1 requests are already waiting for GPUs (--max-waiters); retry later"
+        "1 request is already waiting for GPUs (--max-waiters); retry later"
     )
     assert box.rejections.counts() == {"too_many_waiters": 1}
     assert box.settled()
@@ -166,7 +166,7 @@ def test_the_deadline_raises_the_last_failure() -> None:
     box.hold(1)
     started = box.clock.monotonic()
     refused = box.refusal("n=1&wait=2s")
-    assert refused.code == "not_enough_gpus" and refused.message.startswith("0 of 1 GPUs qualify")
+    assert refused.code == "not_enough_gpus" and refused.message.startswith("0 of 1 GPU qualifies")
     assert box.clock.monotonic() - started == pytest.approx(2.0)
     assert box.settled()
 
@@ -353,7 +353,7 @@ def test_a_requester_may_hold_only_so_many_waiting_slots() -> None:
     assert isinstance(mine, ApiError) and isinstance(theirs, ApiError)
     assert (mine.status, mine.code, mine.param) == (429, "too_many_waiters", "wait")
     assert mine.message == (
-        "10.0.0.1 already has 1 requests waiting for GPUs (--max-waiters-per-requester 1)"
+        "10.0.0.1 already has 1 request waiting for GPUs (--max-waiters-per-requester 1)"
     )
     assert theirs.code == "not_enough_gpus"
     assert box.rejections.counts() == {"too_many_waiters": 1}

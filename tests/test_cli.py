@@ -154,6 +154,38 @@ def test_bad_flags_are_one_clear_message(args: list[str], message: str) -> None:
     assert proc.returncode == 2
     assert message in err
     assert "Traceback" not in err
+    if not args[0].startswith("--simulate"):  # argparse's: one line and the hint, no usage
+        assert err.splitlines() == [
+            f"gpu-exporter serve: error: {err.split('error: ', 1)[1].splitlines()[0]}",
+            "try 'gpu-exporter serve --help'",
+        ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog", "message"),
+    [
+        (["choose", "-n", "0"], "gpu-exporter choose", "argument -n: expected a whole number"),
+        (["choose", "--bogus"], "gpu-exporter choose", "unrecognized arguments: --bogus"),
+        (["release", "a", "b"], "gpu-exporter release", "unrecognized arguments: b"),
+        (["run", "--wait", "x", "--", "true"], "gpu-exporter run", "argument --wait: expected"),
+        (["serve", "--listen-address", "9400"], "gpu-exporter serve", "--listen-address: "),
+        (["serve", "--choose-defaults", "x=1"], "gpu-exporter serve", "--choose-defaults: "),
+        (["serve", "--prometheus-url", "ftp://p"], "gpu-exporter serve", "--prometheus-url: not"),
+        (["nope"], "gpu-exporter", "argument COMMAND: invalid choice: 'nope'"),
+        ([], "gpu-exporter", "the following arguments are required: COMMAND"),
+    ],
+)
+def test_a_mistake_is_one_line_naming_the_subcommand_and_its_help(
+    argv: list[str], prog: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpu_exporter.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    first, hint = capsys.readouterr().err.splitlines()  # no usage screen before it
+    assert first.startswith(f"{prog}: error: {message}")
+    assert hint == f"try '{prog} --help'"
 
 
 def test_help_and_version() -> None:
@@ -231,4 +263,4 @@ def test_health_mig_xids_pcie_and_process_labels_end_to_end(tmp_path: Path) -> N
     finally:
         err = stop(proc)
     assert "Traceback" not in err
-    assert "listening for Xid errors on 1 GPUs" in err
+    assert "listening for Xid errors on 1 GPU\n" in err

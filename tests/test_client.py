@@ -31,6 +31,7 @@ from gpu_exporter.client import (
     LeaseKeeper,
     LeaseNotFound,
     NoGpusAvailable,
+    NotAnExporter,
     ServerError,
     ServerUnreachable,
     api,
@@ -341,8 +342,10 @@ def test_plain_text_and_odd_error_bodies() -> None:
     exc = error_from_response(503, b"error: 1 of 4 GPUs qualify, 2 requested\n")
     assert type(exc) is ServerError and exc.code is None
     assert exc.message == "1 of 4 GPUs qualify, 2 requested"
-    assert (
-        error_from_response(502, b"<html>Bad Gateway</html>").message == "<html>Bad Gateway</html>"
+    proxy = error_from_response(502, b"<html>Bad Gateway</html>", url="http://h")
+    assert type(proxy) is NotAnExporter and proxy.status == 502
+    assert proxy.message == (
+        "http://h does not look like a gpu-exporter (HTTP 502 Bad Gateway from http://h)"
     )
     assert error_from_response(500, b"").message == "HTTP 500 Internal Server Error"
     assert type(error_from_response(404, b"{}", lease_endpoint=True)) is LeaseNotFound

@@ -222,7 +222,7 @@ def test_all_n_gpus_come_from_one_host_whose_weakest_pick_is_best() -> None:
     two = rank_fleet(fleet, 2, Filters())
     assert [c.host.url for c in two.candidates] == ["http://b:9400", "http://a:9400"]
     assert [h.url for h, _ in two.passed_over] == ["http://c:9400"]
-    assert "1 of 1 GPUs qualify, 2 requested" in two.passed_over[0][1]
+    assert "1 of 1 GPU qualifies, 2 requested" in two.passed_over[0][1]
     one = rank_fleet(fleet, 1, Filters())
     # 79 GiB idle beats 79 GiB busy (same free GiB, lower utilization) and 60 GiB.
     assert [c.host.url for c in one.candidates] == [
@@ -408,7 +408,7 @@ def test_choose_fleet_end_to_end_over_a_synthetic_prometheus() -> None:
             wall_clock=lambda: NOW,
         )
     assert info.value.status == 503 and info.value.code == "not_enough_gpus"
-    assert "http://a:9400: 1 of 1 GPUs qualify, 3 requested" in info.value.message
+    assert "http://a:9400: 1 of 1 GPU qualifies, 3 requested" in info.value.message
 
 
 def test_without_prometheus_the_named_hosts_are_asked_directly() -> None:

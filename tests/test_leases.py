@@ -244,7 +244,7 @@ def test_wait_gives_up_at_the_deadline_on_the_injected_clock() -> None:
     s.clock.advance(31)
     s.sample()  # keeps the snapshot fresh on the fake clock; the lease (60 s) still holds
     t.join(5)
-    assert got[0][0] == 503 and got[0][1].startswith("error: 0 of 1 GPUs qualify")
+    assert got[0][0] == 503 and got[0][1].startswith("error: 0 of 1 GPU qualifies")
 
 
 def test_waiters_are_served_first_come_first_served() -> None:

@@ -353,7 +353,7 @@ def test_choose_exits_3_on_503_and_1_on_429(
         capsys.readouterr()
         assert main(["choose"]) == 1
         assert capsys.readouterr().err == (
-            "error: 127.0.0.1 holds 1 GPUs in leases; 1 more would exceed the limit of 1 per "
+            "error: 127.0.0.1 holds 1 GPU in leases; 1 more would exceed the limit of 1 per "
             "requester\n"
         )
 

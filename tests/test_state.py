@@ -395,3 +395,15 @@ def test_no_junk_in_leases_json_makes_a_page_fail(tmp_path: Path, entries: list[
     for path in ("/", "/metrics", "/leases", "/choose?n=1&lease=0", "/choose?n=1"):
         assert s.client.get(path).status_code in (200, 503), path
     os.remove(state)
+
+
+def test_one_restored_lease_is_logged_in_the_singular(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    local = SimGpu(0, A100, Load("idle")).uuid
+    entry = lease_entry([local], 0, now=clock.time(), lease_id="mine")
+    (tmp_path / "leases.json").write_text(json.dumps({"version": 1, "leases": [entry]}))
+    with caplog.at_level(logging.INFO, logger="gpu_exporter"):
+        build_stack(idle_sim(2), clock=clock, state_dir=str(tmp_path))
+    assert f"restored 1 active lease from {tmp_path / 'leases.json'}" in caplog.messages

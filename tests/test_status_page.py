@@ -103,6 +103,14 @@ def test_page_says_why_no_gpu_qualifies() -> None:
     assert '<span class="down">down: ' in text
 
 
+def test_one_gpu_is_counted_in_the_singular() -> None:
+    s = build_stack(sim_of(SimGpu(0, "NVIDIA A100-SXM4-80GB", Load("idle"))))
+    s.sample()
+    text = s.client.get("/").text
+    assert "<title>gpu-exporter · 1 GPU</title>" in text
+    assert '<p class="meta">1 GPU · driver' in text
+
+
 def _chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         path = shutil.which(name)

@@ -160,7 +160,7 @@ def test_one_client_address_may_wait_only_so_many_times() -> None:
             status, body, _ = call(exporter, f"/choose?n=1&wait=30s&{ALL}")
         assert status == 429
         assert body == (
-            "error: 127.0.0.1 already has 1 requests waiting for GPUs "
+            "error: 127.0.0.1 already has 1 request waiting for GPUs "
             "(--max-waiters-per-requester 1)\n"
         )
 

@@ -50,6 +50,7 @@ from gpu_exporter.choose.waitqueue import Waiter, WaitQueue, reserved_for
 from gpu_exporter.clock import Clock
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.model import Snapshot
+from gpu_exporter.units import plural
 
 DEFAULT_MAX_WAITERS = 8
 DEFAULT_MAX_WAITERS_PER_REQUESTER = 2
@@ -126,7 +127,8 @@ class Waiters:
                 return ApiError(
                     503,
                     "too_many_waiters",
-                    f"{self.limit} requests are already waiting for GPUs (--max-waiters); "
+                    f"{plural(self.limit, 'request')} {'is' if self.limit == 1 else 'are'} "
+                    "already waiting for GPUs (--max-waiters); "
                     "retry later",
                     "wait",
                 )
@@ -135,8 +137,9 @@ class Waiters:
                     return ApiError(
                         429,
                         "too_many_waiters",
-                        f"{requester} already has {self._by_requester[requester]} requests "
-                        f"waiting for GPUs (--max-waiters-per-requester {self.per_requester})",
+                        f"{requester} already has "
+                        f"{plural(self._by_requester[requester], 'request')} waiting for GPUs "
+                        f"(--max-waiters-per-requester {self.per_requester})",
                         "wait",
                     )
                 self._by_requester[requester] += 1

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from gpu_exporter.choose.selectors import selector_matches
 from gpu_exporter.model import GpuSample, all_devices
-from gpu_exporter.units import format_bytes
+from gpu_exporter.units import format_bytes, plural
 
 MIG_MODES = ("deny", "allow", "only")
 
@@ -176,7 +176,7 @@ def never_enough(gpus: Iterable[GpuSample], n: int, filters: Filters) -> str | N
 
     >>> gpu = GpuSample(index=0, uuid="GPU-0", up=True, memory_total_bytes=40 * 2**30)
     >>> never_enough([gpu], 2, Filters()), never_enough([gpu], 1, Filters()) is None
-    ('at most 1 of the 1 GPUs here could ever qualify', True)
+    ('at most 1 of the 1 GPU here could ever qualify', True)
     """
     possible, never = 0, []
     devices = candidates(gpus, filters.mig)
@@ -189,7 +189,9 @@ def never_enough(gpus: Iterable[GpuSample], n: int, filters: Filters) -> str | N
     if possible >= n:
         return None
     details = f" ({'; '.join(never)})" if never else ""
-    return f"at most {possible} of the {len(devices)} GPUs here could ever qualify{details}"
+    return (
+        f"at most {possible} of the {plural(len(devices), 'GPU')} here could ever qualify{details}"
+    )
 
 
 def _at_least(

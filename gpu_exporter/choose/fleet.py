@@ -17,12 +17,24 @@ chosen host are :mod:`gpu_exporter.client.fleet`'s.
 from __future__ import annotations
 
 import urllib.parse
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from gpu_exporter.choose.filters import Filters, Window
-from gpu_exporter.choose.rank import NotEnoughGpus, SortKey, rank, sort_key
+from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.rank import (
+    NotEnoughGpus,
+    Ranking,
+    SortKey,
+    how_many_qualify,
+    rank,
+    sort_key,
+)
 from gpu_exporter.model import GpuSample
+
+SHORT_REASONS = 3  # a host's shortfall names this many rejected GPUs, then counts the rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +70,7 @@ class Candidate:
     host: Host
     qualified: tuple[GpuSample, ...]
     key: tuple[Any, ...]
+    shortfall: str = ""  # how many qualify there and why not the others (shortened)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +91,22 @@ def base_url(text: str, default_port: int | None = None) -> str:
     if default_port is not None and urllib.parse.urlsplit("//" + text).port is None:
         text = f"{text}:{default_port}"
     return "http://" + text
+
+
+def check_sources(prometheus: str | None, hosts: Sequence[str]) -> None:
+    """Refuse (400) a Prometheus or host that is not an http:// or https:// address.
+
+    >>> check_sources("prom:9090", ["a", "b:9401", "https://c"])
+    >>> check_sources(None, ["ftp://a"])
+    Traceback (most recent call last):
+    ...
+    gpu_exporter.choose.params.ApiError: ftp://a: not an http:// or https:// URL
+    """
+    named = [("prometheus", prometheus)] if prometheus else []
+    for param, where in [*named, *(("hosts", h) for h in hosts)]:
+        if urllib.parse.urlsplit(base_url(where)).scheme.lower() not in ("http", "https"):
+            message = f"{where}: not an http:// or https:// URL"
+            raise ApiError(400, "invalid_parameter", message, param)
 
 
 # -- ranking ---------------------------------------------------------------------------------
@@ -109,9 +138,37 @@ def rank_fleet(
             keys = (sort_key(ranking.qualified[0], sort),)
         else:  # the weakest of the n picks decides, then the stronger ones
             keys = tuple(sort_key(g, sort) for g in reversed(ranking.qualified[:n]))
-        candidates.append(Candidate(host, ranking.qualified, (keys, host.url)))
+        candidates.append(Candidate(host, ranking.qualified, (keys, host.url), shortfall(ranking)))
     candidates.sort(key=lambda c: c.key)
     return FleetRanking(tuple(candidates), tuple(passed))
+
+
+def shortfall(ranking: Ranking) -> str:
+    """How many GPUs qualify on a host and why the first few others do not, in one short
+    clause: a fleet's "not enough" message names every host this way."""
+    rejected = ranking.rejected
+    why = [f"gpu {r.gpu.index}: {', '.join(r.reasons)}" for r in rejected[:SHORT_REASONS]]
+    if len(rejected) > SHORT_REASONS:
+        why.append(f"{len(rejected) - SHORT_REASONS} more")
+    return how_many_qualify(ranking) + (f" ({'; '.join(why)})" if why else "")
+
+
+def host_labels(urls: Sequence[str], default_port: int) -> dict[str, str]:
+    """How to name each exporter in output: its host name, with the port when it is not
+    ``default_port`` or when another exporter shares the host name (``a:9400``, ``a:9401``).
+
+    >>> host_labels(["http://a:9400", "http://b:9401"], 9400)
+    {'http://a:9400': 'a', 'http://b:9401': 'b:9401'}
+    >>> list(host_labels(["http://a:9400", "http://a:9401"], 9400).values())
+    ['a:9400', 'a:9401']
+    """
+    split = {url: urllib.parse.urlsplit(url) for url in urls}
+    names = Counter(s.hostname for s in split.values())
+    labels = {}
+    for url, s in split.items():
+        plain = s.port in (None, default_port) and names[s.hostname] == 1
+        labels[url] = (s.hostname or url) if plain else s.netloc.rpartition("@")[2]
+    return labels
 
 
 def host_from_snapshot(

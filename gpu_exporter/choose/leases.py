@@ -45,6 +45,7 @@ from gpu_exporter.choose.statefile import StateFile
 from gpu_exporter.choose.tokens import ClaimKey, lease_id_of, make_token, sha256_hex
 from gpu_exporter.clock import Clock
 from gpu_exporter.model import Snapshot
+from gpu_exporter.units import plural
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +189,8 @@ class LeaseTable:
                     raise LeaseError(
                         429,
                         "too_many_gpus",
-                        f"{requester} holds {holding} GPUs in leases; {n} more would exceed the "
-                        f"limit of {self.max_gpus_per_requester} per requester",
+                        f"{requester} holds {plural(holding, 'GPU')} in leases; {n} more would "
+                        f"exceed the limit of {self.max_gpus_per_requester} per requester",
                         "n",
                     )
             if reserved:

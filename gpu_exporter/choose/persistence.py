@@ -22,6 +22,7 @@ from dataclasses import replace
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.statefile import StateFile, StateWriteError
 from gpu_exporter.model import Snapshot, all_devices
+from gpu_exporter.units import plural
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,11 @@ class Persistence:
         leases = {x.id: replace(x, expires_at=min(x.expires_at, latest)) for x in live}
         self._restored = set(leases)
         if leases:
-            log.info("restored %d active leases from %s", len(leases), self._state.path)
+            log.info("restored %s from %s", plural(len(leases), "active lease"), self._state.path)
         if clamped:
             log.warning(
-                "%d leases in %s ended more than --max-lease (%g s) from now; they now end then",
-                clamped,
+                "%s in %s ended more than --max-lease (%g s) from now; they now end then",
+                plural(clamped, "lease"),
                 self._state.path,
                 max_ttl_seconds,
             )
@@ -103,9 +104,9 @@ class Persistence:
         self._restored = set()
         if foreign:
             log.warning(
-                "dropped %d GPUs of leases restored from %s that this host does not have "
+                "dropped %s of leases restored from %s that this host does not have "
                 "(did another exporter use this --state-dir?)",
-                foreign,
+                plural(foreign, "GPU"),
                 self._state.path if self._state is not None else "the state file",
             )
         return foreign

@@ -34,6 +34,7 @@ from gpu_exporter.choose.filters import (
     window_reasons,
 )
 from gpu_exporter.model import GpuSample
+from gpu_exporter.units import plural
 
 GIB = 2**30
 
@@ -66,12 +67,18 @@ class NotEnoughGpus(Exception):
     def __init__(self, requested: int, ranking: Ranking) -> None:
         self.requested = requested
         self.ranking = ranking
-        total = len(ranking.qualified) + len(ranking.rejected)
         details = "; ".join(f"gpu {r.gpu.index}: {', '.join(r.reasons)}" for r in ranking.rejected)
         super().__init__(
-            f"{len(ranking.qualified)} of {total} GPUs qualify, {requested} requested"
+            f"{how_many_qualify(ranking)}, {requested} requested"
             + (f" ({details})" if details else "")
         )
+
+
+def how_many_qualify(ranking: Ranking) -> str:
+    """``"2 of 8 GPUs qualify"``, ``"0 of 1 GPU qualifies"``."""
+    total = len(ranking.qualified) + len(ranking.rejected)
+    verb = "qualifies" if total == 1 else "qualify"
+    return f"{len(ranking.qualified)} of {plural(total, 'GPU')} {verb}"
 
 
 SortKey = tuple[tuple[bool, float], ...]

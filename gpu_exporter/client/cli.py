@@ -32,6 +32,7 @@ import sys
 import warnings
 from typing import Any
 
+from gpu_exporter.argparsing import Parser
 from gpu_exporter.choose.params import PARAMS
 from gpu_exporter.client.api import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.choosing import choose_cluster
@@ -143,7 +144,7 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def add_choose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_choose_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     parser = sub.add_parser(
         "choose",
         help="print the freest GPUs, as /choose does",
@@ -172,7 +173,7 @@ def add_choose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
 
 
-def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_run_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     parser = sub.add_parser(
         "run",
         help="run a command on leased GPUs",
@@ -291,7 +292,7 @@ def choose_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_release_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_release_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     parser = sub.add_parser(
         "release",
         help="give leased GPUs back now",

@@ -37,7 +37,9 @@ from gpu_exporter.choose.fleet import (
     FleetRanking,
     Host,
     base_url,
+    check_sources,
     host_from_snapshot,
+    host_labels,
     rank_fleet,
 )
 from gpu_exporter.choose.params import POINT_FILTERS, ApiError
@@ -51,6 +53,7 @@ from gpu_exporter.client.transport import (
     ServerUnreachable,
     send,
 )
+from gpu_exporter.units import plural
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +84,8 @@ def http_get_json(url: str, timeout: float) -> Any:
         resp = send("GET", url, timeout=timeout, credentials=False, user_agent=USER_AGENT)
     except ServerUnreachable as exc:
         raise SourceUnavailable(f"cannot reach {where}: {exc.reason}") from None
-    except ValueError as exc:  # not a URL urllib can ask
-        raise SourceUnavailable(f"cannot reach {where}: {exc}") from None
+    except (ValueError, GpuExporterError) as exc:  # not a URL urllib can ask, not HTTP(S)
+        raise SourceUnavailable(f"cannot ask {where or url}: {exc}") from None
     if resp.status >= 400:
         detail = resp.body[:300].decode("utf-8", "replace")
         raise SourceUnavailable(f"HTTP {resp.status} from {where}: {detail}")
@@ -187,7 +190,8 @@ class ClusterChoice:
 
     def text(self, fmt: str) -> str:
         """``uuid``: ``HOST GPU-a,GPU-b`` per host; ``index``: ``HOST 0,1``; ``env``: one
-        ``export GPU_HOST=… GPU_EXPORTER_URL=… CUDA_VISIBLE_DEVICES=… GPU_LEASE=…`` line."""
+        ``export GPU_HOST=… GPU_EXPORTER_URL=… CUDA_VISIBLE_DEVICES=… GPU_LEASE=…`` line.
+        HOST has the port where needed (:func:`~gpu_exporter.choose.fleet.host_labels`)."""
         if fmt == "env":
             if len(self.placements) != 1:
                 raise ValueError("format env names one host")
@@ -195,12 +199,13 @@ class ClusterChoice:
             return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + "\n"
         if fmt == "json":
             return json.dumps(self.to_json()) + "\n"
+        labels = host_labels([c.url for c in self.placements], DEFAULT_EXPORTER_PORT)
         if fmt == "list":  # one GPU per line: 'HOST GPU-a'
-            return "".join(f"{c.host} {u}\n" for c in self.placements for u in c.uuids)
+            return "".join(f"{labels[c.url]} {u}\n" for c in self.placements for u in c.uuids)
         lines = []
         for choice in self.placements:
             gpus = choice.uuids if fmt == "uuid" else tuple(str(i) for i in choice.indices)
-            lines.append(f"{choice.host} {','.join(gpus)}\n")
+            lines.append(f"{labels[choice.url]} {','.join(gpus)}\n")
         return "".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -287,10 +292,11 @@ def place(
     """Claim down the ranking until ``n`` GPUs are held; refusals move on to the next host.
 
     Returns the claims (empty unless all ``n`` were had: partial spread claims are released)
-    and every host passed over with why.
+    and every host passed over with why (with ``spread``, how many qualified on each).
     """
     passed = list(ranking.passed_over)
     placements: list[Choice] = []
+    claimed_on: list[tuple[Host, str]] = []
     need = n
     for candidate in ranking.candidates:
         take = need if not spread else min(need, len(candidate.qualified))
@@ -306,6 +312,7 @@ def place(
             passed.append((candidate.host, f"refused: {exc}"))
             continue
         placements.append(replace(choice, host=candidate.host.name))
+        claimed_on.append((candidate.host, candidate.shortfall))
         need -= len(choice.uuids)
         if need <= 0:
             return placements, passed
@@ -314,7 +321,7 @@ def place(
             release(choice)
         except GpuExporterError as exc:
             log.warning("could not release lease %s (it expires by itself): %s", choice, exc)
-    return [], passed
+    return [], claimed_on + passed
 
 
 def choose_fleet(
@@ -344,6 +351,7 @@ def choose_fleet(
     req = parse_cluster_args(args, defaults=defaults)
     if not prometheus and not hosts:
         raise ApiError(400, "invalid_parameter", "name a Prometheus or hosts to choose among")
+    check_sources(prometheus, hosts)
     try:
         check_selector(selector)
     except ValueError as exc:
@@ -384,7 +392,8 @@ def choose_fleet(
         if remaining <= 0:
             where = "on one host" if not req.spread else "in the fleet"
             details = "; ".join(f"{url}: {why}" for _, url, why in passed_over)
-            message = f"no {c.n} GPUs qualify {where} ({len(fleet.hosts)} hosts"
+            gpus = "no GPU qualifies" if c.n == 1 else f"no {c.n} GPUs qualify"
+            message = f"{gpus} {where} ({plural(len(fleet.hosts), 'host')}"
             message += f"; {details})" if details else ")"
             raise ApiError(503, "not_enough_gpus", " ".join([*notes, message]))
         sleep(min(remaining, WAIT_POLL_SECONDS))

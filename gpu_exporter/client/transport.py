@@ -82,6 +82,11 @@ class ServerError(GpuExporterError):
         )
 
 
+class NotAnExporter(ServerError):
+    """Something answered, but not as a gpu-exporter does (an HTML page, a web server's 404):
+    the URL points elsewhere. ``status`` is the answer's, ``url`` the address asked."""
+
+
 class NoGpusAvailable(ServerError):
     """Fewer GPUs qualify than were asked for (503 ``not_enough_gpus``); the message says why."""
 
@@ -91,9 +96,17 @@ class LeaseNotFound(ServerError):
 
 
 def error_from_response(
-    status: int, body: bytes, *, url: str | None = None, lease_endpoint: bool = False
+    status: int,
+    body: bytes,
+    *,
+    url: str | None = None,
+    lease_endpoint: bool = False,
+    asked: str | None = None,
 ) -> ServerError:
     """The exception for an error answer: a JSON ``{"error": {...}}`` body or one plain line.
+
+    A body that is neither (a web page, "404 page not found") is :class:`NotAnExporter`,
+    naming ``asked`` (the URL requested; default ``url``, the server).
 
     >>> e = error_from_response(503, b'{"error": {"code": "not_enough_gpus", "message": "0 of 2"}}')
     >>> type(e).__name__, e.status, e.code, str(e)
@@ -101,6 +114,8 @@ def error_from_response(
     >>> e = error_from_response(400, b"error: n must be a whole number\\n")
     >>> type(e).__name__, e.code, e.message
     ('ServerError', None, 'n must be a whole number')
+    >>> str(error_from_response(404, b"<!DOCTYPE HTML>\\n<html>", url="http://h:80"))
+    'http://h:80 does not look like a gpu-exporter (HTTP 404 Not Found from http://h:80)'
     """
     code = param = None
     message = ""
@@ -114,14 +129,12 @@ def error_from_response(
         code = str_or_none(error.get("code"))
         param = str_or_none(error.get("param"))
         message = str(error.get("message") or "")
-    elif text:
-        message = text.splitlines()[0].removeprefix("error:").strip()
+    elif text.startswith("error:") and "\n" not in text:  # our plain line
+        message = text.removeprefix("error:").strip()
+    elif data is None and text:  # a web page, "404 page not found": not an exporter's
+        return NotAnExporter(status, not_an_exporter(status, url, asked), url=url)
     if not message:
-        try:
-            phrase = HTTPStatus(status).phrase
-        except ValueError:
-            phrase = ""
-        message = f"HTTP {status} {phrase}".strip()
+        message = f"HTTP {status} {_phrase(status)}".strip()
     cls: type[ServerError] = ServerError
     if status == 503 and code == "not_enough_gpus":
         cls = NoGpusAvailable
@@ -134,6 +147,22 @@ def str_or_none(value: object) -> str | None:
     return None if value is None else str(value)
 
 
+def not_an_exporter(
+    status: int, url: str | None, asked: str | None = None, detail: str = ""
+) -> str:
+    """One line for an answer that is not a gpu-exporter's: who answered, what, to which URL."""
+    server = url or "the server"
+    answer = f"HTTP {status} {_phrase(status)}".strip()
+    return f"{server} does not look like a gpu-exporter ({answer} from {asked or server}{detail})"
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
 # -- where, and one exchange -------------------------------------------------------------
 
 
@@ -144,12 +173,27 @@ def resolve_url(url: str | None = None) -> str:
 
     >>> resolve_url("gpuhost:9400/")
     'http://gpuhost:9400'
+
+    Anything but ``http://`` and ``https://`` is refused at once (urllib would try FTP):
+
+    >>> try:
+    ...     resolve_url("ftp://gpuhost")
+    ... except GpuExporterError as exc:
+    ...     print(exc)
+    ftp://gpuhost: not an http:// or https:// URL (from --url, $GPU_EXPORTER_URL or http://localhost:9400)
     """
     chosen = url or os.environ.get(URL_ENV) or DEFAULT_URL
     chosen = chosen.strip().rstrip("/")
     if "://" not in chosen:
         chosen = "http://" + chosen
+    check_scheme(chosen, f"from --url, ${URL_ENV} or {DEFAULT_URL}")
     return chosen
+
+
+def check_scheme(url: str, origin: str) -> None:
+    """Refuse a URL that is not HTTP(S), naming ``origin`` (where the URL came from)."""
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        raise GpuExporterError(f"{url}: not an http:// or https:// URL ({origin})")
 
 
 def is_loopback(host: str | None) -> bool:
@@ -200,6 +244,8 @@ def send(
     import urllib.request
 
     split = urllib.parse.urlsplit(url)
+    # urllib would try FTP or read a file:
+    check_scheme(f"{split.scheme}://{split.netloc}", "gpu-exporter and Prometheus speak HTTP")
     server = server or f"{split.scheme}://{split.netloc}"
     req = urllib.request.Request(
         url,
@@ -252,7 +298,13 @@ def request(
     url = base + path + ("?" + urllib.parse.urlencode(params) if params else "")
     resp = send(method, url, timeout=timeout, server=base, headers=headers)
     if resp.status >= 400:
-        raise error_from_response(resp.status, resp.body, url=base, lease_endpoint=lease_endpoint)
+        raise error_from_response(
+            resp.status, resp.body, url=base, lease_endpoint=lease_endpoint, asked=base + path
+        )
+    content_type = (resp.header("Content-Type") or "").lower()
+    if "html" in content_type or resp.body.lstrip()[:1] == b"<":  # none of ours is HTML
+        message = not_an_exporter(resp.status, base, base + path)
+        raise NotAnExporter(resp.status, message, url=base)
     return resp
 
 
@@ -261,7 +313,9 @@ def json_body(resp: Response, what: str) -> Any:
     try:
         return json.loads(resp.body)
     except ValueError:
-        raise GpuExporterError(f"{what}: expected JSON, got {resp.body[:200]!r}") from None
+        detail = f": expected JSON, got {resp.body[:60]!r}"
+        message = not_an_exporter(resp.status, None, what, detail)
+        raise NotAnExporter(resp.status, message) from None
 
 
 def _credentials() -> dict[str, str]:

@@ -27,6 +27,7 @@ from gpu_exporter.nvml import (
     error_code,
     handle_key,
 )
+from gpu_exporter.units import plural
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class XidListener(NvmlThread):
                 continue
             self._gpus[handle_key(handle)] = (index, uuid)
         self.listening = tuple(uuid for _, uuid in sorted(self._gpus.values()))
-        log.info("listening for Xid errors on %d GPUs", len(self.listening))
+        log.info("listening for Xid errors on %s", plural(len(self.listening), "GPU"))
 
     def step(self) -> None:
         if not self._gpus:  # nothing to listen on: stay idle until stopped

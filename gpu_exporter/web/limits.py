@@ -22,6 +22,7 @@ from typing import Any
 from werkzeug.wrappers import Request
 
 from gpu_exporter.counters import RequestCounter
+from gpu_exporter.units import plural
 from gpu_exporter.web.errors import error_response
 
 DEFAULT_MAX_IN_FLIGHT = 32
@@ -66,7 +67,9 @@ class RequestLimits:
                 start_response,
                 503,
                 "too_many_requests",
-                f"{self.max_in_flight} requests are already being handled; retry in a second",
+                f"{plural(self.max_in_flight, 'request')} "
+                f"{'is' if self.max_in_flight == 1 else 'are'} already being handled; "
+                "retry in a second",
                 retry_after=1,
             )
         try:
