@@ -264,3 +264,21 @@ def test_health_mig_xids_pcie_and_process_labels_end_to_end(tmp_path: Path) -> N
         err = stop(proc)
     assert "Traceback" not in err
     assert "listening for Xid errors on 1 GPU\n" in err
+
+
+def test_every_serve_flag_has_a_row_in_the_readme() -> None:
+    """The README's flag table is where admins look; a flag missing there does not exist."""
+    import argparse
+
+    from gpu_exporter.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [
+        longs[0]
+        for action in sub.choices["serve"]._actions
+        if action.help != argparse.SUPPRESS
+        for longs in [[o for o in action.option_strings if o.startswith("--") and o != "--help"]]
+        if longs and not any(f"| `{o}" in readme for o in longs)
+    ]
+    assert missing == []
