@@ -3,9 +3,11 @@
 From the outside in::
 
     SecurityHeaders      the configured headers, on every answer (the 503/414/401 below too)
+    BasicAuthMiddleware  credentials, checked outside the limits: a flood of wrong passwords
+                         never takes the request slots good clients need. Cached successes
+                         cost no bcrypt; failing addresses are throttled (429) before any
+                         bcrypt, and bcrypt has its own few slots (web/throttle.py)
     RequestLimits        in-flight slots and the query-string limit; the probes exempt
-    BasicAuthMiddleware  credentials, checked inside the limits: a flood of wrong passwords
-                         (one bcrypt each) takes request slots, never the probes' threads
     DispatcherMiddleware /metrics to the exposition, everything else to Flask
     MetricsParams        /metrics: unknown query parameters are a 400, as on every other
                          endpoint; ``name[]`` is prometheus_client's documented name filter
@@ -24,10 +26,12 @@ from prometheus_client import make_wsgi_app
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 from werkzeug.wrappers import Request
 
+from gpu_exporter.counters import RequestCounter
 from gpu_exporter.web.auth import BasicAuthMiddleware
 from gpu_exporter.web.errors import error_response
 from gpu_exporter.web.limits import RequestLimits, WsgiApp
 from gpu_exporter.web.services import Services
+from gpu_exporter.web.throttle import AuthThrottle
 from gpu_exporter.web.webconfig import SecurityHeaders
 
 
@@ -36,10 +40,13 @@ def install(app: Flask, services: Services) -> None:
     registry, exposition, watcher = services.registry, services.exposition, services.watcher
     metrics = make_wsgi_app(registry) if exposition is None else exposition.wsgi_app(registry)
     wsgi: WsgiApp = DispatcherMiddleware(app.wsgi_app, {"/metrics": MetricsParams(metrics)})
+    rejections = services.rejections if services.rejections is not None else RequestCounter()
+    wsgi = RequestLimits(wsgi, max_in_flight=services.max_in_flight, rejections=rejections)
     if watcher is not None:
-        wsgi = BasicAuthMiddleware(wsgi, watcher, services.auth_scope)
-    wsgi = RequestLimits(wsgi, max_in_flight=services.max_in_flight, rejections=services.rejections)
-    if watcher is not None:
+        throttle = AuthThrottle(services.clock)
+        wsgi = BasicAuthMiddleware(
+            wsgi, watcher, services.auth_scope, throttle=throttle, rejections=rejections
+        )
         wsgi = SecurityHeaders(wsgi, watcher)
     app.wsgi_app = wsgi  # type: ignore[method-assign]
 
