@@ -177,6 +177,7 @@ def needs_auth(
     excluded: Iterable[str] = (),
     *,
     has_body: bool = False,
+    read_paths: frozenset[str] = READ_PATHS,
 ) -> bool:
     """Whether this request must carry valid credentials (when users are configured)."""
     if path in ALWAYS_OPEN or path in excluded:
@@ -190,7 +191,7 @@ def needs_auth(
         return method != "HEAD" and not is_advice_only(query_string)
     if method not in ("GET", "HEAD"):
         return True  # POST /choose with a body, DELETE /leases/…, renewals: writes
-    return path not in READ_PATHS  # /leases and anything unknown: protected
+    return path not in read_paths  # /leases and anything unknown: protected
 
 
 # ------------------------------------------------------------------------ WSGI middleware
@@ -214,6 +215,7 @@ class BasicAuthMiddleware:
         throttle: AuthThrottle,
         gate: BcryptGate | None = None,
         rejections: RequestCounter | None = None,
+        telemetry_path: str = "/metrics",
     ) -> None:
         if scope not in AUTH_SCOPES:
             raise ValueError(f"auth scope must be one of {', '.join(AUTH_SCOPES)}")
@@ -223,6 +225,7 @@ class BasicAuthMiddleware:
         self._throttle = throttle
         self._gate = gate if gate is not None else BcryptGate()
         self._rejections = rejections if rejections is not None else RequestCounter()
+        self._read_paths = (READ_PATHS - {"/metrics"}) | {telemetry_path}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         active = self._watcher.active  # one config for the whole request
@@ -235,6 +238,7 @@ class BasicAuthMiddleware:
             active.config.auth_excluded_paths,
             has_body=environ.get("CONTENT_LENGTH", "") not in ("", "0")
             or "HTTP_TRANSFER_ENCODING" in environ,
+            read_paths=self._read_paths,
         ):
             header = environ.get("HTTP_AUTHORIZATION")
             found = credentials(header)
