@@ -64,7 +64,7 @@ def parse_listen_address(text: str) -> tuple[str, int]:
     (('', 9400), ('::1', 80))
     """
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT such as :9400 or 127.0.0.1:9400, got {text!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

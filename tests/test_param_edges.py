@@ -176,3 +176,16 @@ def test_parse_args_gives_a_request_or_apierror(args: dict[str, str]) -> None:
         filters = req.filters if hasattr(req, "filters") else req.choose.filters  # type: ignore[union-attr]
         for selector in (*filters.include, *filters.exclude):
             selector_matches(GPU, selector)  # never raises for what the parser let through
+
+
+def test_a_fleet_series_with_a_unicode_gpu_label_is_passed_over() -> None:
+    """A Prometheus answer is input too: gpu="²" once made int() fail in /cluster/choose."""
+    from test_cluster import fleet_of, gpu, host_results
+
+    good = gpu("a:9400", 0)
+    odd = [
+        {**s, "metric": {**s["metric"], "gpu": "²", "uuid": "GPU-odd"}} for s in gpu("a:9400", 1)
+    ]
+    fleet = fleet_of(host_results({"a:9400": [*good, *odd]}))
+    (host,) = fleet.hosts
+    assert [g.index for g in host.gpus] == [0]
