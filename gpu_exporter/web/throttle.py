@@ -20,7 +20,6 @@ Both run before the request limits (:mod:`gpu_exporter.web.middleware`), so a re
 failing client never holds a request slot. Addresses are the TCP peer's: behind a reverse
 proxy every client shares the proxy's, and the proxy should do its own limiting.
 
->>> from gpu_exporter.clock import Clock
 >>> class Frozen:
 ...     def time(self) -> float: return 0.0
 ...     def monotonic(self) -> float: return 100.0
