@@ -6,24 +6,25 @@ for :func:`gpu_exporter.daemon.serve`; ``choose``, ``run`` and ``release`` are t
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpu_exporter import __version__
+from gpu_exporter import __version__, logs
 from gpu_exporter.argparsing import Parser, parse, parser_of
 from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
     DEFAULT_LISTEN,
+    DEFAULT_TELEMETRY_PATH,
     LOG_LEVELS,
     ServeConfig,
     default_state_dir,
     parse_listen_address,
     parse_process_labels,
+    parse_telemetry_path,
     parse_user_list,
 )
+from gpu_exporter.logs import LOG_FORMATS, level_name
 
 
 def _env(flag: str, default: str | None) -> str | None:
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--listen-address",
+        "--web.listen-address",
+        dest="listen_address",
         default=_env("listen-address", DEFAULT_LISTEN),
         metavar="HOST:PORT",
         help="address to listen on; ':9400' is every interface (default %(default)s; "
@@ -226,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--web-config-file",
+        "--web.config.file",
+        dest="web_config_file",
         default=_env("web-config-file", None),
         metavar="FILE",
         help="TLS, basic auth and response headers, in the Prometheus exporter-toolkit "
@@ -248,11 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
         "there are no admins)",
     )
     serve.add_argument(
-        "--log-level",
-        choices=LOG_LEVELS,
-        default=_env("log-level", "info"),
-        help="default %(default)s",
+        "--web.telemetry-path",
+        dest="telemetry_path",
+        default=_env("web.telemetry-path", DEFAULT_TELEMETRY_PATH),
+        metavar="PATH",
+        help="serve the Prometheus metrics at PATH, and only there (default %(default)s)",
     )
+    logs.add_flags(serve, _env("log-level", None) or _env("log.level", "info"), _env)
 
     from gpu_exporter.client.cli import add_choose_parser, add_release_parser, add_run_parser
 
@@ -294,8 +301,14 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         host, port = parse_listen_address(args.listen_address)
     except ValueError as exc:
         parser.error(f"--listen-address: {exc}")
-    if args.log_level not in LOG_LEVELS:  # from the environment, which argparse does not check
-        parser.error(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+    if level_name(args.log_level) not in LOG_LEVELS:  # from the environment: not checked yet
+        parser.error("--log.level must be one of debug, info, warn, error")
+    if args.log_format not in LOG_FORMATS:  # from the environment
+        parser.error(f"--log.format must be one of {', '.join(LOG_FORMATS)}")
+    try:
+        telemetry_path = parse_telemetry_path(args.telemetry_path)
+    except ValueError as exc:
+        parser.error(f"--web.telemetry-path: {exc}")
     interval = float(args.interval)
     max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
     if args.max_gpus_per_requester < 0:
@@ -332,7 +345,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         port,
         interval,
         args.simulate,
-        args.log_level,
+        level_name(args.log_level),
         max_age,
         state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or default_state_dir(),
         max_lease_seconds=float(args.max_lease),
@@ -352,6 +365,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         choose_defaults=args.choose_defaults,
         lease_admins=parse_user_list(args.lease_admins),
         max_waiters_per_requester=int(args.max_waiters_per_requester),
+        telemetry_path=telemetry_path,
+        log_format=args.log_format,
     )
 
 
@@ -361,11 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         # Its checks name `gpu-exporter serve` and point to its --help.
         config = _serve_config(args, parser_of(parser, args))
-        logging.basicConfig(
-            level=config.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-            stream=sys.stderr,
-        )
+        logs.setup(config.log_level, config.log_format)
         # Imported here so that `gpu-exporter --help` and the client commands need no Flask.
         from gpu_exporter.daemon import serve
 

@@ -17,6 +17,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # What "free" means when a /choose names no filter: GPUtil's getAvailable (under 50 % load and
 # 50 % memory). See gpu_exporter.choose.defaults.
 DEFAULT_CHOOSE_DEFAULTS = "max_util=50%&max_mem_util=50%"
+DEFAULT_TELEMETRY_PATH = "/metrics"
+# The app's own paths (tests/test_logs.py checks them against its routes): the metrics can
+# be served at neither these nor a prefix of them (the dispatcher takes every path below).
+APP_PATHS = (
+    *("/", "/choose", "/cluster/choose", "/leases", "/gpus", "/healthz", "/readyz"),
+    *("/openapi.json", "/static"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,8 @@ class ServeConfig:
     choose_defaults: str = DEFAULT_CHOOSE_DEFAULTS
     lease_admins: tuple[str, ...] = ()  # basic-auth users who may renew/release any lease by id
     max_waiters_per_requester: int = 2  # waiting /choose requests per client address; 0: any
+    telemetry_path: str = DEFAULT_TELEMETRY_PATH  # where /metrics is served (only there)
+    log_format: str = "logfmt"  # or "json" (gpu_exporter.logs)
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -55,11 +64,31 @@ def parse_listen_address(text: str) -> tuple[str, int]:
     (('', 9400), ('::1', 80))
     """
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT such as :9400 or 127.0.0.1:9400, got {text!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
+
+
+def parse_telemetry_path(text: str) -> str:
+    """``--web.telemetry-path``: an absolute path of its own, e.g. ``/prometheus/metrics``.
+
+    >>> parse_telemetry_path("/gpu/metrics")
+    '/gpu/metrics'
+    >>> parse_telemetry_path("/leases")
+    Traceback (most recent call last):
+    ValueError: '/leases' is taken by the exporter's /leases; choose another path
+    """
+    path = text.strip()
+    if not path.startswith("/") or path == "/" or path.endswith("/"):
+        raise ValueError(f"expected a path such as /metrics, got {text!r}")
+    if not path.isascii() or not path.isprintable() or any(c in path for c in " ?#%"):
+        raise ValueError(f"expected a plain ASCII path without spaces, ? # or %, got {text!r}")
+    for taken in APP_PATHS[1:]:  # every path is below "/": only "/" itself is refused
+        if taken == path or taken.startswith(path + "/") or path.startswith(taken + "/"):
+            raise ValueError(f"{path!r} is taken by the exporter's {taken}; choose another path")
+    return path
 
 
 def parse_process_labels(text: str) -> tuple[str, ...]:

@@ -268,6 +268,7 @@ def build(
         choose_defaults=choose_defaults,
         max_idle_for_seconds=max_idle_for_seconds,
         lease_admins=frozenset(config.lease_admins),
+        telemetry_path=config.telemetry_path,
     )
     app = create_app(services)
 

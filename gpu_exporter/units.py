@@ -1,11 +1,13 @@
 """Parsing the human units people type into query strings and flags.
 
-Every parser raises :class:`ValueError` with a message that can be shown to the user as is.
+Every parser raises :class:`ValueError` with a message that can be shown to the user as is,
+and only that: the number is ASCII digits only (``²`` or ``٣`` are digits to ``int()`` but not
+to anyone typing a query), at most :data:`MAX_NUMBER_CHARS` long, and the value is bounded, so
+``min_free`` of 400 digits or ``1e999GiB`` is a refusal, never an OverflowError.
 """
 
 from __future__ import annotations
 
-import math
 import re
 
 _BYTE_UNITS = {
@@ -25,8 +27,31 @@ _BYTE_UNITS = {
     "g": 2**30,
     "t": 2**40,
 }
-_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
+# ASCII only: [0-9], [a-zA-Z] and, with re.ASCII, \s (no Unicode digits or spaces).
+_NUMBER_UNIT = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z%]*)\s*\Z", re.ASCII)
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0}
+MAX_NUMBER_CHARS = 32  # digits and point: more is a typo or an attack, never a size or a time
+MAX_BYTES = 2**60  # 1 EiB: far beyond any GPU, and exact as a float and an int
+MAX_DURATION_SECONDS = 366 * 24 * 3600.0  # a year: no lease, wait or window is longer
+
+
+def _number_unit(text: str, expected: str) -> tuple[float, str]:
+    """The number (finite, ASCII digits) and the unit as written; ValueError names
+    ``expected``."""
+    m = _NUMBER_UNIT.match(text)
+    if not m:
+        raise ValueError(f"expected {expected}, got {_shown(text)}")
+    if len(m.group(1)) > MAX_NUMBER_CHARS:
+        raise ValueError(f"at most {MAX_NUMBER_CHARS} digits, got {len(m.group(1))}")
+    return float(m.group(1)), m.group(2)
+
+
+def _shown(text: str) -> str:
+    """``text`` for a message: quoted, cut short when long, and a hint for non-ASCII digits."""
+    hint = " (ASCII digits only)" if any(c.isdigit() and not c.isascii() for c in text) else ""
+    if len(text) > 40:
+        return repr(text[:40]) + f"… ({len(text)} characters){hint}"
+    return repr(text) + hint
 
 
 def parse_bytes(text: str) -> int:
@@ -35,11 +60,14 @@ def parse_bytes(text: str) -> int:
     >>> parse_bytes("8GiB"), parse_bytes("500MB"), parse_bytes("1024")
     (8589934592, 500000000, 1024)
     """
-    m = _NUMBER_UNIT.match(text)
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _BYTE_UNITS:
-        raise ValueError(f"expected a size such as 8GiB, 500MB or a byte count, got {text!r}")
-    return int(float(m.group(1)) * _BYTE_UNITS[unit])
+    expected = "a size such as 8GiB, 500MB or a byte count"
+    number, unit = _number_unit(text, expected)
+    if unit.lower() not in _BYTE_UNITS:
+        raise ValueError(f"expected {expected}, got {_shown(text)}")
+    value = number * _BYTE_UNITS[unit.lower()]
+    if value > MAX_BYTES:
+        raise ValueError(f"at most 1 EiB ({MAX_BYTES} bytes), got {_shown(text)}")
+    return int(value)
 
 
 def parse_ratio(text: str) -> float:
@@ -48,14 +76,14 @@ def parse_ratio(text: str) -> float:
     >>> parse_ratio("30%"), parse_ratio("0.3")
     (0.3, 0.3)
     """
-    m = _NUMBER_UNIT.match(text)
-    if not m or m.group(2) not in ("", "%"):
-        raise ValueError(f"expected a ratio such as 0.3 or 30%, got {text!r}")
-    value = float(m.group(1))
-    if m.group(2) == "%":
+    expected = "a ratio such as 0.3 or 30%"
+    value, unit = _number_unit(text, expected)
+    if unit not in ("", "%"):
+        raise ValueError(f"expected {expected}, got {_shown(text)}")
+    if unit == "%":
         value /= 100.0
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"expected a ratio between 0 and 1 (or 0% and 100%), got {text!r}")
+        raise ValueError(f"expected a ratio between 0 and 1 (or 0% and 100%), got {_shown(text)}")
     return value
 
 
@@ -65,13 +93,13 @@ def parse_duration(text: str) -> float:
     >>> parse_duration("10m"), parse_duration("1.5")
     (600.0, 1.5)
     """
-    m = _NUMBER_UNIT.match(text)
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _DURATION_UNITS:
-        raise ValueError(f"expected a duration such as 30s, 10m or 1h, got {text!r}")
-    value = float(m.group(1)) * _DURATION_UNITS[unit]
-    if not math.isfinite(value):
-        raise ValueError(f"duration out of range: {text!r}")
+    expected = "a duration such as 30s, 10m or 1h"
+    number, unit = _number_unit(text, expected)
+    if unit.lower() not in _DURATION_UNITS:
+        raise ValueError(f"expected {expected}, got {_shown(text)}")
+    value = number * _DURATION_UNITS[unit.lower()]
+    if value > MAX_DURATION_SECONDS:
+        raise ValueError(f"at most a year (8784h), got {_shown(text)}")
     return value
 
 

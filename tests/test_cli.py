@@ -110,7 +110,7 @@ def test_bad_listen_address_is_one_clear_line(address: str, reason: str) -> None
     proc = start("serve", "--simulate", "1", "--listen-address", address)
     _, err = proc.communicate(timeout=15)
     assert proc.returncode == 1
-    (line,) = [line for line in err.splitlines() if "ERROR" in line]
+    (line,) = [line for line in err.splitlines() if "level=error" in line]
     assert f"cannot listen on {address}: {reason}" in line
     assert "No socket could be created" not in err and "Errno" not in err
     assert "Traceback" not in err
@@ -263,7 +263,7 @@ def test_health_mig_xids_pcie_and_process_labels_end_to_end(tmp_path: Path) -> N
     finally:
         err = stop(proc)
     assert "Traceback" not in err
-    assert "listening for Xid errors on 1 GPU\n" in err
+    assert 'msg="listening for Xid errors on 1 GPU"\n' in err
 
 
 def test_every_serve_flag_has_a_row_in_the_readme() -> None:

@@ -24,6 +24,7 @@ from typing import Any, Final
 
 from gpu_exporter.choose.filters import Filters, Window
 from gpu_exporter.choose.fleet import Fleet, Host, base_url
+from gpu_exporter.choose.values import digits
 from gpu_exporter.model import GpuSample
 
 URL_LABEL: Final = "gpu_exporter_url"
@@ -196,10 +197,10 @@ def parse_fleet(
         if name == "gpu_exporter_last_sample_timestamp_seconds":
             host["sampled_at"] = value
             continue
-        uuid = _gpu_key(labels)
-        if uuid is None or not labels.get("gpu", "").isdigit():
+        uuid, index = _gpu_key(labels), digits(labels.get("gpu", ""))
+        if uuid is None or index is None:  # digits(): int() would take "²" and fail on it
             continue
-        gpu = per_gpu.setdefault(url, {}).setdefault(uuid, {"index": int(labels["gpu"])})
+        gpu = per_gpu.setdefault(url, {}).setdefault(uuid, {"index": index})
         if name == "gpu_up":
             gpu["up"] = value == 1
         elif name == "gpu_leased":

@@ -16,7 +16,7 @@ def selector_matches(gpu: GpuSample, selector: str) -> bool:
     [True, True, True, True, False]
     """
     s = selector.strip()
-    if s.isdigit():
+    if s.isascii() and s.isdigit():  # int() would take "²" too, and then fail
         return int(s) == gpu.index
     if s.upper().startswith(("GPU-", "MIG-")):
         return gpu.uuid.upper().startswith(s.upper())

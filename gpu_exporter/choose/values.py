@@ -8,6 +8,13 @@ size such as 8GiB, 500MB or a byte count, got 'lots'``.
 (2, ('0', 'GPU-5a1e'))
 >>> flag("spread", " True ")
 True
+
+Numbers are ASCII digits only, and short: ``str.isdigit()`` and ``int()`` take ``²`` and
+``٣`` too, which no one means in a query (``n=²`` once answered 500).
+
+>>> whole_number(1, 1024)("n", "²")
+Traceback (most recent call last):
+ValueError: n must be a whole number from 1 to 1024, got '²' (ASCII digits only)
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ def units(parse: Callable[[str], Any], maximum: float | None = None) -> Reader:
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         if maximum is not None and value > maximum:
-            raise ValueError(f"{name}: at most {maximum:g} s, got {text!r}")
+            raise ValueError(f"{name}: at most {maximum:g} s, got {shown(text)}")
         return value
 
     return read
@@ -49,25 +56,60 @@ def positive(reader: Reader) -> Reader:
 def one_of(choices: tuple[str, ...]) -> Reader:
     def read(name: str, text: str) -> str:
         if text not in choices:
-            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {text!r}")
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {shown(text)}")
         return text
 
     return read
 
 
+MAX_PID = 4_194_304  # Linux's largest pid_max (2^22): no GPU runs more processes either
+MAX_DIGITS = 9  # any count or index here fits; int() of a long string is never reached
+MAX_TEXT_CHARS = 256  # a model name, a selector
+
+
+def digits(text: str) -> int | None:
+    """``text`` as a whole number if it is 1 to :data:`MAX_DIGITS` ASCII digits, else None.
+
+    >>> digits("42"), digits("²"), digits("٣"), digits("-1"), digits("9" * 400)
+    (42, None, None, None, None)
+    """
+    if 0 < len(text) <= MAX_DIGITS and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
+def shown(text: str) -> str:
+    """``text`` for a message: quoted, cut short when long, and a hint for non-ASCII digits.
+
+    >>> shown("²"), shown("9" * 50)
+    ("'²' (ASCII digits only)", "'9999999999999999999999999999999999999999'… (50 characters)")
+    """
+    hint = " (ASCII digits only)" if any(c.isdigit() and not c.isascii() for c in text) else ""
+    if len(text) > 40:
+        return repr(text[:40]) + f"… ({len(text)} characters){hint}"
+    return repr(text) + hint
+
+
 def whole_number(least: int, most: int) -> Reader:
     def read(name: str, text: str) -> int:
-        if not text.isdigit() or not least <= int(text) <= most:
-            raise ValueError(f"{name} must be a whole number from {least} to {most}, got {text!r}")
-        return int(text)
+        value = digits(text)
+        if value is None or not least <= value <= most:
+            raise ValueError(
+                f"{name} must be a whole number from {least} to {most}, got {shown(text)}"
+            )
+        return value
 
     return read
 
 
 def process_count(name: str, text: str) -> int:
-    if not text.isdigit():
-        raise ValueError(f"{name} must be a whole number (0 = no processes), got {text!r}")
-    return int(text)
+    value = digits(text)
+    if value is None or value > MAX_PID:
+        raise ValueError(
+            f"{name} must be a whole number from 0 to {MAX_PID} (0 = no processes), "
+            f"got {shown(text)}"
+        )
+    return value
 
 
 def label(most: int) -> Reader:
@@ -84,18 +126,27 @@ def label(most: int) -> Reader:
 def not_empty(name: str, text: str) -> str:
     if not text.strip():
         raise ValueError(f"{name} must not be empty")
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"{name}: at most {MAX_TEXT_CHARS} characters, got {len(text)}")
     return text
+
+
+MAX_SELECTORS = 64
 
 
 def selectors(name: str, text: str) -> tuple[str, ...]:
     """GPUs named by NVML index, UUID (or its prefix) or PCI bus id, comma-separated."""
     found = tuple(s.strip() for s in text.split(",") if s.strip())
+    if len(found) > MAX_SELECTORS:
+        raise ValueError(f"{name}: at most {MAX_SELECTORS} GPUs, got {len(found)}")
     for selector in found:
-        if not (
-            selector.isdigit() or selector.upper().startswith(("GPU-", "MIG-")) or ":" in selector
+        if len(selector) > MAX_TEXT_CHARS or not (
+            digits(selector) is not None
+            or selector.upper().startswith(("GPU-", "MIG-"))
+            or ":" in selector
         ):
             raise ValueError(
-                f"{name}: {selector!r} is not an NVML index, a UUID (GPU-…) or a PCI bus id"
+                f"{name}: {shown(selector)} is not an NVML index, a UUID (GPU-…) or a PCI bus id"
             )
     return found
 
@@ -108,9 +159,6 @@ def flag(name: str, text: str) -> bool:
     return text in ("1", "true")
 
 
-MAX_PID = 4_194_304  # Linux's largest pid_max (2^22)
-
-
 def pid_list(most: int) -> Reader:
     """Process ids, comma-separated: ``4242`` or ``4242,4243``; each from 1 to 2^22.
 
@@ -121,10 +169,11 @@ def pid_list(most: int) -> Reader:
     def read(name: str, text: str) -> tuple[int, ...]:
         items = [s.strip() for s in text.split(",")]
         for item in items:
-            if not (item.isascii() and item.isdigit()) or not 1 <= int(item) <= MAX_PID:
+            pid = digits(item)
+            if pid is None or not 1 <= pid <= MAX_PID:
                 raise ValueError(
                     f"{name} must be process ids (whole numbers from 1 to {MAX_PID}, "
-                    f"comma-separated), got {text!r}"
+                    f"comma-separated), got {shown(text)}"
                 )
         if len(items) > most:
             raise ValueError(f"{name}: at most {most} process ids, got {len(items)}")

@@ -55,7 +55,7 @@ FILTER_PARAMS = tuple(p for p in PARAMS if p.flag is not None)
 
 
 def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
     return int(text)
 

@@ -394,7 +394,9 @@ REQUESTS_REJECTED = MetricSpec(
     "gpu_exporter_requests_rejected_total",
     "counter",
     "Requests refused by the request limits: too_many_requests (--max-requests-in-flight), "
-    "too_many_waiters (--max-waiters, --max-waiters-per-requester), uri_too_long.",
+    "too_many_waiters (--max-waiters, --max-waiters-per-requester), uri_too_long; and before "
+    "checking a password: auth_throttled (429: too many failed logins from that address), "
+    "auth_busy (503: every bcrypt slot busy).",
     ("reason",),
     "the exporter",
     unit="requests",

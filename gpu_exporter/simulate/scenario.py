@@ -277,7 +277,7 @@ class Scenario:
     @classmethod
     def from_argument(cls, arg: str) -> Scenario:
         """``--simulate``'s argument: a GPU count or the path of a TOML scenario."""
-        if arg.isdigit():
+        if arg.isascii() and arg.isdigit():
             count = int(arg)
             if not 1 <= count <= 64:
                 raise ValueError(f"--simulate takes 1 to 64 GPUs, got {count}")

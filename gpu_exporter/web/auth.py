@@ -15,6 +15,7 @@ import binascii
 import collections
 import getpass
 import hmac
+import math
 import re
 import secrets
 import sys
@@ -25,11 +26,13 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import bcrypt
-from werkzeug.wrappers import Request
+from werkzeug.wrappers import Request, Response
 
-from gpu_exporter.units import parse_duration
+from gpu_exporter.counters import RequestCounter
+from gpu_exporter.units import parse_duration, plural
 from gpu_exporter.web.errors import error_response
 from gpu_exporter.web.limits import WsgiApp
+from gpu_exporter.web.throttle import AuthThrottle, BcryptGate
 from gpu_exporter.web.yamlfields import WebConfigError
 
 if TYPE_CHECKING:
@@ -92,12 +95,19 @@ class BasicAuth:
     def __bool__(self) -> bool:
         return bool(self._users)
 
-    def verify(self, user: str, password: bytes) -> bool:
+    def cached(self, user: str, password: bytes) -> bool:
+        """Was this password proven for ``user`` lately? No bcrypt: a keyed hash and a look-up."""
         key = (user, hmac.new(self._key, password, sha256).digest())
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return True
+        return False
+
+    def verify(self, user: str, password: bytes) -> bool:
+        if self.cached(user, password):
+            return True
+        key = (user, hmac.new(self._key, password, sha256).digest())
         if len(password) > BCRYPT_MAX_PASSWORD_BYTES:
             return False  # bcrypt would look at 72 bytes only; never accept such a password
         stored = self._users.get(user)
@@ -112,23 +122,30 @@ class BasicAuth:
 
     def check_header(self, header: str | None) -> str | None:
         """The user an ``Authorization: Basic …`` header proves, or None."""
-        if not header:
+        found = credentials(header)
+        if found is None:
             return None
-        scheme, _, token = header.strip().partition(" ")
-        if scheme.lower() != "basic":
-            return None
-        try:
-            decoded = base64.b64decode(token.strip(), validate=True)
-        except (binascii.Error, ValueError):
-            return None
-        raw_user, sep, password = decoded.partition(b":")
-        if not sep:
-            return None
-        try:
-            user = raw_user.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-        return user if self.verify(user, password) else None
+        return found[0] if self.verify(*found) else None
+
+
+def credentials(header: str | None) -> tuple[str, bytes] | None:
+    """(user, password) from an ``Authorization: Basic …`` header; None if it has none."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(token.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    raw_user, sep, password = decoded.partition(b":")
+    if not sep:
+        return None
+    try:
+        return raw_user.decode("utf-8"), password
+    except UnicodeDecodeError:
+        return None
 
 
 # ------------------------------------------------------------------------ who must authenticate
@@ -160,6 +177,7 @@ def needs_auth(
     excluded: Iterable[str] = (),
     *,
     has_body: bool = False,
+    read_paths: frozenset[str] = READ_PATHS,
 ) -> bool:
     """Whether this request must carry valid credentials (when users are configured)."""
     if path in ALWAYS_OPEN or path in excluded:
@@ -173,21 +191,41 @@ def needs_auth(
         return method != "HEAD" and not is_advice_only(query_string)
     if method not in ("GET", "HEAD"):
         return True  # POST /choose with a body, DELETE /leases/…, renewals: writes
-    return path not in READ_PATHS  # /leases and anything unknown: protected
+    return path not in read_paths  # /leases and anything unknown: protected
 
 
 # ------------------------------------------------------------------------ WSGI middleware
 
 
 class BasicAuthMiddleware:
-    """Answers 401 unless the request is open in this scope or carries valid credentials."""
+    """Answers 401 unless the request is open in this scope or carries valid credentials.
 
-    def __init__(self, app: WsgiApp, watcher: WebConfigWatcher, scope: str = "all") -> None:
+    Credentials not in the success cache are checked only if the client address is not
+    throttled (429 ``auth_throttled``) and a bcrypt slot comes free promptly (503
+    ``auth_busy``): :mod:`gpu_exporter.web.throttle`. Both refusals are counted in
+    ``rejections`` by that code.
+    """
+
+    def __init__(
+        self,
+        app: WsgiApp,
+        watcher: WebConfigWatcher,
+        scope: str = "all",
+        *,
+        throttle: AuthThrottle,
+        gate: BcryptGate | None = None,
+        rejections: RequestCounter | None = None,
+        telemetry_path: str = "/metrics",
+    ) -> None:
         if scope not in AUTH_SCOPES:
             raise ValueError(f"auth scope must be one of {', '.join(AUTH_SCOPES)}")
         self.app = app
         self._watcher = watcher
         self._scope = scope
+        self._throttle = throttle
+        self._gate = gate if gate is not None else BcryptGate()
+        self._rejections = rejections if rejections is not None else RequestCounter()
+        self._read_paths = (READ_PATHS - {"/metrics"}) | {telemetry_path}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         active = self._watcher.active  # one config for the whole request
@@ -200,20 +238,63 @@ class BasicAuthMiddleware:
             active.config.auth_excluded_paths,
             has_body=environ.get("CONTENT_LENGTH", "") not in ("", "0")
             or "HTTP_TRANSFER_ENCODING" in environ,
+            read_paths=self._read_paths,
         ):
             header = environ.get("HTTP_AUTHORIZATION")
-            user = active.auth.check_header(header)
-            if user is None:
+            found = credentials(header)
+            refusal = None if found is None else self._check(active.auth, *found, environ)
+            if found is None or refusal is not None:
                 message = (
                     "wrong user name or password"
                     if header
                     else "authentication required (HTTP basic auth)"
                 )
-                resp = error_response(Request(environ), 401, "unauthorized", message)
-                resp.headers["WWW-Authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
+                resp = refusal or error_response(Request(environ), 401, "unauthorized", message)
+                if resp.status_code == 401:
+                    resp.headers["WWW-Authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
                 return resp(environ, start_response)
-            environ["REMOTE_USER"] = user
+            environ["REMOTE_USER"] = found[0]
         return self.app(environ, start_response)
+
+    def _check(
+        self, auth: BasicAuth, user: str, password: bytes, environ: dict[str, Any]
+    ) -> Response | None:
+        """None if ``user``/``password`` are right; else the answer: 401, 429 or 503."""
+        if auth.cached(user, password):  # a good client never waits for anyone's failures
+            return None
+        address = str(environ.get("REMOTE_ADDR") or "unknown")
+        wait = self._throttle.begin(address)
+        if wait > 0:
+            seconds = max(1, math.ceil(wait))
+            return self._refuse(
+                environ,
+                429,
+                "auth_throttled",
+                f"too many failed logins from {address}; retry in {plural(seconds, 'second')}",
+                seconds,
+            )
+        if not self._gate.enter():
+            self._throttle.cancel(address)
+            return self._refuse(
+                environ, 503, "auth_busy", "too many logins being checked; retry in a second", 1
+            )
+        ok = False
+        try:
+            ok = auth.verify(user, password)
+        finally:
+            self._gate.leave()
+            self._throttle.end(address, ok=ok)
+        if ok:
+            return None
+        return error_response(Request(environ), 401, "unauthorized", "wrong user name or password")
+
+    def _refuse(
+        self, environ: dict[str, Any], status: int, code: str, message: str, retry_after: int
+    ) -> Response:
+        self._rejections.inc(code)
+        resp = error_response(Request(environ), status, code, message)
+        resp.headers["Retry-After"] = str(retry_after)
+        return resp
 
 
 # ------------------------------------------------------------------------ hash-password

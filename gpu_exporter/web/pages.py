@@ -53,12 +53,24 @@ def index() -> str:
         waiting=svc.claimer.waiting(),
         monotonic_now=now,
     )
-    return render_template("index.html", view=view, version=__version__, fmt=format_bytes)
+    return render_template(
+        "index.html",
+        view=view,
+        version=__version__,
+        fmt=format_bytes,
+        metrics_path=svc.telemetry_path,
+    )
 
 
 @pages.get("/openapi.json")
 def openapi() -> Response:
-    return jsonify(openapi_document())
+    doc, path = openapi_document(), services().telemetry_path
+    if path != "/metrics":  # --web.telemetry-path: document where the metrics really are
+        doc = {
+            **doc,
+            "paths": {(path if p == "/metrics" else p): v for p, v in doc["paths"].items()},
+        }
+    return jsonify(doc)
 
 
 @pages.get("/healthz")

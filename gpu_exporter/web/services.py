@@ -64,6 +64,7 @@ class Services:
     max_idle_for_seconds: float | None = None  # how far back the sample history reaches
     # Users (authenticated by ``watcher``'s basic auth) who may renew or release any lease.
     lease_admins: frozenset[str] = frozenset()
+    telemetry_path: str = "/metrics"  # --web.telemetry-path: the metrics are served only here
 
     @property
     def stopping(self) -> threading.Event:
