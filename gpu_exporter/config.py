@@ -46,6 +46,9 @@ class ServeConfig:
     choose_defaults: str = DEFAULT_CHOOSE_DEFAULTS
     lease_admins: tuple[str, ...] = ()  # basic-auth users who may renew/release any lease by id
     max_waiters_per_requester: int = 2  # waiting /choose requests per client address; 0: any
+    # Health fields (collect.groups.SLOW) are read this often; the fast ones every interval.
+    slow_interval_seconds: float = 30.0
+    collect_disabled: tuple[str, ...] = ()  # --no-collect.<group>: not read, not exported
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
