@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Stack, build_stack, sim_of
+from conftest import Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.collect import groups
 from gpu_exporter.export.cadence import groups_table
 from gpu_exporter.simulate import Fault, Health, Load, SimGpu
@@ -55,11 +55,11 @@ def test_nvml_calls_per_minute_are_fast_per_interval_plus_slow_per_slow_interval
     expected = (
         len(fast) * gpus * 60 / interval
         + len(slow) * gpus * 60 / slow_interval
-        + samples  # nvmlDeviceGetCount, once per sample
+        + samples * (1 + gpus)  # nvmlDeviceGetCount, and each GPU's handle, per sample
     )
-    assert per_minute == expected == 13 * 3 * 60 + 14 * 3 * 2 + 60
-    # Per function: identity, handles and static values not at all; a slow one twice.
-    for once in ("nvmlDeviceGetUUID", "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetMaxClockInfo"):
+    assert per_minute == expected == 13 * 3 * 60 + 14 * 3 * 2 + 60 * 4
+    # Per function: identity and static values not at all; a slow one twice.
+    for once in ("nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMaxClockInfo"):
         assert calls[once] == 0, once
     assert calls["nvmlDeviceGetTotalEccErrors"] == gpus * 4 * 2
     assert calls["nvmlDeviceGetPowerUsage"] == gpus * 60
@@ -193,3 +193,22 @@ def test_bad_group_from_the_environment_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(BuildError, match="unknown collector group nope"):
         build(dataclasses.replace(ServeConfig(simulate="1"), collect_disabled=("nope",)))
+
+
+def test_process_details_are_read_once_per_pid_lifetime(tmp_path: Path) -> None:
+    """Lease attribution's ancestors and cgroup (and no labels: --process-labels is off) are
+    read when a process first appears; while it runs, samples read nothing from /proc."""
+    for pid in (4000, 4001):  # SimGpu 0's two processes
+        fake_proc(tmp_path, pid, ppid=900, cgroup="0::/slurm/uid_1/job_7/step_0\n")
+    fake_proc(tmp_path, 900, ppid=1)
+    s = a100s(1, proc_root=str(tmp_path))
+    s.sample()
+    first = s.cache.get().gpus[0].processes
+    assert first is not None and [p.ancestors for p in first] == [(900,), (900,)]
+    assert [p.cgroup for p in first] == ["slurm_job:7", "slurm_job:7"]
+    assert all(p.user is None and p.command is None for p in first)  # no labels asked for
+    for f in tmp_path.glob("*/*"):  # any read from now on would see nothing
+        f.write_text("")
+    for _ in range(3):
+        s.clock.advance(1)
+        assert s.sample().gpus[0].processes == first

@@ -58,13 +58,11 @@ class GpuIdentity:
     mig: tuple[tuple[str, MigIdentity], ...] = ()  # MIG devices seen, by MIG uuid
     # The slow fields' values at their last read (groups.SLOW), reused until the next one.
     slow: tuple[tuple[str, Any], ...] = ()
-    # The device handle: valid until NVML is shut down, so not asked for on every sample.
-    handle: Any = None
 
     def forget_values(self) -> GpuIdentity:
-        """The identity of a GPU that went down: its name stays, its remembered values and
-        handle go, so they are read again once it answers (after a reset they may differ)."""
-        return dataclasses.replace(self, static=(), slow=(), mig=(), handle=None)
+        """The identity of a GPU that went down: its name stays, its remembered values go,
+        so they are read again once it answers (after a reset they may differ)."""
+        return dataclasses.replace(self, static=(), slow=(), mig=())
 
 
 def _read_mig_devices(
@@ -144,9 +142,9 @@ def read_gpu(
     """
     known_uuid = identity.uuid if identity else ""
     try:
-        handle = identity.handle if identity is not None else None
-        if handle is None:
-            handle = nvml.handle(index)
+        # Asked every sample (one call), although valid until shutdown: a lost GPU is
+        # reported as lost by this call, and the error counted under it.
+        handle = nvml.handle(index)
         if identity is None:
             identity = GpuIdentity(
                 nvml.uuid(handle), optional(nvml.name, handle), optional(nvml.pci_bus_id, handle)
@@ -196,7 +194,6 @@ def read_gpu(
         static=tuple(r.static.items()),
         slow=tuple(r.slow.items()),
         mig=tuple(mig_seen.items()),
-        handle=handle,
     )
     sample = GpuSample(
         index=index,

@@ -177,6 +177,8 @@ class Sampler:
         the deadline keeps that thread (it is stuck in the driver) and a spare one reads the
         rest; until the stuck call returns, that GPU is down and not asked again."""
         now = self.clock.monotonic()
+        if self.procinfo is not None:
+            self.procinfo.next_pass()
         samples: dict[int, GpuSample] = {}
         pending = []
         for index in range(count):

@@ -97,8 +97,11 @@ def groups_table(interval_seconds: float = 1.0, slow_interval_seconds: float = 3
         "per --slow-interval | once | per minute | Series per GPU |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, what in {"": "memory, utilization, MIG mode, identity", **GROUPS}.items():
+    core = "the handle, memory, utilization, MIG mode, identity"
+    for name, what in {"": core, **GROUPS}.items():
         fast, slow, once = (calls_per_gpu(name, when) for when in (FAST, SLOW, ONCE))
+        if not name:  # and the handle every sample, the identity (UUID, name, bus id) once
+            fast, once = fast + 1, once + 3
         per_minute = fast * 60 / interval_seconds + slow * 60 / slow_interval_seconds
         flag = f"`--no-collect.{name}`" if name else "— (always)"
         series = _SERIES.get(name, 0) if name else 4 + 2 + 1
