@@ -212,3 +212,14 @@ def test_process_details_are_read_once_per_pid_lifetime(tmp_path: Path) -> None:
     for _ in range(3):
         s.clock.advance(1)
         assert s.sample().gpus[0].processes == first
+
+
+def test_gpus_says_when_each_field_is_read() -> None:
+    s = a100s(1, collect_disabled=("media",))
+    s.sample()
+    updated = s.client.get("/gpus").get_json()["fields_updated"]
+    assert updated["memory"] == "every sample"
+    assert updated["ecc_errors_corrected_volatile"] == "every --slow-interval"
+    assert updated["clock_max_sm"] == "once"
+    assert updated["encoder_utilization"] == "off"
+    assert set(updated) == set(groups.FIELDS)

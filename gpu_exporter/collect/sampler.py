@@ -2,7 +2,7 @@
 
 :class:`Sampler` owns the :class:`~gpu_exporter.nvml.Nvml` session: it initialises it with
 backoff (1 s doubling to 5 min), reads every GPU (:func:`~gpu_exporter.collect.read.read_gpu`)
-every ``interval`` and publishes the snapshot to the
+every ``interval`` (its slow fields every ``slow_interval``) and publishes the snapshot to the
 :class:`~gpu_exporter.collect.cache.SnapshotCache`. Every NVML call runs on a worker thread
 with a deadline, so a hung driver call marks one GPU (or NVML) down instead of stopping
 sampling. Requests only ever read the cache; they never call NVML.
@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 from gpu_exporter.clock import Clock, SystemClock
+from gpu_exporter.collect import groups
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.collect.fields import UnsupportedFields
 from gpu_exporter.collect.procinfo import ProcInfoCache
@@ -40,10 +41,11 @@ class Sampler:
     """Owns NVML: initialises it (with backoff), samples it, publishes snapshots.
 
     The sampling thread itself never calls NVML. Library calls (init, device count) run on
-    one worker thread and each GPU's reads on its own, one GPU after another, each with a
-    deadline of ``nvml_timeout_seconds``. A GPU whose call overruns is published as down
-    (``down_reason="timeout"``, no values) and skipped until the call returns; the other
-    GPUs keep being sampled. A stuck library call marks NVML down the same way.
+    one worker thread and every GPU's reads on one reader thread, one GPU after another,
+    each GPU with a deadline of ``nvml_timeout_seconds``. A GPU whose call overruns keeps
+    that thread and is published as down (``down_reason="timeout"``, no values) until the
+    call returns; a spare thread reads the other GPUs. A stuck library call marks NVML down
+    the same way.
     """
 
     def __init__(
@@ -61,6 +63,10 @@ class Sampler:
         self.nvml = nvml
         self.slow_interval_seconds = slow_interval_seconds
         self.disabled = disabled  # --no-collect.<group>
+        self._fields_updated = tuple(
+            (field, "off" if group in disabled else when)
+            for field, (when, group) in groups.FIELDS.items()
+        )
         self.cache = cache
         self.procinfo = procinfo
         self.interval_seconds = interval_seconds
@@ -111,6 +117,7 @@ class Sampler:
                 (fn, err, n) for (fn, err), n in sorted(self.nvml.error_counts().items())
             ),
             process_labels=self.procinfo.fields if self.procinfo is not None else (),
+            fields_updated=self._fields_updated,
         )
         return self.cache.publish(snapshot)
 
