@@ -237,8 +237,8 @@ class Nvml:
 
     The sampler calls it from one reader thread, one GPU after another (a GPU whose call
     hangs keeps that thread, so it blocks only that GPU); the Xid listener and the PCIe
-    thread call it from their own threads. It remembers which function each thread is inside, so a call that does not
-    return can be named in errors and counted.
+    thread call it from their own threads. It remembers which function each thread is
+    inside, so a call that does not return can be named in errors and counted.
     """
 
     def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:
