@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from conftest import Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.collect import groups
 from gpu_exporter.export.cadence import groups_table
-from gpu_exporter.simulate import Fault, Health, Load, SimGpu
+from gpu_exporter.simulate import HANG, Fault, Health, Load, SimGpu
 from harness import exporter, get
 
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -223,3 +224,37 @@ def test_gpus_says_when_each_field_is_read() -> None:
     assert updated["clock_max_sm"] == "once"
     assert updated["encoder_utilization"] == "off"
     assert set(updated) == set(groups.FIELDS)
+
+
+def _reader_threads() -> int:
+    return sum(t.name.startswith(("nvml-reader", "nvml-gpu")) for t in threading.enumerate())
+
+
+def test_a_hung_gpu_takes_a_spare_thread_and_gives_it_back() -> None:
+    """Two hangs on a 4-GPU host: the GPUs after the hung one are read in the same sample by
+    a spare thread, and the thread freed by the first hang serves the second: two threads in
+    all, not one per GPU and not one per hang."""
+    hangs = [
+        Fault(
+            "nvmlDeviceGetPowerUsage", HANG, gpu=1, after_seconds=at, for_seconds=1, hang_seconds=1
+        )
+        for at in (5, 20)
+    ]
+    before = _reader_threads()
+    s = a100s(4, *hangs, nvml_timeout_seconds=0.3)
+    try:
+        s.sample()
+        for at in (5, 14):  # to t = 5 and t = 20
+            s.clock.advance(at)
+            snap = s.sample()
+            assert [g.up for g in snap.gpus] == [True, False, True, True]
+            assert s.sampler.stuck() == ("gpu1",)
+            deadline = time.monotonic() + 10
+            while s.sampler.stuck() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            s.clock.advance(1)
+            assert all(g.up for g in s.sample().gpus)
+        assert _reader_threads() - before == 2
+    finally:
+        s.sim.release_hangs()
+        s.sampler.stop(timeout_seconds=2)
