@@ -95,6 +95,8 @@ class Sampler:
     def sample_once(self) -> Snapshot:
         """Initialise NVML if due, read every GPU, publish and return the snapshot."""
         wall, start = self.clock.time(), self.clock.monotonic()
+        if self.procinfo is not None:  # every sample, read or not: a pid unseen is rechecked
+            self.procinfo.next_pass()
         gpus: tuple[GpuSample, ...] = ()
         count, problem = self._library_step(start)
         if count is not None:
@@ -184,8 +186,6 @@ class Sampler:
         the deadline keeps that thread (it is stuck in the driver) and a spare one reads the
         rest; until the stuck call returns, that GPU is down and not asked again."""
         now = self.clock.monotonic()
-        if self.procinfo is not None:
-            self.procinfo.next_pass()
         samples: dict[int, GpuSample] = {}
         pending = []
         for index in range(count):
@@ -276,8 +276,9 @@ class Sampler:
         self._thread.start()
 
     def stuck(self) -> tuple[str, ...]:
-        """The workers whose NVML call is still running past its deadline or in flight now:
-        ``"library"`` and ``"gpu<index>"``. A stuck one takes no new call until it returns."""
+        """What has an NVML call running: ``"library"`` (past its deadline or in flight now)
+        and ``"gpu<index>"`` for each GPU whose call overran and has not returned yet. A stuck
+        one takes no new call until it returns."""
         workers = {"library": self._library}
         workers.update((f"gpu{index}", w) for index, w in sorted(self._stuck.items()))
         return tuple(name for name, worker in workers.items() if worker.busy)
