@@ -178,14 +178,18 @@ def test_readme_groups_table_is_generated() -> None:
 
 
 def test_the_flags_through_the_command_line() -> None:
-    """--no-collect.health and --slow-interval, on a real exporter process and socket."""
-    with exporter(
-        "--simulate", "2", "--interval", "0.2", "--no-collect.health", "--slow-interval", "5"
-    ) as ex:
+    """--no-collect.health, the environment's GPU_EXPORTER_NO_COLLECT_MEDIA and
+    --slow-interval, on a real exporter process and socket."""
+    env = {"GPU_EXPORTER_NO_COLLECT_MEDIA": "1"}
+    args = ("--simulate", "2", "--interval", "0.2", "--no-collect.health", "--slow-interval", "5")
+    with exporter(*args, env=env) as ex:
         status, text = get(f"{ex.base}/metrics")
+        gpus = get(f"{ex.base}/gpus")[1]
     assert status == 200
     assert "gpu_ecc_errors_total{" not in text and 'field="ecc_mode"' not in text
-    assert "gpu_pcie_link_width{" in text
+    assert "gpu_encoder_utilization_ratio{" not in text
+    assert "gpu_pcie_link_width{" in text and "gpu_power_draw_watts{" in text
+    assert '"ecc_mode":"off"' in gpus.replace(" ", "")
 
 
 def test_bad_group_from_the_environment_is_refused(tmp_path: Path) -> None:
