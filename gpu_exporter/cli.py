@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpu_exporter import __version__, logs
 from gpu_exporter.argparsing import Parser, parse, parser_of
+from gpu_exporter.collect.groups import GROUPS
 from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
     DEFAULT_LISTEN,
@@ -179,6 +180,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=not _env_bool("no-xid-events"),
         help="do not listen for Xid errors (gpu_xid_errors_total)",
     )
+    # Per-field update intervals and node_exporter-style collector groups (collect/groups.py).
+    serve.add_argument(
+        "--slow-interval",
+        type=_positive_seconds,
+        default=_env("slow-interval", "30"),
+        metavar="SECONDS",
+        help="how often to read the slow health fields (ECC, remapped rows, PCIe link, "
+        "P-state, modes, power limit); their last values stay exported in between "
+        "(default %(default)s)",
+    )
+    for group, what in GROUPS.items():
+        serve.add_argument(
+            f"--collect.{group}",
+            dest=f"collect_{group}",
+            action=argparse.BooleanOptionalAction,
+            default=not _env_bool(f"no-collect.{group}"),
+            help=f"read and export {what} (default: on; --no-collect.{group}: no NVML call, "
+            "no series)",
+        )
     serve.add_argument(
         "--max-requests-in-flight",
         type=int,
@@ -367,6 +387,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_waiters_per_requester=int(args.max_waiters_per_requester),
         telemetry_path=telemetry_path,
         log_format=args.log_format,
+        slow_interval_seconds=max(float(args.slow_interval), interval),
+        collect_disabled=tuple(g for g in GROUPS if not getattr(args, f"collect_{g}")),
     )
 
 

@@ -55,6 +55,9 @@ class ServeConfig:
     max_waiters_per_requester: int = 2  # waiting /choose requests per client address; 0: any
     telemetry_path: str = DEFAULT_TELEMETRY_PATH  # where /metrics is served (only there)
     log_format: str = "logfmt"  # or "json" (gpu_exporter.logs)
+    # Health fields (collect.groups.SLOW) are read this often; the fast ones every interval.
+    slow_interval_seconds: float = 30.0
+    collect_disabled: tuple[str, ...] = ()  # --no-collect.<group>: not read, not exported
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:

@@ -39,6 +39,7 @@ from gpu_exporter.choose.statefile import StateDirError, StateLock, lock_state_d
 from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.background import NvmlThread
 from gpu_exporter.collect.cache import HISTORY_LENGTH, SnapshotCache, new_cache
+from gpu_exporter.collect.groups import parse_disabled
 from gpu_exporter.collect.pcie import PcieThroughputSampler
 from gpu_exporter.collect.procinfo import ProcInfoCache, read_cgroup_key
 from gpu_exporter.collect.sampler import Sampler
@@ -212,7 +213,7 @@ def build(
     # by a read: a scrape must not fsync leases.json.
     cache.subscribe(leases.prune)
     requests, rejections = RequestCounter(), RequestCounter()
-    xids = XidCounter() if config.xid_events else None
+    xids = XidCounter() if config.xid_events and "xid" not in config.collect_disabled else None
     pcie = PcieRates() if config.pcie_throughput else None
 
     waiters = Waiters(
@@ -274,6 +275,10 @@ def build(
 
     # Always: lease attribution needs every GPU process's ancestors and cgroup.
     procinfo = ProcInfoCache(config.process_labels, config.proc_root, lineage=True)
+    try:
+        disabled = parse_disabled(config.collect_disabled)
+    except ValueError as exc:
+        raise BuildError(f"--no-collect: {exc}") from None
     sampler = Sampler(
         nvml,
         cache,
@@ -281,6 +286,8 @@ def build(
         nvml_timeout_seconds=config.nvml_timeout_seconds,
         clock=clock,
         procinfo=procinfo,
+        slow_interval_seconds=max(config.slow_interval_seconds, config.interval_seconds),
+        disabled=disabled,
     )
     # Off the main sampling path: each on its own thread, holding its own NVML reference.
     background: list[NvmlThread] = []

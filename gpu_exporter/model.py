@@ -223,6 +223,9 @@ class Snapshot:
     sequence: int = 0  # increases by one with every published snapshot
     # The opt-in attribution fields filled in ProcessSample (--process-labels).
     process_labels: tuple[str, ...] = ()
+    # When each field is read (collect.groups): (field, "every sample" | "every
+    # --slow-interval" | "once" | "off"), for /gpus.
+    fields_updated: tuple[tuple[str, str], ...] = ()
 
     def age_seconds(self, monotonic_now: float) -> float:
         return max(0.0, monotonic_now - self.monotonic_seconds)

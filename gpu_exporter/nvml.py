@@ -235,10 +235,10 @@ def _instance(value: Any) -> int | None:
 class Nvml:
     """A thin, typed session over pynvml (or anything with the same functions).
 
-    The sampler calls it from one worker thread per GPU (so a hung call blocks only that
-    GPU), one GPU after another; the Xid listener and the PCIe thread call it from their own
-    threads. It remembers which function each thread is inside, so a call that does not
-    return can be named in errors and counted.
+    The sampler calls it from one reader thread, one GPU after another (a GPU whose call
+    hangs keeps that thread, so it blocks only that GPU); the Xid listener and the PCIe
+    thread call it from their own threads. It remembers which function each thread is
+    inside, so a call that does not return can be named in errors and counted.
     """
 
     def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:

@@ -226,6 +226,8 @@ def test_lineage_is_cached_per_pid_and_start_time(tmp_path: Path) -> None:
     assert first == ProcInfo(ancestors=(500,), cgroup=cgroup_key(JOB_CGROUP))
     (tmp_path / "500" / "stat").unlink()  # the parent exits: the child stays its descendant
     assert cache.get(501) == first
+    cache.next_pass()
+    cache.next_pass()  # a sample without pid 501: it ended
     (tmp_path / "501" / "stat").write_text("501 (x) S 1 " + "0 " * 17 + "8 0\n")  # pid reused
     assert cache.get(501).ancestors == ()
     assert ProcInfoCache([], str(tmp_path)).get(501) == ProcInfo()  # lineage off: reads nothing

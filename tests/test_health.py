@@ -177,24 +177,30 @@ def test_v100_pages_and_idle_link() -> None:
 
 
 def test_unsupported_and_static_fields_are_not_called_again() -> None:
-    s = host()
+    s = host()  # one sample
     for _ in range(4):
         s.clock.advance(1)
         s.sample()
     calls = s.sim.calls
-    # NOT_SUPPORTED: asked once per GPU that lacks it, never again.
-    assert calls["nvmlDeviceGetEccMode"] == 1 + 5 + 5  # GTX once; A100 and V100 every sample
-    assert calls["nvmlDeviceGetRetiredPages"] == 2 * 1 + 2 * 1 + 2 * 5  # A100, GTX once; V100
-    assert calls["nvmlDeviceGetMigMode"] == 5 + 1 + 1  # only the A100 supports MIG
-    # FUNCTION_NOT_FOUND once, then the older name for every GPU.
+    # NOT_SUPPORTED: asked once per GPU that lacks it, never again. Health fields are slow:
+    # read in the first sample, not again within --slow-interval (30 s).
+    assert calls["nvmlDeviceGetEccMode"] == 1 + 1 + 1  # GTX once, unsupported; A100, V100
+    assert calls["nvmlDeviceGetRetiredPages"] == 2 * 1 + 2 * 1 + 2 * 1  # A100, GTX; V100
+    assert calls["nvmlDeviceGetMigMode"] == 1 + 1 + 1  # only the A100 supports MIG
+    # FUNCTION_NOT_FOUND once, then the older name for every GPU (a fast field).
     assert calls["nvmlDeviceGetCurrentClocksEventReasons"] == 2
     assert calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 2 + 3 * 4  # GTX, V100; all
     # Static values: once per GPU, not per sample.
     assert calls["nvmlDeviceGetMaxClockInfo"] == 3 * 4
     assert calls["nvmlDeviceGetPowerManagementLimitConstraints"] == 3  # GTX: once, unsupported
     assert calls["nvmlDeviceGetMaxPcieLinkWidth"] == 3
-    # Once per sample per GPU.
-    assert calls["nvmlDeviceGetTotalEccErrors"] == 4 * 5 * 2 + 4
+    assert calls["nvmlDeviceGetTotalEccErrors"] == 4 * 1 * 2 + 4
+    # 30 s after the first: the slow fields are read again, the static ones are not.
+    s.clock.advance(26)
+    s.sample()
+    assert calls["nvmlDeviceGetTotalEccErrors"] == 4 * 2 * 2 + 4
+    assert calls["nvmlDeviceGetEccMode"] == 1 + 2 + 2
+    assert calls["nvmlDeviceGetMaxClockInfo"] == 3 * 4
 
 
 def test_reinitialising_asks_unsupported_and_static_fields_again() -> None:

@@ -141,13 +141,34 @@ def test_cache_reads_once_and_notices_pid_reuse(tmp_path: Path) -> None:
     assert cache.get(50) == ProcInfo(user="user1", slurm_job="9")
     assert cache.get(50) == ProcInfo(user="user1", slurm_job="9")
     assert looked_up == [1]  # the second answer came from the cache
-    # The pid ends and is reused by another user's process: a new start time, a new answer.
+    # The pid ends (a sample without it) and is reused by another user's process: a new
+    # start time, a new answer.
+    cache.next_pass()
+    cache.next_pass()
     for f in (tmp_path / "50").iterdir():
         f.unlink()
     (tmp_path / "50").rmdir()
     fake_proc(tmp_path, 50, uid=2, cmdline=b"b\x00", cgroup="0::/\n", start=200)
     assert cache.get(50) == ProcInfo(user="user2")
     assert cache.fields == ("user", "slurm_job")
+
+
+def test_a_running_process_costs_no_proc_read_after_the_first(tmp_path: Path) -> None:
+    """Once per pid lifetime: while the pid is listed sample after sample, /proc is not read
+    again at all (not even stat); a pid that reappears after a sample without it is checked."""
+    cache = ProcInfoCache(["command"], str(tmp_path), lineage=True)
+    fake_proc(tmp_path, 60, cmdline=b"train\x00", ppid=1, start=100)
+    first = cache.get(60)
+    assert first.command == "train" and first.ancestors == ()
+    for f in (tmp_path / "60").iterdir():  # unreadable from now on: any read would show it
+        f.chmod(0)
+        f.write_text("")
+    for _ in range(5):
+        cache.next_pass()
+        assert cache.get(60) is first
+    cache.next_pass()
+    cache.next_pass()  # a sample in which the pid was not listed: it is checked again
+    assert cache.get(60) == ProcInfo()
 
 
 def test_cache_with_no_fields_reads_nothing(tmp_path: Path) -> None:

@@ -125,13 +125,11 @@ def test_nvml_calls_per_sample_are_exactly_the_supported_fields() -> None:
     before = sum(s.sim.calls.values())
     s.sample()
     per_sample = sum(s.sim.calls.values()) - before
-    # count + per GPU: handle, memory, utilization, power, limit, energy, temperature,
-    # 4 clocks, processes = 12 (fan is unsupported and not retried), plus the health fields:
-    # MIG mode, clocks event reasons, P-state, persistence, compute mode, ECC mode,
-    # 4 ECC counters, remapped rows, current PCIe generation and width, PCIe replays,
-    # encoder, decoder = 16. Not again: retired pages (unsupported on Ampere), and the
-    # static ones (max clocks, thresholds, power constraints, max PCIe link) read once.
-    assert per_sample == 1 + 3 * (12 + 16)
+    # count + per GPU its handle and the fast fields: memory, utilization, power, energy,
+    # temperature, 4 clocks, processes, clocks event reasons, encoder, decoder = 13 (fan is
+    # unsupported and not retried). Not again within --slow-interval: the slow health
+    # fields; not again at all: identity and the static values (max clocks, thresholds, …).
+    assert per_sample == 1 + 3 * (1 + 13)
 
 
 def test_nvml_missing_at_start_then_appearing() -> None:

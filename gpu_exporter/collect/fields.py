@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gpu_exporter import nvml as nvml_mod
+from gpu_exporter.collect import groups
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.model import (
     CLOCKS,
@@ -39,7 +40,12 @@ UnsupportedFields = set[tuple[str, str]]
 
 
 class FieldReader:
-    """Reads fields of one device, remembering which (device, field) pairs are unsupported."""
+    """Reads fields of one device, remembering which (device, field) pairs are unsupported.
+
+    Each field is read at its cadence (:mod:`gpu_exporter.collect.groups`): a :data:`ONCE`
+    field once per identity (``static``), a :data:`SLOW` one only when ``slow_due`` (between
+    two slow reads the last value, ``slow``, is reused), a field of a ``disabled`` group never.
+    """
 
     def __init__(
         self,
@@ -47,21 +53,41 @@ class FieldReader:
         uuid: str,
         unsupported: UnsupportedFields,
         static: dict[str, Any] | None = None,
+        *,
+        slow: dict[str, Any] | None = None,
+        slow_due: bool = True,
+        disabled: frozenset[str] = frozenset(),
     ) -> None:
         self.handle = handle
         self.uuid = uuid
         self.unsupported = unsupported
         self.static: dict[str, Any] = dict(static or {})
+        self.slow: dict[str, Any] = dict(slow or {})
+        self.slow_due = slow_due
+        self.disabled = disabled
         self.values: dict[str, Any] = {}
         self.asked: dict[str, bool] = {}  # field → supported
         self.last_error: str | None = None
         self.newly_unsupported: list[str] = []  # logged together, one line per device
 
     def read(self, field: str, names: tuple[str, ...], fn: Callable[[Any], Any]) -> bool:
-        """Store ``fn(handle)`` under ``names`` (a tuple result fills several). True if read."""
+        """Store ``fn(handle)`` under ``names`` (a tuple result fills several), or the value
+        remembered for a once / slow field that is not due. True if there is a value."""
+        when, group = groups.FIELDS[field]
+        if group in self.disabled:
+            return False
         if (self.uuid, field) in self.unsupported:
             self.asked[field] = False
             return False
+        memo = self.static if when == groups.ONCE else self.slow if when == groups.SLOW else None
+        if memo is not None and (when == groups.ONCE or not self.slow_due):
+            self.asked[field] = True
+            if field not in memo:
+                if when == groups.SLOW:  # failed at the last slow read: absent until the next
+                    return False
+            else:
+                self._store(names, memo[field])
+                return True
         try:
             value = fn(self.handle)
         except Unsupported:
@@ -74,28 +100,20 @@ class FieldReader:
         except NvmlError as exc:
             self.asked[field] = True
             self.last_error = str(exc)
+            if memo is not None:
+                memo.pop(field, None)
             return False
         self.asked[field] = True
+        self._store(names, value)
+        if memo is not None:
+            memo[field] = value
+        return True
+
+    def _store(self, names: tuple[str, ...], value: Any) -> None:
         if len(names) == 1:
             self.values[names[0]] = value
         elif names:
             self.values.update(zip(names, value, strict=True))
-        return True
-
-    def read_static(self, field: str, names: tuple[str, ...], fn: Callable[[Any], Any]) -> None:
-        """Like :meth:`read`, but a value once read is reused instead of asked again."""
-        if field in self.static:
-            self.asked[field] = True
-            value = self.static[field]
-            if len(names) == 1:
-                self.values[names[0]] = value
-            else:
-                self.values.update(zip(names, value, strict=True))
-            return
-        if self.read(field, names, fn):
-            self.static[field] = (
-                self.values[names[0]] if len(names) == 1 else tuple(self.values[n] for n in names)
-            )
 
     def log_unsupported(self) -> None:
         """One INFO line naming every field this device turned out not to support: a consumer
@@ -238,33 +256,32 @@ def _read_values(
     r.read("pcie_replay_errors", ("pcie_replay_errors",), nvml.pcie_replay_errors)
     r.read("encoder_utilization", ("encoder_utilization_ratio",), nvml.encoder_utilization_ratio)
     r.read("decoder_utilization", ("decoder_utilization_ratio",), nvml.decoder_utilization_ratio)
-    # Read once per GPU and initialisation: these do not change while the driver runs.
+    # Read once per GPU and initialisation (groups.ONCE): these do not change while the
+    # driver runs.
     for clock in CLOCKS:
-        r.read_static(
+        r.read(
             f"clock_max_{clock}",
             (f"clock_max_{clock}_hz",),
             functools.partial(nvml.max_clock_hz, clock=clock),
         )
     for threshold in TEMPERATURE_THRESHOLDS:
-        r.read_static(
+        r.read(
             f"temperature_threshold_{threshold}",
             (f"temperature_{threshold}_celsius",),
             functools.partial(nvml.temperature_threshold_celsius, threshold=threshold),
         )
-    r.read_static(
-        "power_limit_default", ("power_limit_default_watts",), nvml.power_limit_default_watts
-    )
-    r.read_static(
+    r.read("power_limit_default", ("power_limit_default_watts",), nvml.power_limit_default_watts)
+    r.read(
         "power_limit_constraints",
         ("power_limit_min_watts", "power_limit_max_watts"),
         nvml.power_limit_constraints_watts,
     )
-    r.read_static(
+    r.read(
         "pcie_link_generation_max",
         ("pcie_link_generation_max",),
         functools.partial(nvml.pcie_link_generation, link="max"),
     )
-    r.read_static(
+    r.read(
         "pcie_link_width_max",
         ("pcie_link_width_max",),
         functools.partial(nvml.pcie_link_width, link="max"),

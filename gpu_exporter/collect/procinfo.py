@@ -247,12 +247,19 @@ def read_procinfo(
 
 
 class ProcInfoCache:
-    """:func:`read_procinfo` remembered per (pid, start time), so a long-running job costs
-    one ``stat`` read per sample, and a reused pid is never mistaken for the old process.
-    ``lineage`` adds what lease attribution needs; ancestors are kept as first seen (a
-    process whose parent exits stays its grandparent's descendant).
+    """:func:`read_procinfo` remembered per (pid, start time): user, command, cgroup and
+    ancestors are read once per process lifetime. ``lineage`` adds what lease attribution
+    needs; ancestors are kept as first seen (a process whose parent exits stays its
+    grandparent's descendant).
 
-    Thread-safe: GPUs may be read on several threads.
+    The sampler calls :meth:`next_pass` once per sample. A pid asked for in this pass or the
+    previous one is the same process, and costs no read at all; a pid that (re)appears after
+    a pass without it has its start time (``stat``) read, so a reused pid is never mistaken for
+    the old process. (A pid that ends and is reused by another GPU process within one interval
+    would need the kernel's pid counter to wrap around in that time.) A pid ``/proc`` does not
+    show (another PID namespace) is remembered as such the same way.
+
+    Thread-safe: a GPU stuck in a driver call may still be read on another thread.
     """
 
     def __init__(
@@ -270,16 +277,38 @@ class ProcInfoCache:
         self._users = users
         self._max = max_entries
         self._cache: OrderedDict[tuple[int, int], ProcInfo] = OrderedDict()
+        # pid → (the pass it was last asked for in, its cache key; None: not visible here)
+        self._seen: dict[int, tuple[int, tuple[int, int] | None]] = {}
+        self._pass = 0
         self._lock = threading.Lock()
+
+    def next_pass(self) -> None:
+        """A new sample begins: pids not asked for in the last one are forgotten."""
+        with self._lock:
+            self._pass += 1
+            self._seen = {p: v for p, v in self._seen.items() if v[0] >= self._pass - 1}
 
     def get(self, pid: int) -> ProcInfo:
         if not self.fields and not self.lineage:
             return ProcInfo()
+        with self._lock:
+            seen = self._seen.get(pid)
+            if seen is not None and seen[0] >= self._pass - 1:
+                key = seen[1]
+                cached = self._cache.get(key) if key is not None else ProcInfo()
+                if cached is not None:
+                    self._seen[pid] = (self._pass, key)
+                    if key is not None:
+                        self._cache.move_to_end(key)
+                    return cached
         started = start_time(pid, self.proc_root)
         if started is None:  # not visible from here
+            with self._lock:
+                self._seen[pid] = (self._pass, None)
             return ProcInfo()
         key = (pid, started)
         with self._lock:
+            self._seen[pid] = (self._pass, key)
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)

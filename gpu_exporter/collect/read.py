@@ -56,6 +56,13 @@ class GpuIdentity:
     # constraints, maximum PCIe link), by field name, once read successfully.
     static: tuple[tuple[str, Any], ...] = ()
     mig: tuple[tuple[str, MigIdentity], ...] = ()  # MIG devices seen, by MIG uuid
+    # The slow fields' values at their last read (groups.SLOW), reused until the next one.
+    slow: tuple[tuple[str, Any], ...] = ()
+
+    def forget_values(self) -> GpuIdentity:
+        """The identity of a GPU that went down: its name stays, its remembered values go,
+        so they are read again once it answers (after a reset they may differ)."""
+        return dataclasses.replace(self, static=(), slow=(), mig=())
 
 
 def _read_mig_devices(
@@ -67,9 +74,10 @@ def _read_mig_devices(
     unsupported: UnsupportedFields,
     procinfo: ProcInfoCache | None,
     pci_bus_id: str | None,
+    disabled: frozenset[str],
 ) -> tuple[tuple[GpuSample, ...], dict[str, MigIdentity]]:
     """The MIG devices of a GPU in MIG mode, each a GpuSample with the parent's index."""
-    r.read_static("mig_device_count", ("mig_device_count",), nvml.max_mig_device_count)
+    r.read("mig_device_count", ("mig_device_count",), nvml.max_mig_device_count)
     slots = r.values.pop("mig_device_count", 0)
     devices = []
     seen: dict[str, MigIdentity] = {}
@@ -94,7 +102,7 @@ def _read_mig_devices(
             r.last_error = str(exc)
             continue
         seen[uuid] = ident
-        m = FieldReader(handle, uuid, unsupported)
+        m = FieldReader(handle, uuid, unsupported, disabled=disabled)
         read_values(nvml, m, procinfo, whole_gpu=False)
         devices.append(
             GpuSample(
@@ -122,14 +130,20 @@ def read_gpu(
     unsupported: UnsupportedFields,
     *,
     procinfo: ProcInfoCache | None = None,
+    slow_due: bool = True,
+    disabled: frozenset[str] = frozenset(),
 ) -> tuple[GpuSample, GpuIdentity | None]:
     """One GPU's sample (with its MIG devices and processes), and its identity for next
     time. Never raises for GPU-level errors.
 
     ``procinfo`` attributes processes from /proc (``--process-labels``); None reads nothing.
+    ``slow_due``: read the slow fields now (else their values of the last slow read are
+    reused); ``disabled``: the ``--collect.<group>`` groups not read at all.
     """
     known_uuid = identity.uuid if identity else ""
     try:
+        # Asked every sample (one call), although valid until shutdown: a lost GPU is
+        # reported as lost by this call, and the error counted under it.
         handle = nvml.handle(index)
         if identity is None:
             identity = GpuIdentity(
@@ -142,25 +156,44 @@ def read_gpu(
         sample = GpuSample(
             index=index, uuid=known_uuid, up=False, error=str(exc), down_reason=reason
         )
-        return sample, identity
+        return sample, identity.forget_values() if identity is not None else None
 
-    r = FieldReader(handle, identity.uuid, unsupported, dict(identity.static))
+    r = FieldReader(
+        handle,
+        identity.uuid,
+        unsupported,
+        dict(identity.static),
+        slow=dict(identity.slow),
+        slow_due=slow_due,
+        disabled=disabled,
+    )
     mig_devices: tuple[GpuSample, ...] = ()
     mig_seen = dict(identity.mig)
     try:
         read_values(nvml, r, procinfo, whole_gpu=True)
         if r.values.get("mig_mode_enabled"):
             mig_devices, mig_seen = _read_mig_devices(
-                nvml, handle, index, r, mig_seen, unsupported, procinfo, identity.pci_bus_id
+                nvml,
+                handle,
+                index,
+                r,
+                mig_seen,
+                unsupported,
+                procinfo,
+                identity.pci_bus_id,
+                disabled,
             )
             procs = [d.processes for d in mig_devices]
             if mig_devices and all(p is not None for p in procs):
                 r.values["processes"] = tuple(p for ps in procs if ps for p in ps)
     except GpuLost as exc:
         # Whatever was read before the GPU went away is dropped: no stale values that look fresh.
-        return down_sample(index, identity, DOWN_LOST, str(exc)), identity
+        return down_sample(index, identity, DOWN_LOST, str(exc)), identity.forget_values()
     identity = dataclasses.replace(
-        identity, static=tuple(r.static.items()), mig=tuple(mig_seen.items())
+        identity,
+        static=tuple(r.static.items()),
+        slow=tuple(r.slow.items()),
+        mig=tuple(mig_seen.items()),
     )
     sample = GpuSample(
         index=index,

@@ -2,7 +2,7 @@
 
 :class:`Sampler` owns the :class:`~gpu_exporter.nvml.Nvml` session: it initialises it with
 backoff (1 s doubling to 5 min), reads every GPU (:func:`~gpu_exporter.collect.read.read_gpu`)
-every ``interval`` and publishes the snapshot to the
+every ``interval`` (its slow fields every ``slow_interval``) and publishes the snapshot to the
 :class:`~gpu_exporter.collect.cache.SnapshotCache`. Every NVML call runs on a worker thread
 with a deadline, so a hung driver call marks one GPU (or NVML) down instead of stopping
 sampling. Requests only ever read the cache; they never call NVML.
@@ -13,20 +13,19 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
 
 from gpu_exporter.clock import Clock, SystemClock
+from gpu_exporter.collect import groups
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.collect.fields import UnsupportedFields
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.collect.read import DOWN_TIMEOUT, GpuIdentity, down_sample, optional, read_gpu
+from gpu_exporter.collect.workers import MAX_SPARES, Batch, Read, Worker
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.nvml import Nvml, NvmlError, NvmlUnavailable
 
@@ -35,61 +34,18 @@ log = logging.getLogger(__name__)
 INIT_BACKOFF_INITIAL_SECONDS = 1.0
 INIT_BACKOFF_MAX_SECONDS = 300.0
 DEFAULT_NVML_TIMEOUT_SECONDS = 5.0  # per GPU (and per library step) and sample
-
-
-class _Worker:
-    """A daemon thread that runs NVML jobs one at a time, for one GPU (or the library).
-
-    A driver call cannot be interrupted, so a job that overruns its deadline is left to
-    finish on its own. Until it does, the worker is :attr:`busy` and takes no new job: one
-    outstanding call per GPU, never a pile of threads stuck in the same call.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._current: Future[Any] | None = None
-        self.submitted_at = 0.0  # monotonic, on the sampler's clock
-        self.overran = False  # the current (or last) job ran past its deadline
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    @property
-    def busy(self) -> bool:
-        return self._current is not None and not self._current.done()
-
-    def submit(self, fn: Callable[[], Any], now: float) -> Future[Any]:
-        if self.busy:
-            raise RuntimeError(f"{self.name} is still busy")
-        future: Future[Any] = Future()
-        self._current, self.submitted_at = future, now
-        self._jobs.put((fn, future))
-        return future
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
+DEFAULT_SLOW_INTERVAL_SECONDS = 30.0  # health fields (groups.SLOW)
 
 
 class Sampler:
     """Owns NVML: initialises it (with backoff), samples it, publishes snapshots.
 
     The sampling thread itself never calls NVML. Library calls (init, device count) run on
-    one worker thread and each GPU's reads on its own, one GPU after another, each with a
-    deadline of ``nvml_timeout_seconds``. A GPU whose call overruns is published as down
-    (``down_reason="timeout"``, no values) and skipped until the call returns; the other
-    GPUs keep being sampled. A stuck library call marks NVML down the same way.
+    one worker thread and every GPU's reads on one reader thread, one GPU after another,
+    each GPU with a deadline of ``nvml_timeout_seconds``. A GPU whose call overruns keeps
+    that thread and is published as down (``down_reason="timeout"``, no values) until the
+    call returns; a spare thread reads the other GPUs. A stuck library call marks NVML down
+    the same way.
     """
 
     def __init__(
@@ -101,8 +57,16 @@ class Sampler:
         nvml_timeout_seconds: float = DEFAULT_NVML_TIMEOUT_SECONDS,
         clock: Clock | None = None,
         procinfo: ProcInfoCache | None = None,
+        slow_interval_seconds: float = DEFAULT_SLOW_INTERVAL_SECONDS,
+        disabled: frozenset[str] = frozenset(),
     ) -> None:
         self.nvml = nvml
+        self.slow_interval_seconds = slow_interval_seconds
+        self.disabled = disabled  # --no-collect.<group>
+        self._fields_updated = tuple(
+            (field, "off" if group in disabled else when)
+            for field, (when, group) in groups.FIELDS.items()
+        )
         self.cache = cache
         self.procinfo = procinfo
         self.interval_seconds = interval_seconds
@@ -118,8 +82,12 @@ class Sampler:
         self._identities: dict[int, GpuIdentity] = {}
         self._last_seen: dict[int, float] = {}  # GPU index → wall clock it last answered
         self._unsupported: UnsupportedFields = set()
-        self._library = _Worker("nvml-library")
-        self._gpu_workers: dict[int, _Worker] = {}
+        self._library = Worker("nvml-library")
+        self._slow_read_at: dict[int, float] = {}  # GPU index → monotonic, last slow read
+        self._reader: Worker | None = None  # reads every GPU that is not stuck
+        self._stuck: dict[int, Worker] = {}  # GPU index → the reader stuck in its call
+        self._spares: list[Worker] = []  # readers whose stuck call returned
+        self._names = itertools.count()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -127,6 +95,8 @@ class Sampler:
     def sample_once(self) -> Snapshot:
         """Initialise NVML if due, read every GPU, publish and return the snapshot."""
         wall, start = self.clock.time(), self.clock.monotonic()
+        if self.procinfo is not None:  # every sample, read or not: a pid unseen is rechecked
+            self.procinfo.next_pass()
         gpus: tuple[GpuSample, ...] = ()
         count, problem = self._library_step(start)
         if count is not None:
@@ -149,6 +119,7 @@ class Sampler:
                 (fn, err, n) for (fn, err), n in sorted(self.nvml.error_counts().items())
             ),
             process_labels=self.procinfo.fields if self.procinfo is not None else (),
+            fields_updated=self._fields_updated,
         )
         return self.cache.publish(snapshot)
 
@@ -196,6 +167,7 @@ class Sampler:
         self._init_error = None
         self._init_delay = INIT_BACKOFF_INITIAL_SECONDS
         self._identities.clear()
+        self._slow_read_at.clear()
         self._unsupported.clear()
 
     def _mark_unavailable(self, exc: NvmlError, now: float) -> None:
@@ -210,38 +182,74 @@ class Sampler:
         self._init_delay = min(self._init_delay * 2, INIT_BACKOFF_MAX_SECONDS)
 
     def _read_all(self, count: int, wall: float) -> tuple[GpuSample, ...]:
-        samples = []
+        """Every GPU, read one after another by one reader thread. A GPU whose call overruns
+        the deadline keeps that thread (it is stuck in the driver) and a spare one reads the
+        rest; until the stuck call returns, that GPU is down and not asked again."""
+        now = self.clock.monotonic()
+        samples: dict[int, GpuSample] = {}
+        pending = []
         for index in range(count):
-            worker = self._gpu_workers.get(index)
-            if worker is None:
-                worker = self._gpu_workers[index] = _Worker(f"nvml-gpu{index}")
-            identity = self._identities.get(index)
-            sample: GpuSample | None = None
-            if not worker.busy:
+            worker = self._stuck.get(index)
+            if worker is not None and not worker.busy:
                 self._recovered(worker, f"GPU {index}")
-                job = functools.partial(
-                    read_gpu,
-                    self.nvml,
-                    index,
-                    identity,
-                    self._unsupported,
-                    procinfo=self.procinfo,
-                )
-                future = worker.submit(job, self.clock.monotonic())
-                with contextlib.suppress(concurrent.futures.TimeoutError):
-                    sample, identity = future.result(timeout=self.nvml_timeout_seconds)
-            if sample is None:  # the call is stuck: down, no values, until it returns
-                sample = down_sample(
-                    index, identity, DOWN_TIMEOUT, self._overran(worker, f"GPU {index}")
-                )
-            elif identity is not None:
-                self._identities[index] = identity
+                self._spares.append(self._stuck.pop(index))
+            if index in self._stuck:
+                samples[index] = self._timed_out(index)
+            else:
+                pending.append(index)
+        while pending:
+            batch = Batch(pending, functools.partial(self._read_one, now=now))
+            reader = self._reader or (self._spares.pop() if self._spares else None)
+            self._reader = reader or Worker(f"nvml-reader{next(self._names)}")
+            stuck_at = batch.wait(self._reader.submit(batch.run, now), self.nvml_timeout_seconds)
+            for index, (sample, identity, slow_read) in batch.results.items():
+                samples[index] = sample
+                if identity is not None:
+                    self._identities[index] = identity
+                if not sample.up:
+                    self._slow_read_at.pop(index, None)
+                elif slow_read:
+                    self._slow_read_at[index] = now
+            if stuck_at is None:
+                break
+            self._stuck[stuck_at], self._reader = self._reader, None
+            self._slow_read_at.pop(stuck_at, None)
+            if stuck_at in self._identities:
+                self._identities[stuck_at] = self._identities[stuck_at].forget_values()
+            samples[stuck_at] = self._timed_out(stuck_at)
+            pending = pending[pending.index(stuck_at) + 1 :]
+        del self._spares[MAX_SPARES:]  # more stuck calls returned than will be needed
+        out = []
+        for index in range(count):
+            sample = samples[index]
             if sample.up:
                 self._last_seen[index] = wall
-            samples.append(replace(sample, last_seen_seconds=self._last_seen.get(index)))
-        return tuple(samples)
+            out.append(replace(sample, last_seen_seconds=self._last_seen.get(index)))
+        return tuple(out)
 
-    def _overran(self, worker: _Worker, what: str) -> str:
+    def _read_one(self, index: int, now: float) -> Read:
+        """On the reader thread: one GPU, its slow fields if due."""
+        read_at = self._slow_read_at.get(index)
+        # Half an interval early rather than one late: jitter must not stretch the period.
+        slow_due = read_at is None or now - read_at >= self.slow_interval_seconds - (
+            self.interval_seconds / 2
+        )
+        sample, identity = read_gpu(
+            self.nvml,
+            index,
+            self._identities.get(index),
+            self._unsupported,
+            procinfo=self.procinfo,
+            slow_due=slow_due,
+            disabled=self.disabled,
+        )
+        return sample, identity, slow_due
+
+    def _timed_out(self, index: int) -> GpuSample:
+        message = self._overran(self._stuck[index], f"GPU {index}")
+        return down_sample(index, self._identities.get(index), DOWN_TIMEOUT, message)
+
+    def _overran(self, worker: Worker, what: str) -> str:
         """Why ``worker``'s job is late; counted and logged once per stuck call."""
         function = self.nvml.in_flight(worker.thread.ident or 0) or "an NVML call"
         seconds = self.clock.monotonic() - worker.submitted_at
@@ -257,7 +265,7 @@ class Sampler:
             )
         return message
 
-    def _recovered(self, worker: _Worker, what: str) -> None:
+    def _recovered(self, worker: Worker, what: str) -> None:
         if worker.overran:
             worker.overran = False
             log.warning("%s: the stuck NVML call returned; sampling it again", what)
@@ -268,10 +276,11 @@ class Sampler:
         self._thread.start()
 
     def stuck(self) -> tuple[str, ...]:
-        """The workers whose NVML call is still running past its deadline or in flight now:
-        ``"library"`` and ``"gpu<index>"``. A stuck one takes no new call until it returns."""
+        """What has an NVML call running: ``"library"`` (past its deadline or in flight now)
+        and ``"gpu<index>"`` for each GPU whose call overran and has not returned yet. A stuck
+        one takes no new call until it returns."""
         workers = {"library": self._library}
-        workers.update((f"gpu{index}", w) for index, w in sorted(self._gpu_workers.items()))
+        workers.update((f"gpu{index}", w) for index, w in sorted(self._stuck.items()))
         return tuple(name for name, worker in workers.items() if worker.busy)
 
     def stop(self, timeout_seconds: float = 5.0) -> None:
@@ -289,7 +298,8 @@ class Sampler:
             future = self._library.submit(self.nvml.shutdown, self.clock.monotonic())
             with contextlib.suppress(concurrent.futures.TimeoutError):
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
-        for worker in (self._library, *self._gpu_workers.values()):
+        readers = [self._reader] if self._reader is not None else []
+        for worker in (self._library, *readers, *self._stuck.values(), *self._spares):
             worker.close()
 
     def _run(self) -> None:

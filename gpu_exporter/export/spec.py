@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from gpu_exporter.export import cadence
 from gpu_exporter.model import (
     CLOCKS,
     CLOCKS_EVENT_REASONS,
@@ -59,6 +60,16 @@ class MetricSpec:
     @property
     def on_by_default(self) -> bool:
         return self.default.startswith(ON)
+
+    @property
+    def updated(self) -> str:
+        """When the value is read: every sample, every --slow-interval, once … (cadence.py)."""
+        return cadence.updated(self.name)
+
+    @property
+    def group(self) -> str:
+        """The ``--collect.<group>`` that turns it off; "" for none (cadence.py)."""
+        return cadence.group(self.name)
 
 
 def _gpu(
@@ -464,8 +475,8 @@ METRICS: tuple[MetricSpec, ...] = (
 def markdown_table() -> str:
     """The README's metric table."""
     rows = [
-        "| Metric | Type | Unit | Labels | Source | Default | Description |",
-        "|---|---|---|---|---|---|---|",
+        "| Metric | Type | Unit | Labels | Source | Default | Updated | Group | Description |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for spec in METRICS:
         help_text = spec.help.removesuffix(SAMPLED).replace("|", "\\|")
@@ -478,7 +489,7 @@ def markdown_table() -> str:
             )
         rows.append(
             f"| `{spec.name}` | {spec.type} | {spec.unit} | {labels} | {spec.source} "
-            f"| {spec.default} | {help_text} |"
+            f"| {spec.default} | {spec.updated} | {spec.group or '—'} | {help_text} |"
         )
     return "\n".join(rows) + "\n"
 

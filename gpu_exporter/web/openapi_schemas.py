@@ -167,6 +167,12 @@ def schemas() -> dict[str, Any]:
                 "simulated": {"type": "boolean"},
                 "nvml_up": {"type": "boolean"},
                 "nvml_error": {"type": ["string", "null"]},
+                "fields_updated": {
+                    "type": "object",
+                    "description": "When each field (as in gpu_exporter_field_supported) is "
+                    "read: every sample, every --slow-interval, once, or off (--no-collect).",
+                    "additionalProperties": {"type": "string"},
+                },
                 "gpus": {"type": "array", "items": {"$ref": "#/components/schemas/Gpu"}},
             },
         },

@@ -103,6 +103,7 @@ def gpus() -> Response:
             "sampled_at": snapshot.taken_at_seconds if snapshot.sequence else None,
             "snapshot_age_seconds": round(snapshot.age_seconds(now), 3),
             "process_labels": list(snapshot.process_labels),
+            "fields_updated": dict(snapshot.fields_updated),
             "gpus": gpus_json(snapshot, svc.xids),
         }
     )

@@ -1,0 +1,126 @@
+"""The threads the sampler's NVML calls run on, and how it waits for them.
+
+:class:`Worker` runs jobs one at a time on a daemon thread; :class:`Batch` is one sample's
+GPUs read in order on one worker, with a deadline per GPU: the sampler waits for the whole
+batch and wakes only when a GPU's reads take longer than the deadline. A driver call cannot
+be interrupted, so a worker stuck in one is left to finish on its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from gpu_exporter.model import GpuSample
+
+if TYPE_CHECKING:
+    from gpu_exporter.collect.read import GpuIdentity
+
+
+class Worker:
+    """A daemon thread that runs NVML jobs one at a time: the library's, or the GPU reads.
+
+    A driver call cannot be interrupted, so a job that overruns its deadline is left to
+    finish on its own. Until it does, the worker is :attr:`busy` and takes no new job: one
+    outstanding call per worker, never a pile of threads stuck in the same call.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._current: Future[Any] | None = None
+        self.submitted_at = 0.0  # monotonic, on the sampler's clock
+        self.overran = False  # the current (or last) job ran past its deadline
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None and not self._current.done()
+
+    def submit(self, fn: Callable[[], Any], now: float) -> Future[Any]:
+        if self.busy:
+            raise RuntimeError(f"{self.name} is still busy")
+        future: Future[Any] = Future()
+        self._current, self.submitted_at = future, now
+        self._jobs.put((fn, future))
+        return future
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+
+MAX_SPARES = 2  # idle reader threads kept after stuck calls returned
+# One GPU as read on the reader thread: its sample, its identity for next time, and whether
+# the slow fields were read (the sampler applies these; a thread that overran applies nothing).
+Read = tuple[GpuSample, "GpuIdentity | None", bool]
+
+
+class Batch:
+    """GPUs for the reader thread to read in order, and how far it got.
+
+    The sampler waits for the whole batch at once, waking only if a GPU's reads take longer
+    than the deadline; a batch it gives up on reads no further GPU (``abandoned``).
+    """
+
+    def __init__(self, indexes: list[int], read: Callable[[int], Read]) -> None:
+        self.indexes = indexes
+        self.read = read
+        self.results: dict[int, Read] = {}
+        self.current: int | None = None  # the GPU being read
+        self.started = 0.0  # time.monotonic() when it was started: deadlines are real time
+        self.abandoned = False
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        for index in self.indexes:
+            with self.lock:
+                if self.abandoned:
+                    return
+                self.current, self.started = index, time.monotonic()
+            result = self.read(index)
+            with self.lock:
+                if self.current != index:  # abandoned: what it read is dropped (GPU was down)
+                    return
+                self.results[index] = result
+                self.current = None
+
+    def wait(self, future: Future[Any], deadline_seconds: float) -> int | None:
+        """None once every GPU is read, else the GPU whose read overran the deadline (then
+        the batch is abandoned: the thread stuck in it reads nothing more)."""
+        while True:
+            with self.lock:
+                current, started = self.current, self.started
+            remaining = deadline_seconds
+            if current is not None:
+                remaining = started + deadline_seconds - time.monotonic()
+            done, _ = concurrent.futures.wait([future], timeout=max(0.0, remaining))
+            if done:
+                future.result()  # a bug in the batch surfaces in sample_once's caller
+                return None
+            with self.lock:
+                if (
+                    self.current == current is not None
+                    and self.started == started
+                    and time.monotonic() - started >= deadline_seconds
+                ):
+                    self.abandoned = True
+                    self.current = None
+                    return current

@@ -1,0 +1,264 @@
+"""Per-field update intervals (fast / slow / once), --collect.<group> and the one reader thread.
+
+The issue's "Done when": with nobody scraping, NVML calls per minute are
+``fast fields × GPUs × 60 / interval + slow fields × GPUs × 60 / slow-interval`` (plus one
+device count per sample), asserted with the simulated library's call counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import Stack, build_stack, fake_proc, sim_of
+from gpu_exporter.collect import groups
+from gpu_exporter.export.cadence import groups_table
+from gpu_exporter.simulate import HANG, Fault, Health, Load, SimGpu
+from harness import exporter, get
+
+A100 = "NVIDIA A100-SXM4-80GB"
+ROOT = Path(__file__).resolve().parent.parent
+BUSY = Load("constant", utilization=0.3, memory_used_ratio=0.5, processes=2)
+
+
+def a100s(n: int = 3, *faults: Fault, **config: object) -> Stack:
+    return build_stack(
+        sim_of(*(SimGpu(i, A100, BUSY) for i in range(n)), faults=list(faults)), **config
+    )
+
+
+def supported(s: Stack, when: str) -> set[str]:
+    """The fields GPU 0 answers, of one cadence (each is one NVML call)."""
+    gpu = s.cache.get().gpus[0]
+    return {f for f, ok in gpu.fields_supported if ok and groups.cadence(f) == when}
+
+
+def test_nvml_calls_per_minute_are_fast_per_interval_plus_slow_per_slow_interval() -> None:
+    gpus, interval, slow_interval = 3, 1.0, 30.0
+    s = a100s(gpus, interval_seconds=interval, slow_interval_seconds=slow_interval)
+    s.sample()  # identity, static values, the first slow read
+    fast, slow = supported(s, groups.FAST), supported(s, groups.SLOW)
+    assert len(fast) == 13 and len(slow) == 14, (fast, slow)
+    before = Counter(s.sim.calls)
+    samples = 0
+    for _ in range(60):  # one minute, nobody scrapes
+        s.clock.advance(interval)
+        s.sample()
+        samples += 1
+    calls = Counter(s.sim.calls)
+    calls.subtract(before)
+    per_minute = sum(calls.values())
+    expected = (
+        len(fast) * gpus * 60 / interval
+        + len(slow) * gpus * 60 / slow_interval
+        + samples * (1 + gpus)  # nvmlDeviceGetCount, and each GPU's handle, per sample
+    )
+    assert per_minute == expected == 13 * 3 * 60 + 14 * 3 * 2 + 60 * 4
+    # Per function: identity and static values not at all; a slow one twice.
+    for once in ("nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMaxClockInfo"):
+        assert calls[once] == 0, once
+    assert calls["nvmlDeviceGetTotalEccErrors"] == gpus * 4 * 2
+    assert calls["nvmlDeviceGetPowerUsage"] == gpus * 60
+
+
+def test_a_slow_field_is_read_every_slow_interval_and_stays_exported_in_between() -> None:
+    s = a100s(1, slow_interval_seconds=30.0)
+    s.sample()
+    assert s.value("gpu_ecc_errors_total", 0, error="corrected", counter="volatile") == 0
+    s.sim.gpus[0].health = Health(ecc_corrected_volatile=7, pcie_replays=3)
+    reads = s.sim.calls["nvmlDeviceGetTotalEccErrors"]
+    for _ in range(29):
+        s.clock.advance(1)
+        s.sample()
+        # Still exported (the last value read), not absent, and not read again.
+        assert s.value("gpu_ecc_errors_total", 0, error="corrected", counter="volatile") == 0
+        assert s.value("gpu_pcie_replay_errors_total", 0) == 0
+        assert s.cache.get().gpus[0].ecc_mode_enabled is True
+    assert s.sim.calls["nvmlDeviceGetTotalEccErrors"] == reads
+    s.clock.advance(1)  # 30 s after the first read
+    s.sample()
+    assert s.value("gpu_ecc_errors_total", 0, error="corrected", counter="volatile") == 7
+    assert s.value("gpu_pcie_replay_errors_total", 0) == 3
+    assert s.sim.calls["nvmlDeviceGetTotalEccErrors"] == reads + 4
+
+
+def test_a_slow_field_that_failed_is_absent_until_it_reads_again() -> None:
+    # The replay counter fails during the second slow read (t = 30 s) only.
+    fault = Fault("nvmlDeviceGetPcieReplayCounter", "UNKNOWN", after_seconds=29.5, for_seconds=1)
+    s = a100s(1, fault, slow_interval_seconds=30.0)
+    s.sample()
+    assert s.value("gpu_pcie_replay_errors_total", 0) == 0
+    s.clock.advance(30)
+    s.sample()
+    assert s.value("gpu_pcie_replay_errors_total", 0) is None  # missing means absent
+    for _ in range(29):
+        s.clock.advance(1)
+        s.sample()
+        assert s.value("gpu_pcie_replay_errors_total", 0) is None
+    s.clock.advance(1)
+    s.sample()
+    assert s.value("gpu_pcie_replay_errors_total", 0) == 0
+
+
+def test_a_gpu_that_answers_again_reads_its_slow_and_static_values_again() -> None:
+    lost = Fault("*", "GPU_IS_LOST", gpu=0, after_seconds=5, for_seconds=2)
+    s = a100s(1, lost)
+    s.sample()
+    max_clocks = s.sim.calls["nvmlDeviceGetMaxClockInfo"]
+    s.clock.advance(5)
+    assert not s.sample().gpus[0].up
+    s.clock.advance(2)
+    gpu = s.sample().gpus[0]
+    assert gpu.up and gpu.ecc_mode_enabled is True and gpu.clock_max_sm_hz is not None
+    assert s.sim.calls["nvmlDeviceGetMaxClockInfo"] == 2 * max_clocks
+
+
+@pytest.mark.parametrize("group", [g for g in groups.GROUPS if g != "xid"])
+def test_a_disabled_group_makes_no_nvml_call_and_exports_no_series(group: str) -> None:
+    s = a100s(2, collect_disabled=(group,))
+    for _ in range(3):
+        s.sample()
+        s.clock.advance(30)
+    functions = {
+        "power": "nvmlDeviceGetPowerUsage",
+        "temperature": "nvmlDeviceGetTemperature",
+        "clocks": "nvmlDeviceGetClockInfo",
+        "health": "nvmlDeviceGetTotalEccErrors",
+        "pcie": "nvmlDeviceGetCurrPcieLinkWidth",
+        "media": "nvmlDeviceGetEncoderUtilization",
+        "processes": "nvmlDeviceGetComputeRunningProcesses",
+    }
+    assert s.sim.calls.get(functions[group], 0) == 0
+    text = s.client.get("/metrics").get_data(as_text=True)
+    for field in groups.fields_of(group):
+        assert f'field="{field}"' not in text, field
+    series = {
+        "power": "gpu_power_draw_watts{",
+        "temperature": "gpu_temperature_celsius{",
+        "clocks": "gpu_clock_hz{",
+        "health": "gpu_ecc_errors_total{",
+        "pcie": "gpu_pcie_link_width{",
+        "media": "gpu_encoder_utilization_ratio{",
+        "processes": "gpu_process_memory_used_bytes{",
+    }
+    assert series[group] not in text
+    assert "gpu_memory_used_bytes{" in text  # the rest is still there
+    others = {g: name for g, name in series.items() if g != group}
+    assert all(name in text for name in others.values())
+
+
+def test_collect_xid_off_starts_no_listener() -> None:
+    s = a100s(1, collect_disabled=("xid",))
+    assert s.daemon.xids is None and s.daemon.background == []
+
+
+def test_one_reader_thread_reads_every_gpu() -> None:
+    """Not a thread per GPU: 16 GPUs are read by one thread (the library has its own)."""
+    s = a100s(16)
+    s.sample()
+    readers = [t for t in threading.enumerate() if t.name.startswith(("nvml-gpu", "nvml-reader"))]
+    mine = [t for t in readers if t.ident == s.sampler._reader.thread.ident]  # type: ignore[union-attr]
+    assert len(mine) == 1
+    assert not any(t.name.startswith("nvml-gpu") for t in readers)
+    s.sampler.stop(timeout_seconds=1)
+
+
+def test_readme_groups_table_is_generated() -> None:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- groups-table:start -->\n") + len("<!-- groups-table:start -->\n")
+    end = readme.index("<!-- groups-table:end -->")
+    assert readme[start:end] == groups_table(), (
+        "README groups table is out of date: run `python -m gpu_exporter.export.cadence`"
+    )
+
+
+def test_the_flags_through_the_command_line() -> None:
+    """--no-collect.health, the environment's GPU_EXPORTER_NO_COLLECT_MEDIA and
+    --slow-interval, on a real exporter process and socket."""
+    env = {"GPU_EXPORTER_NO_COLLECT_MEDIA": "1"}
+    args = ("--simulate", "2", "--interval", "0.2", "--no-collect.health", "--slow-interval", "5")
+    with exporter(*args, env=env) as ex:
+        status, text = get(f"{ex.base}/metrics")
+        gpus = get(f"{ex.base}/gpus")[1]
+    assert status == 200
+    assert "gpu_ecc_errors_total{" not in text and 'field="ecc_mode"' not in text
+    assert "gpu_encoder_utilization_ratio{" not in text
+    assert "gpu_pcie_link_width{" in text and "gpu_power_draw_watts{" in text
+    assert '"ecc_mode":"off"' in gpus.replace(" ", "")
+
+
+def test_bad_group_from_the_environment_is_refused(tmp_path: Path) -> None:
+    from gpu_exporter.config import ServeConfig
+    from gpu_exporter.daemon import BuildError, build
+
+    with pytest.raises(BuildError, match="unknown collector group nope"):
+        build(dataclasses.replace(ServeConfig(simulate="1"), collect_disabled=("nope",)))
+
+
+def test_process_details_are_read_once_per_pid_lifetime(tmp_path: Path) -> None:
+    """Lease attribution's ancestors and cgroup (and no labels: --process-labels is off) are
+    read when a process first appears; while it runs, samples read nothing from /proc."""
+    for pid in (4000, 4001):  # SimGpu 0's two processes
+        fake_proc(tmp_path, pid, ppid=900, cgroup="0::/slurm/uid_1/job_7/step_0\n")
+    fake_proc(tmp_path, 900, ppid=1)
+    s = a100s(1, proc_root=str(tmp_path))
+    s.sample()
+    first = s.cache.get().gpus[0].processes
+    assert first is not None and [p.ancestors for p in first] == [(900,), (900,)]
+    assert [p.cgroup for p in first] == ["slurm_job:7", "slurm_job:7"]
+    assert all(p.user is None and p.command is None for p in first)  # no labels asked for
+    for f in tmp_path.glob("*/*"):  # any read from now on would see nothing
+        f.write_text("")
+    for _ in range(3):
+        s.clock.advance(1)
+        assert s.sample().gpus[0].processes == first
+
+
+def test_gpus_says_when_each_field_is_read() -> None:
+    s = a100s(1, collect_disabled=("media",))
+    s.sample()
+    updated = s.client.get("/gpus").get_json()["fields_updated"]
+    assert updated["memory"] == "every sample"
+    assert updated["ecc_errors_corrected_volatile"] == "every --slow-interval"
+    assert updated["clock_max_sm"] == "once"
+    assert updated["encoder_utilization"] == "off"
+    assert set(updated) == set(groups.FIELDS)
+
+
+def _reader_threads() -> int:
+    return sum(t.name.startswith(("nvml-reader", "nvml-gpu")) for t in threading.enumerate())
+
+
+def test_a_hung_gpu_takes_a_spare_thread_and_gives_it_back() -> None:
+    """Two hangs on a 4-GPU host: the GPUs after the hung one are read in the same sample by
+    a spare thread, and the thread freed by the first hang serves the second: two threads in
+    all, not one per GPU and not one per hang."""
+    hangs = [
+        Fault(
+            "nvmlDeviceGetPowerUsage", HANG, gpu=1, after_seconds=at, for_seconds=1, hang_seconds=1
+        )
+        for at in (5, 20)
+    ]
+    before = _reader_threads()
+    s = a100s(4, *hangs, nvml_timeout_seconds=0.3)
+    try:
+        s.sample()
+        for at in (5, 14):  # to t = 5 and t = 20
+            s.clock.advance(at)
+            snap = s.sample()
+            assert [g.up for g in snap.gpus] == [True, False, True, True]
+            assert s.sampler.stuck() == ("gpu1",)
+            deadline = time.monotonic() + 10
+            while s.sampler.stuck() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            s.clock.advance(1)
+            assert all(g.up for g in s.sample().gpus)
+        assert _reader_threads() - before == 2
+    finally:
+        s.sim.release_hangs()
+        s.sampler.stop(timeout_seconds=2)
