@@ -335,8 +335,7 @@ BUILD_INFO = MetricSpec(
     ("version", "backend", "revision"),
     "the exporter",
     unit="1 (info)",
-    details='backend="simulated" when --simulate is on; revision "unknown" where none was '
-    "recorded.",
+    details='With --simulate, backend="simulated"; revision is "unknown" where none was recorded.',
 )
 NVML_UP = MetricSpec(
     "gpu_exporter_nvml_up",
@@ -379,8 +378,8 @@ FIELD_SUPPORTED = MetricSpec(
     (*GPU_LABELS, "field"),
     "every NVML value call",
     unit="0 (unsupported)",
-    details="NOT_SUPPORTED or FUNCTION_NOT_FOUND, asked once per NVML initialisation; /gpus "
-    "lists the same fields as unsupported_fields.",
+    details="NVML answered NOT_SUPPORTED or FUNCTION_NOT_FOUND (asked once per "
+    "initialisation); /gpus lists the same fields as unsupported_fields.",
 )
 CHOOSE_REQUESTS = MetricSpec(
     "gpu_exporter_choose_requests_total",
@@ -398,8 +397,8 @@ LEASES_DROPPED = MetricSpec(
     ("reason",),
     "the lease table",
     unit="GPUs",
-    details="arrived (the job showed up), down, gone, not_on_this_host (restored from "
-    "--state-dir for a GPU this host does not have).",
+    details="Reasons: arrived (the job showed up), down, gone, not_on_this_host (restored "
+    "from --state-dir for a GPU this host does not have).",
     label_values=RELEASE_REASONS,
 )
 STATE_WRITE_ERRORS = MetricSpec(
@@ -419,8 +418,8 @@ REQUESTS_REJECTED = MetricSpec(
     ("reason",),
     "the exporter",
     unit="requests",
-    details="too_many_requests (--max-requests-in-flight), too_many_waiters (--max-waiters, "
-    "--max-waiters-per-requester), uri_too_long.",
+    details="Reasons: too_many_requests (--max-requests-in-flight), too_many_waiters "
+    "(--max-waiters, --max-waiters-per-requester), uri_too_long.",
     label_values=REJECTION_REASONS,
 )
 CHOOSE_WAITERS = MetricSpec(
