@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/run.py             # the full run, about 5–8 minutes
+    .venv/bin/python bench/run.py             # the full run, about 10–13 minutes
     .venv/bin/python bench/run.py --quick     # a smoke run at a small size, under a minute
     .venv/bin/python bench/run.py --report    # only regenerate docs/performance.md's table
 
@@ -17,7 +17,7 @@ into the project's: it pins its own ``nvidia-ml-py`` range and brings ``psutil``
 project's environment must stay exactly what ``pyproject.toml`` says. If it cannot be
 installed (no network), the bench measures this exporter alone and says so.
 
-Measured (the five groups of docs/performance.md):
+Measured (the six groups of docs/performance.md):
 
 1. ``/metrics`` latency: p50/p99 over sequential scrapes on one keep-alive connection (plain,
    and gzip as Prometheus asks), and under 16 concurrent scrapers; both exporters, 8 GPUs.
@@ -29,6 +29,8 @@ Measured (the five groups of docs/performance.md):
    latency and the sampler's own ``gpu_exporter_sample_duration_seconds`` and CPU.
 5. RSS after start, and after 100,000 requests (a third each of ``/metrics``, ``/choose``
    and ``/healthz``).
+6. Steady-state idle CPU (``bench/idle.py``): 30 s warm-up, 60 s window, nobody scraping;
+   8 GPUs with 0 and with 16 compute processes, both exporters at once; 64 GPUs, this one.
 
 Results go to ``bench/results/exporter.json`` (``exporter-quick.json`` for ``--quick``);
 ``--report`` turns a results file into the table in ``docs/performance.md``, which a full
@@ -59,6 +61,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
+import idle  # noqa: E402  (bench/idle.py: steady-state idle CPU, group 6)
 import servers  # noqa: E402  (bench/servers.py: load generator and /proc helpers)
 
 import fakenvml  # noqa: E402  (tests/fakenvml, on the path just above)
@@ -92,6 +95,7 @@ class Size:
     processes: tuple[int, ...]
     rss_requests: int
     sparse: int  # scrapes spaced more than one sample apart, as from one Prometheus
+    idle: idle.IdleSize  # group 6: warm-up and window of the steady-state idle CPU
 
 
 FULL = Size(
@@ -105,6 +109,7 @@ FULL = Size(
     processes=(0, 100, 1000),
     rss_requests=100_000,
     sparse=30,
+    idle=idle.FULL_IDLE,
 )
 QUICK = Size(
     sequential=100,
@@ -117,6 +122,7 @@ QUICK = Size(
     processes=(1000,),
     rss_requests=1500,
     sparse=3,
+    idle=idle.QUICK_IDLE,
 )
 
 
@@ -125,7 +131,9 @@ def _log(message: str) -> None:
 
 
 def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
-    """``gpus`` A100s with varied load; ``processes`` compute processes spread over them."""
+    """``gpus`` A100-SXM4s with varied load, each reporting every health field a real one
+    does (the fake library's defaults; no fan); ``processes`` compute processes spread over
+    them."""
     out = []
     for i in range(gpus):
         share = processes // gpus + (1 if i < processes % gpus else 0)
@@ -137,6 +145,7 @@ def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
                 power_usage_mw=60_000 + i * 20_000,
                 temperature_c=30 + i,
                 synthetic_processes=(share, 2**30) if share else None,
+                errors=dict(fakenvml.A100_SXM_ERRORS),
             )
         )
     return out
@@ -368,6 +377,7 @@ def sample_cost(exporters: dict[str, Exporter], seconds: float) -> dict[str, dic
         after, before = _settled_calls(ex), calls_before[kind]
         delta = {f: after.get(f, 0) - before.get(f, 0) for f in after}
         delta = {f: n for f, n in sorted(delta.items()) if n}
+        waits = delta.pop(idle.EVENT_WAIT, 0)  # the Xid listener's blocking wait, not sampling
         # gpu-exporter calls nvmlDeviceGetCount_v2 exactly once per sample; the peer does not
         samples = delta.get("nvmlDeviceGetCount_v2", 0) if kind == "gpu-exporter" else 0
         samples = samples or max(1, round(elapsed / INTERVAL_SECONDS))
@@ -378,6 +388,7 @@ def sample_cost(exporters: dict[str, Exporter], seconds: float) -> dict[str, dic
             "samples": samples,
             "nvml_calls_per_sample": round(sum(delta.values()) / samples, 1),
             "nvml_calls_by_function": {f: round(n / samples, 2) for f, n in delta.items()},
+            "event_waits_per_second": round(waits / elapsed, 2),
             "cpu_seconds": None if cpu is None else round(cpu, 3),
             "cpu_percent_of_one_core": None if cpu is None else round(100 * cpu / elapsed, 2),
             "cpu_ms_per_sample": None if cpu is None else round(1000 * cpu / samples, 2),
@@ -673,6 +684,8 @@ def markdown(report: dict[str, Any]) -> str:
         "≤ 5 MB",
         growth is not None and growth <= 4.7,
     )
+    for what, ours, peer, target, met in idle.rows(report.get("idle", [])):
+        row("6", what, ours, peer, target, met)
     lines += [
         "",
         "Scaling (group 4), gpu-exporter:",
@@ -724,6 +737,13 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
             report["latency"][kind]["sparse"] = result
         report["choose"] = group_choose(exporters["gpu-exporter"], size)
     report["scaling"] = group_scaling(lib, work, size)
+    _log(
+        f"6. steady-state idle CPU: {size.idle.warmup_seconds:g} s warm-up, "
+        f"{size.idle.window_seconds:g} s window, cases {size.idle.cases}"
+    )
+    report["idle"] = idle.idle_cpu(
+        lambda kind, gpus: running(kind, lib, gpus, work), lab, size.idle, peer
+    )
     with running("gpu-exporter", lib, lab(), work) as ex:
         report["rss"] = group_rss(ex, size, None)
     report["rss"]["nvitop_exporter_after_start_mib"] = report["rss_start"].get("nvitop-exporter")
@@ -732,13 +752,44 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
 
 def _expected_calls() -> int:
     """One nvmlDeviceGetCount_v2, then per GPU its handle and one call per supported field."""
-    from gpu_exporter.model import CLOCKS
+    return 1 + GPUS * (1 + per_sample_fields())
 
-    # memory, utilization, power draw, power limit, energy, temperature, fan, clocks, processes,
-    # and of the health fields the two this fake library answers: encoder and decoder. (The
-    # others are FUNCTION_NOT_FOUND there: asked once, then never again.)
-    fields = 7 + len(CLOCKS) + 1 + 2
-    return 1 + GPUS * (1 + fields)
+
+def per_sample_fields() -> int:
+    """The fields read every (fast) sample from a GPU of :func:`lab` (an A100-SXM4, MIG off).
+
+    The fast fields of ``collect/groups.py`` less the fan, which an SXM card does not have
+    (asked once, then never again). The health fields are read every ``--slow-interval``
+    (30 s), so a window that holds a slow read averages up to 8 × 14 / 30 more per sample.
+    """
+    from gpu_exporter.collect.groups import FAST, FIELDS
+
+    return sum(1 for field, (when, _) in FIELDS.items() if when == FAST) - 1
+
+
+def _idle_only(
+    size: Size, peer: bool, note: str, work: Path, lib: Path, out: Path | None, started: float
+) -> int:
+    """``--idle-only``: group 6 alone, its rows printed and written to ``idle.json``."""
+    results = idle.idle_cpu(lambda k, g: running(k, lib, g, work), lab, size.idle, peer)
+    report = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": servers.cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "peer": f"nvitop-exporter ({note})" if peer else note,
+            "idle": asdict(size.idle),
+            "wall_seconds": round(time.monotonic() - started, 1),
+        },
+        "idle": results,
+    }
+    path = out or RESULTS_DIR / "idle.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    for what, ours, other, target, met in idle.rows(results):
+        mark = "" if met is None else ("yes" if met else "**no**")
+        print(f"| 6 | {what} | {_f(ours)} | {_f(other)} | {target} | {mark} |")
+    print(f"JSON: {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -756,6 +807,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--doc", type=Path, default=DOC, help="the document whose table --report rewrites"
+    )
+    parser.add_argument(
+        "--idle-only",
+        action="store_true",
+        help="only group 6 (steady-state idle CPU), into bench/results/idle.json",
     )
     args = parser.parse_args(argv)
     if args.report is not None:
@@ -777,6 +833,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-exporter-bench-") as tmp:
         work = Path(tmp)
         lib = fakenvml.build(work / "lib")
+        if args.idle_only:
+            return _idle_only(size, peer, peer_note, work, lib, args.out, started)
         report = measure(size, peer, work, lib)
     report = {
         "meta": {

@@ -8,6 +8,11 @@
   direction per GPU to measure it.
 
 Neither imports NVML; requests and the collector only read them.
+
+It also holds the closed label sets of the exporter's counters (:data:`CHOOSE_RESULTS`,
+:data:`REJECTION_REASONS`, :data:`RELEASE_REASONS`, :data:`RELOAD_RESULTS`): the code that
+counts names its values from here, and ``/metrics`` exports every one at 0 from the start, so
+``rate()`` panels and alerts work on a fresh exporter ("avoid missing metrics").
 """
 
 from __future__ import annotations
@@ -15,6 +20,44 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass
+
+# gpu_exporter_choose_requests_total{result}: "ok" or the error code /choose answered with
+# (tests/test_series_budget.py checks that every code the /choose path can raise is here).
+CHOOSE_RESULTS = (
+    "ok",
+    "invalid_parameter",
+    "unknown_parameter",
+    "mig_single_device",
+    "invalid_idempotency_key",
+    "idempotency_key_reused",
+    "lease_ended",
+    "lease_too_long",
+    "too_many_gpus",
+    "too_many_pids",
+    "too_many_waiters",
+    "not_enough_gpus",
+    "not_ready",
+    "nvml_unavailable",
+    "snapshot_stale",
+    "state_unwritable",
+    "client_closed",
+    "shutting_down",
+)
+# gpu_exporter_requests_rejected_total{reason}: what the request limits refuse.
+TOO_MANY_REQUESTS = "too_many_requests"  # --max-requests-in-flight
+TOO_MANY_WAITERS = "too_many_waiters"  # --max-waiters, --max-waiters-per-requester
+URI_TOO_LONG = "uri_too_long"
+AUTH_THROTTLED = "auth_throttled"  # 429: too many failed logins from that address
+AUTH_BUSY = "auth_busy"  # 503: every bcrypt slot busy
+REJECTION_REASONS = (TOO_MANY_REQUESTS, TOO_MANY_WAITERS, URI_TOO_LONG, AUTH_THROTTLED, AUTH_BUSY)
+# gpu_exporter_lease_gpus_released_total{reason}: why a GPU left its lease before expiry.
+ARRIVED = "arrived"  # the job showed up on it
+DOWN = "down"
+GONE = "gone"
+NOT_ON_THIS_HOST = "not_on_this_host"  # restored from --state-dir, not on this host
+RELEASE_REASONS = (ARRIVED, DOWN, GONE, NOT_ON_THIS_HOST)
+# gpu_exporter_web_config_reloads_total{result}
+RELOAD_RESULTS = ("success", "error")
 
 
 @dataclass(frozen=True, slots=True)

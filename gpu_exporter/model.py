@@ -164,11 +164,13 @@ class GpuSample:
         return (self, *self.mig_devices)
 
     def to_json(self) -> dict[str, Any]:
-        """Every field, absent values as ``null`` (which fields are supported is in
-        /metrics, as gpu_exporter_field_supported, not repeated here)."""
+        """Every field, absent values as ``null``; instead of ``fields_supported``, the list of
+        ``unsupported_fields`` (what NVML answered NOT_SUPPORTED or FUNCTION_NOT_FOUND for: why
+        a panel is empty for this GPU; /metrics has them as gpu_exporter_field_supported 0)."""
         out: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
             if name == "fields_supported":
+                out["unsupported_fields"] = [field for field, ok in self.fields_supported if not ok]
                 continue
             value = getattr(self, name)
             if name == "mig_devices":

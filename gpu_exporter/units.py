@@ -49,9 +49,10 @@ def _number_unit(text: str, expected: str) -> tuple[float, str]:
 def _shown(text: str) -> str:
     """``text`` for a message: quoted, cut short when long, and a hint for non-ASCII digits."""
     hint = " (ASCII digits only)" if any(c.isdigit() and not c.isascii() for c in text) else ""
-    if len(text) > 40:
-        return repr(text[:40]) + f"… ({len(text)} characters){hint}"
-    return repr(text) + hint
+    shown = repr(text)
+    if len(text) > 40 or len(shown) > 60:  # escapes make the quoted text up to 10x longer
+        return shown[:60] + f"… ({len(text)} characters){hint}"
+    return shown + hint
 
 
 def parse_bytes(text: str) -> int:

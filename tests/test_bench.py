@@ -40,20 +40,29 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
         assert latency[phase]["requests"] > 0 and latency[phase].get("errors", 0) == 0, phase
         assert 0 < latency[phase]["p50_ms"] <= latency[phase]["p99_ms"]
     assert latency["sequential_gzip"]["body_bytes"] < latency["sequential"]["body_bytes"] / 3
-    # 2. sampling: exactly the supported fields of every device, and nothing else
+    # 2. sampling: exactly the supported fast fields of every device, and nothing else. The
+    # fake GPUs report every field an A100-SXM4 does: 13 fast ones (no fan), the health
+    # fields every --slow-interval (30 s: at most 8 x 14 / 30 more per sample on average).
     sampling = report["sampling"]["gpu-exporter"]
-    assert sampling["nvml_calls_per_sample"] == sampling["expected_calls_per_sample"] == 121
+    assert sampling["expected_calls_per_sample"] == 1 + 8 * (1 + 13)
+    assert 113 <= sampling["nvml_calls_per_sample"] <= 113 + 8 * 14 / 30 + 0.01
     assert set(sampling["nvml_calls_by_function"]) >= {"nvmlDeviceGetMemoryInfo_v2"}
     assert "nvmlDeviceGetUUID" not in sampling["nvml_calls_by_function"]  # read once only
     # 3. /choose against the no-op baseline
     for route in ("choose", "healthz"):
         assert report["choose"][route]["requests"] > 0, route
         assert report["choose"][route]["errors"] == 0, route
-    # 4. scaling: calls grow linearly with devices (1 + 15 per GPU), 2 calls for a process list
+    # 4. scaling: calls grow linearly with devices (1 + 14 per GPU), 2 calls for a process list
     points = {(p["devices"], p["processes"]): p for p in report["scaling"]}
-    assert points[(1, 0)]["nvml_calls_per_sample"] == 1 + 15
-    assert points[(64, 0)]["nvml_calls_per_sample"] == 1 + 64 * 15
-    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 16
+    assert points[(1, 0)]["nvml_calls_per_sample"] == 1 + 14
+    assert points[(64, 0)]["nvml_calls_per_sample"] == 1 + 64 * 14
+    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 15
+    # 6. steady-state idle CPU (--quick: 16 processes on 8 GPUs, and 64 GPUs), nobody scraping
+    cases = {(c["gpus"], c["processes"]): c["gpu-exporter"] for c in report["idle"]}
+    assert set(cases) == {(8, 16), (64, 0)}
+    for case in cases.values():
+        assert case["cpu_percent_of_one_core"] > 0 and case["nvml_calls_per_minute"] > 0
+        assert "nvmlDeviceGetMemoryInfo_v2" in case["nvml_calls_per_minute_by_function"]
     # 5. RSS
     assert 10 < report["rss"]["after_start_mib"] < 500
     assert report["rss"]["requests"] > 1000
@@ -70,3 +79,4 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     text = doc.read_text()
     assert "old" not in text and text.endswith("<!-- bench-table:end -->\nrest\n")
     assert "**Preliminary**" in text and "| 64 | 0 |" in text
+    assert "| 6 | idle CPU % of one core (s per minute), 64 GPUs, 0 processes |" in text

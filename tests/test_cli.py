@@ -138,7 +138,7 @@ def test_environment_variables_configure_flags() -> None:
     [
         (
             ["--simulate", "nope.toml"],
-            "--simulate: 'nope.toml' is neither a GPU count, a scenario file nor a bundled scenario (fleet, lab)",
+            "--simulate: 'nope.toml' is neither a GPU count, a scenario file nor a bundled scenario (a100, fleet, lab)",
         ),
         (["--simulate", "0"], "--simulate takes 1 to 64 GPUs, got 0"),
         (["--listen-address", "9400"], "--listen-address: expected HOST:PORT"),

@@ -54,6 +54,37 @@ NEEDED_BY_THE_EXPORTER = {
     "nvmlDeviceGetFanSpeed",
     "nvmlDeviceGetClockInfo",
     "nvmlDeviceGetComputeRunningProcesses_v3",
+    # … and everything else a real A100 answers (issue 15: measure on a fake that reports
+    # what a real A100 reports): limits, health, PCIe link, modes, Xid events.
+    "nvmlDeviceGetMaxClockInfo",
+    "nvmlDeviceGetTemperatureThreshold",
+    "nvmlDeviceGetPowerManagementDefaultLimit",
+    "nvmlDeviceGetPowerManagementLimitConstraints",
+    "nvmlDeviceGetCurrentClocksEventReasons",
+    "nvmlDeviceGetCurrentClocksThrottleReasons",
+    "nvmlDeviceGetPerformanceState",
+    "nvmlDeviceGetPersistenceMode",
+    "nvmlDeviceGetComputeMode",
+    "nvmlDeviceGetEccMode",
+    "nvmlDeviceGetTotalEccErrors",
+    "nvmlDeviceGetRemappedRows",
+    "nvmlDeviceGetRetiredPages",
+    "nvmlDeviceGetRetiredPagesPendingStatus",
+    "nvmlDeviceGetCurrPcieLinkGeneration",
+    "nvmlDeviceGetMaxPcieLinkGeneration",
+    "nvmlDeviceGetCurrPcieLinkWidth",
+    "nvmlDeviceGetMaxPcieLinkWidth",
+    "nvmlDeviceGetPcieReplayCounter",
+    "nvmlDeviceGetPcieThroughput",
+    "nvmlDeviceGetEncoderUtilization",
+    "nvmlDeviceGetDecoderUtilization",
+    "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetSupportedEventTypes",
+    "nvmlDeviceRegisterEvents",
+    "nvmlEventSetCreate",
+    "nvmlEventSetWait_v2",
+    "nvmlEventSetFree",
 }
 
 
@@ -335,11 +366,100 @@ def test_a_function_the_library_lacks_is_unsupported_not_an_error(
         "from gpu_exporter.nvml import Nvml, Unsupported\n"
         "n = Nvml(); n.init(); h = n.handle(0)\n"
         "try:\n"
-        "    n._call('nvmlDeviceGetPersistenceMode', h)\n"
+        "    n._call('nvmlDeviceGetBoardId', h)\n"
         "except Unsupported as exc:\n"
         "    print(exc.error, n.error_counts())\n",
     )
     assert out.strip() == "FUNCTION_NOT_FOUND {}"
+
+
+def test_an_a100_reports_every_health_field_and_xid_events(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    """What the benchmark runs both exporters on: every field a real A100-SXM4 reports, so
+    the only unsupported fields are the ones a real one lacks (fan, retired pages)."""
+    sick = {
+        "ecc_corrected_volatile": 7,
+        "ecc_corrected_aggregate": 120,
+        "ecc_uncorrected_aggregate": 1,
+        "remapped_correctable": 2,
+        "remapped_pending": 1,
+        "clocks_event_reasons": 0x4 | 0x40,  # power cap, hardware thermal slowdown
+        "pcie_width": 8,
+        "pcie_replays": 5,
+        "pstate": 2,
+    }
+    a100 = fakenvml.A100_SXM_ERRORS
+    ex = start_exporter([FakeGpu(health=sick, errors=a100), FakeGpu(errors=a100)])
+    s = ex.samples()
+    ids = (("gpu", "0"), ("uuid", _uuid(0)))
+
+    def v(name: str, **extra: str) -> float | None:
+        return s.get((name, tuple(sorted((*ids, *extra.items())))))
+
+    assert v("gpu_ecc_errors_total", error="corrected", counter="volatile") == 7
+    assert v("gpu_ecc_errors_total", error="corrected", counter="aggregate") == 120
+    assert v("gpu_ecc_errors_total", error="uncorrected", counter="aggregate") == 1
+    assert v("gpu_ecc_errors_total", error="uncorrected", counter="volatile") == 0
+    assert v("gpu_ecc_mode_enabled") == 1
+    assert v("gpu_remapped_rows_total", cause="correctable") == 2
+    assert v("gpu_remapped_rows_pending") == 1 and v("gpu_remapped_rows_failed") == 0
+    assert v("gpu_clocks_event_reasons", reason="sw_power_cap") == 1
+    assert v("gpu_clocks_event_reasons", reason="hw_thermal_slowdown") == 1
+    assert v("gpu_clocks_event_reasons", reason="gpu_idle") == 0
+    assert v("gpu_pcie_link_width", link="current") == 8
+    assert v("gpu_pcie_link_width", link="max") == 16
+    assert v("gpu_pcie_link_generation", link="max") == 4
+    assert v("gpu_pcie_replay_errors_total") == 5
+    assert v("gpu_performance_state") == 2
+    assert v("gpu_persistence_mode_enabled") == 1
+    assert v("gpu_compute_mode", mode="default") == 1
+    assert v("gpu_mig_mode_enabled") == 0
+    assert v("gpu_temperature_threshold_celsius", threshold="slowdown") == 89
+    assert v("gpu_clock_max_hz", clock="sm") == 1410e6
+    assert v("gpu_power_limit_default_watts") == 400
+    # The only fields an A100-SXM4 does not report: the fan, and retired pages (it remaps rows).
+    unsupported = {
+        dict(k[1])["field"]
+        for k in s
+        if k[0] == "gpu_exporter_field_supported" and dict(k[1])["gpu"] == "1"
+    }
+    assert unsupported == {
+        "fan_speed",
+        "retired_pages_multiple_single_bit",
+        "retired_pages_double_bit",
+        "retired_pages_pending",
+    }
+    assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]
+    # An Xid after the listener registered is delivered once, to the GPU it names.
+    ex.write([FakeGpu(health=sick, errors=a100), FakeGpu(errors=a100, xids=(79,))])
+    xid = ("gpu_xid_errors_total", (("gpu", "1"), ("uuid", _uuid(1)), ("xid", "79")))
+    ex.wait_for(lambda: ex.samples().get(xid) == 1)
+    time.sleep(1.2)  # two more waits of the listener: no repeat
+    assert ex.samples().get(xid) == 1
+
+
+def test_the_library_counts_every_call_by_function(fake_lib: Path, tmp_path: Path) -> None:
+    """How the benchmark reports NVML calls per minute of each exporter: a shared mapping of
+    64-byte records, readable at any moment from outside."""
+    config, stats = tmp_path / "one.conf", tmp_path / "calls.stats"
+    fakenvml.write_config(config, [FakeGpu(), FakeGpu()])
+    env = fakenvml.environment(fake_lib, config, stats)
+    code = (
+        "from gpu_exporter.nvml import Nvml\n"
+        "n = Nvml(); n.init()\n"
+        "for i in range(2):\n"
+        "    h = n.handle(i)\n"
+        "    for _ in range(3):\n"
+        "        n._call('nvmlDeviceGetTotalEccErrors', h, 0, 1)\n"
+        "        n._call('nvmlDeviceGetRemappedRows', h)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60, cwd=ROOT)
+    calls = fakenvml.read_stats(stats)
+    assert calls["nvmlDeviceGetTotalEccErrors"] == 6
+    assert calls["nvmlDeviceGetRemappedRows"] == 6
+    assert calls["nvmlDeviceGetHandleByIndex_v2"] == 2
+    assert set(calls) <= set(fakenvml.exported_functions())
 
 
 def test_a_hung_driver_call_never_slows_a_scrape(start_exporter: Callable[..., Exporter]) -> None:

@@ -109,8 +109,11 @@ def test_a100_health_values() -> None:
     assert v("gpu_pcie_link_width", 0, link="max") == 16  # … from x16
     assert v("gpu_pcie_replay_errors_total", 0) == 42
     assert v("gpu_power_limit_default_watts", 0) == 400
-    assert v("gpu_power_limit_min_watts", 0) == 100
-    assert v("gpu_power_limit_max_watts", 0) == 400
+    # The settable power-limit range is a constant of the card: in /gpus, not two series per
+    # GPU on every scrape (issue 15).
+    gpu0 = s.cache.get().gpus[0].to_json()
+    assert (gpu0["power_limit_min_watts"], gpu0["power_limit_max_watts"]) == (100, 400)
+    assert v("gpu_power_limit_min_watts", 0) is None
     assert v("gpu_encoder_utilization_ratio", 0) == 0
     assert v("gpu_decoder_utilization_ratio", 0) == s.sim.state(0).decoder_percent / 100 == 0.04
     assert v("gpu_mig_mode_enabled", 0) == 0
@@ -128,7 +131,6 @@ def test_geforce_half_unsupported_is_absent_not_zero() -> None:
         ("gpu_retired_pages_pending", {}),
         ("gpu_pcie_replay_errors_total", {}),
         ("gpu_power_limit_default_watts", {}),
-        ("gpu_power_limit_min_watts", {}),
         ("gpu_temperature_threshold_celsius", {"threshold": "slowdown"}),
         ("gpu_mig_mode_enabled", {}),
     ]
@@ -145,23 +147,35 @@ def test_geforce_half_unsupported_is_absent_not_zero() -> None:
     assert "NaN" not in text
 
 
-def test_field_supported_shows_what_each_gpu_reports() -> None:
+def test_field_supported_lists_only_what_each_gpu_does_not_report() -> None:
+    """Issue 15: a series per unsupported field only (supported: no series, not 1), and the
+    same list in /gpus — "why is this panel empty for GPU 1?" without ~40 series per GPU."""
     s = host()
 
     def supported(gpu: int, field: str) -> float | None:
         return s.value("gpu_exporter_field_supported", gpu, field=field)
 
-    assert supported(0, "ecc_mode") == 1
+    assert supported(0, "ecc_mode") is None  # supported: no series
     assert supported(1, "ecc_mode") == 0
     assert supported(1, "energy") == 0
-    assert supported(1, "clocks_event_reasons") == 1  # via the older function name
+    assert supported(1, "clocks_event_reasons") is None  # via the older function name
     assert supported(0, "retired_pages_double_bit") == 0
-    assert supported(2, "retired_pages_double_bit") == 1
+    assert supported(2, "retired_pages_double_bit") is None
     assert supported(2, "remapped_rows") == 0
-    assert supported(0, "fan_speed") == 0 and supported(1, "fan_speed") == 1
-    # Every GeForce field that answered NOT_SUPPORTED is 0, and about half the new ones are.
+    assert supported(0, "fan_speed") == 0 and supported(1, "fan_speed") is None
+    text = generate_latest(s.registry).decode()
+    values = [
+        line.rsplit(" ", 1)[1]
+        for line in text.splitlines()
+        if line.startswith("gpu_exporter_field_supported{")
+    ]
+    assert values and set(values) == {"0.0"}
+    # Every GeForce field that answered NOT_SUPPORTED is listed, and about half the new ones are.
     gtx = dict(s.cache.get().gpus[1].fields_supported)
     assert 0.3 < sum(1 for ok in gtx.values() if not ok) / len(gtx) < 0.7
+    listed = s.cache.get().gpus[1].to_json()["unsupported_fields"]
+    assert listed == [field for field, ok in gtx.items() if not ok]
+    assert "energy" in listed and "fan_speed" not in listed
 
 
 def test_v100_pages_and_idle_link() -> None:
@@ -253,20 +267,15 @@ def test_full_output_has_every_metric(tmp_path: Path) -> None:
     text = generate_latest(s.registry).decode()
     # The process_* families are prometheus_client's ProcessCollector, as in production.
     emitted = {n for n in re.findall(r"^# TYPE (\S+) ", text, re.M) if not n.startswith("process_")}
-    # Everything but the --web-config-file metrics (no web config here).
-    assert emitted == {m.name for m in METRICS if "web_config" not in m.name}
+    # Everything but the --web-config-file metrics (no web config here), and the families
+    # with no series on this host, which are left out: no card here retires pages (Ampere
+    # remaps rows), nothing is down, and no NVML call has failed.
+    empty = {"gpu_retired_pages_total", "gpu_retired_pages_pending", "gpu_down_reason"}
+    empty.add("gpu_exporter_nvml_errors_total")
+    assert emitted == {m.name for m in METRICS if "web_config" not in m.name} - empty
     samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
-    # Every family has series on this host but these: no card here retires pages (Ampere
-    # remaps rows), nothing is down, and no request, lease or NVML error has been counted.
-    assert {m.name for m in METRICS if "web_config" not in m.name} - samples == {
-        "gpu_retired_pages_total",
-        "gpu_retired_pages_pending",
-        "gpu_down_reason",
-        "gpu_exporter_choose_requests_total",
-        "gpu_exporter_lease_gpus_released_total",
-        "gpu_exporter_nvml_errors_total",
-        "gpu_exporter_requests_rejected_total",
-    }
+    # The request, lease and rejection counters have their known label values at 0 already.
+    assert {m.name for m in METRICS if "web_config" not in m.name} - samples == empty
     labels = {"gpu": "0", "uuid": s.sim.gpus[0].uuid, "pid": "4000", "user": "root"}
     labels |= {"command": "python3", "container": CID, "slurm_job": "", "pod": ""}
     assert (

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 
 from conftest import Stack, build_stack, sim_of
 from conftest import without_process_metrics as bare
-from gpu_exporter.export.collectors import WebConfigCollector
+from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
 from gpu_exporter.export.spec import METRICS, SAMPLED, markdown_table
 from gpu_exporter.revision import revision
 from gpu_exporter.simulate import Fault, Load, SimGpu
@@ -160,8 +160,18 @@ def test_every_emitted_family_is_in_the_spec_and_vice_versa(tmp_path: Path) -> N
     text = generate_latest(with_web_config(mixed(), tmp_path).registry).decode()
     emitted = set(re.findall(r"^# TYPE (\S+) ", bare(text.encode()).decode(), re.M))
     # Opt-in families are absent unless turned on (see test_health.py for the full set); the
-    # web config ones are turned on above.
-    assert emitted == {m.name for m in METRICS if m.on_by_default or "web_config" in m.name}
+    # web config ones are turned on above. A family with no series is left out entirely (its
+    # # HELP would cost every scrape for nothing): these GPUs have no MIG, Xid or retired page.
+    on = {m.name for m in METRICS if m.on_by_default or "web_config" in m.name}
+    no_series = {"gpu_mig_info", "gpu_xid_errors_total", "gpu_last_xid_timestamp_seconds"}
+    no_series |= {"gpu_retired_pages_total", "gpu_retired_pages_pending"}
+    assert emitted == on - no_series
+    for name in emitted:
+        family = name.removesuffix("_total") if name.endswith("_total") else name
+        assert re.search(rf"^{family}(_total)?[{{ ]", text, re.M), name
+    # … but every family is described, for prometheus_client's ?name[]= filter.
+    described = {f.name for c in (GpuCollector(mixed().cache),) for f in c.describe()}
+    assert described == {m.family_name for m in METRICS if "web_config" not in m.name}
 
 
 def test_readme_metric_table_is_generated_from_the_spec() -> None:

@@ -62,7 +62,7 @@ def test_unknown_scenario_name_lists_the_bundled_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"bundled scenario \(fleet, lab\)"):
+    with pytest.raises(ValueError, match=r"bundled scenario \(a100, fleet, lab\)"):
         SimulatedNvml.from_argument("labb", clock=FakeClock().monotonic)
 
 
@@ -72,7 +72,7 @@ def test_serve_help_lists_the_bundled_scenarios(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "bundled scenario by name (fleet, lab)" in help_text
+    assert "bundled scenario by name (a100, fleet, lab)" in help_text
 
 
 def test_load_changes_over_time_and_is_deterministic() -> None:

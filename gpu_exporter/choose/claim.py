@@ -48,7 +48,7 @@ from gpu_exporter.choose.request import ChooseRequest
 from gpu_exporter.choose.tokens import ClaimKey
 from gpu_exporter.choose.waitqueue import Waiter, WaitQueue, reserved_for
 from gpu_exporter.clock import Clock
-from gpu_exporter.counters import RequestCounter
+from gpu_exporter.counters import TOO_MANY_WAITERS, RequestCounter
 from gpu_exporter.model import Snapshot
 from gpu_exporter.units import plural
 
@@ -126,7 +126,7 @@ class Waiters:
             if self.active >= self.limit:
                 return ApiError(
                     503,
-                    "too_many_waiters",
+                    TOO_MANY_WAITERS,
                     f"{plural(self.limit, 'request')} {'is' if self.limit == 1 else 'are'} "
                     "already waiting for GPUs (--max-waiters); "
                     "retry later",
@@ -136,7 +136,7 @@ class Waiters:
                 if self._by_requester[requester] >= self.per_requester:
                     return ApiError(
                         429,
-                        "too_many_waiters",
+                        TOO_MANY_WAITERS,
                         f"{requester} already has "
                         f"{plural(self._by_requester[requester], 'request')} waiting for GPUs "
                         f"(--max-waiters-per-requester {self.per_requester})",
@@ -161,7 +161,7 @@ class Waiters:
         refusal = self.try_enter(requester)
         if refusal is not None:
             if self.rejections is not None:
-                self.rejections.inc("too_many_waiters")
+                self.rejections.inc(TOO_MANY_WAITERS)
             raise refusal
         try:
             yield

@@ -44,6 +44,7 @@ from gpu_exporter.choose.settle import settle
 from gpu_exporter.choose.statefile import StateFile
 from gpu_exporter.choose.tokens import ClaimKey, lease_id_of, make_token, sha256_hex
 from gpu_exporter.clock import Clock
+from gpu_exporter.counters import ARRIVED, NOT_ON_THIS_HOST
 from gpu_exporter.model import Snapshot
 from gpu_exporter.units import plural
 
@@ -304,14 +305,14 @@ class LeaseTable:
 
     def _prune(self, snapshot: Snapshot | None) -> None:
         if snapshot is not None and (foreign := self._file.drop_foreign(self._leases, snapshot)):
-            self.dropped["not_on_this_host"] += foreign
+            self.dropped[NOT_ON_THIS_HOST] += foreign
             self._changed()
         kept, drops = settle(self._leases, snapshot, self._clock.time())
         if kept == self._leases:
             return
         for drop in drops:
             self.dropped[drop.reason] += 1
-            level = logging.INFO if drop.reason == "arrived" else logging.WARNING
+            level = logging.INFO if drop.reason == ARRIVED else logging.WARNING
             log.log(level, "lease %s: GPU %s released (%s)", drop.lease_id, drop.uuid, drop.reason)
         self._set(kept)
         self._changed()

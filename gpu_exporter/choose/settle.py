@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from gpu_exporter.choose.lease import Held, Lease
+from gpu_exporter.counters import ARRIVED, DOWN, GONE
 from gpu_exporter.model import GpuSample, ProcessSample, Snapshot, all_devices
 
 
@@ -96,9 +97,9 @@ def settle(
         for held in lease.gpus:
             gpu = by_uuid.get(held.uuid)
             reason = (
-                "gone" if gpu is None
-                else "down" if not gpu.up
-                else "arrived" if _arrived(lease, held, gpu, others)
+                GONE if gpu is None
+                else DOWN if not gpu.up
+                else ARRIVED if _arrived(lease, held, gpu, others)
                 else None
             )  # fmt: skip
             if reason is None:

@@ -21,8 +21,6 @@ METRICS: dict[str, tuple[str, str]] = {
     "gpu_energy_joules_total": (FAST, "power"),
     "gpu_power_limit_watts": (SLOW, "power"),
     "gpu_power_limit_default_watts": (ONCE, "power"),
-    "gpu_power_limit_min_watts": (ONCE, "power"),
-    "gpu_power_limit_max_watts": (ONCE, "power"),
     "gpu_temperature_celsius": (FAST, "temperature"),
     "gpu_temperature_threshold_celsius": (ONCE, "temperature"),
     "gpu_fan_speed_ratio": (FAST, "temperature"),

@@ -9,7 +9,8 @@ comes from the snapshot cache and the counters the background threads update.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import chain
 from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -95,7 +96,9 @@ def _family(
     spec: MetricSpec, labels: tuple[str, ...] | None = None
 ) -> GaugeMetricFamily | CounterMetricFamily:
     cls = CounterMetricFamily if spec.type == "counter" else GaugeMetricFamily
-    return cls(spec.family_name, spec.help, labels=spec.labels if labels is None else labels)
+    return cls(
+        spec.family_name, spec.exposed_help, labels=spec.labels if labels is None else labels
+    )
 
 
 def gpu_families(
@@ -185,10 +188,13 @@ def _add_values(spec: MetricSpec, family: Metric, ids: list[str], gpu: GpuSample
 
 
 def field_families(snapshot: Snapshot) -> Iterator[Metric]:
+    """The fields a device does not report, at 0; a series per supported field would be
+    ~40 per GPU that never change (issue 15), and absence already says "supported"."""
     supported = _family(FIELD_SUPPORTED)
     for gpu in all_devices(snapshot.gpus):
         for field, ok in gpu.fields_supported:
-            supported.add_metric([str(gpu.index), gpu.uuid, field], 1 if ok else 0)
+            if not ok:
+                supported.add_metric([str(gpu.index), gpu.uuid, field], 0)
     yield supported
 
 
@@ -242,24 +248,32 @@ def lease_families(
     for gpu in all_devices(snapshot.gpus):
         leased.add_metric([str(gpu.index), gpu.uuid], 1 if gpu.uuid in held else 0)
     yield leased
-    yield _counts(CHOOSE_REQUESTS, requests)
-    dropped = _family(LEASES_DROPPED)
-    for reason, count in sorted(leases.dropped.items()):
-        dropped.add_metric([reason], count)
-    yield dropped
+    yield _counts(CHOOSE_REQUESTS, requests.counts())
+    yield _counts(LEASES_DROPPED, leases.dropped)
     write_errors = _family(STATE_WRITE_ERRORS)
     write_errors.add_metric([], leases.state_write_errors)
     yield write_errors
 
 
-def _counts(spec: MetricSpec, counter: RequestCounter) -> Metric:
+def _counts(spec: MetricSpec, counts: Mapping[str, int]) -> Metric:
+    """A one-label counter: every known value (spec.label_values) from the start, at 0 until
+    counted, then any other value counted, in name order."""
     family = _family(spec)
-    for label, count in sorted(counter.counts().items()):
-        family.add_metric([label], count)
+    for label in spec.label_values:
+        family.add_metric([label], counts.get(label, 0))
+    for label, count in sorted(counts.items()):
+        if label not in spec.label_values:
+            family.add_metric([label], count)
     return family
 
 
 _WEB_CONFIG_METRICS = (WEB_CONFIG_RELOADS, WEB_CONFIG_OK)  # WebConfigCollector's
+
+
+def _with_series(*families: Iterable[Metric]) -> Iterator[Metric]:
+    """The families that have a series: an empty one would still cost its # HELP and # TYPE
+    lines (~140 bytes) on every scrape, for nothing (no fan, no MIG, no NVML error …)."""
+    return (family for family in chain(*families) if family.samples)
 
 
 class GpuCollector(Collector):
@@ -308,13 +322,18 @@ class GpuCollector(Collector):
         :mod:`gpu_exporter.export.exposition` renders these once per snapshot and serves the bytes,
         so nothing here may read anything that changes between samples.
         """
-        yield from gpu_families(snapshot, self._process_series_limit)
-        yield from exporter_families(snapshot, self._version, self._revision)
-        yield from field_families(snapshot)
+        return _with_series(
+            gpu_families(snapshot, self._process_series_limit),
+            exporter_families(snapshot, self._version, self._revision),
+            field_families(snapshot),
+        )
 
     def live_families(self, snapshot: Snapshot) -> Iterator[Metric]:
         """Families that can change between samples: leases, request counters, and the Xid
         and PCIe figures, which their own threads update."""
+        return _with_series(self._live(snapshot))
+
+    def _live(self, snapshot: Snapshot) -> Iterator[Metric]:
         if self._xids is not None:
             yield from xid_families(self._xids)
         if self._pcie is not None:
@@ -322,7 +341,7 @@ class GpuCollector(Collector):
         if self._leases is not None:
             yield from lease_families(snapshot, self._leases, self._requests)
         if self._rejections is not None:
-            yield _counts(REQUESTS_REJECTED, self._rejections)
+            yield _counts(REQUESTS_REJECTED, self._rejections.counts())
         if self._waiters is not None:
             gauge = _family(CHOOSE_WAITERS)
             gauge.add_metric([], self._waiters.active)
@@ -341,11 +360,7 @@ class WebConfigCollector(Collector):
             yield _family(spec)
 
     def collect(self) -> Iterator[Metric]:
-        reloads = _family(WEB_CONFIG_RELOADS)
-        counts = dict(self._watcher.reloads)
-        for result in ("success", "error"):
-            reloads.add_metric([result], counts.get(result, 0))
-        yield reloads
+        yield _counts(WEB_CONFIG_RELOADS, self._watcher.reloads)
         ok = _family(WEB_CONFIG_OK)
         ok.add_metric([], 1 if self._watcher.last_reload_ok else 0)
         yield ok

@@ -15,6 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from gpu_exporter.counters import (
+    CHOOSE_RESULTS,
+    REJECTION_REASONS,
+    RELEASE_REASONS,
+    RELOAD_RESULTS,
+)
 from gpu_exporter.export import cadence
 from gpu_exporter.model import (
     CLOCKS,
@@ -52,10 +58,22 @@ class MetricSpec:
     default: str = ON  # "yes", or how to turn it on
     values: Values | None = None  # anything the two above cannot express
     mig: bool = False  # also exported for MIG devices (uuid="MIG-…")
+    # A counter's closed label set (one label): every value is exported, at 0 until counted,
+    # so rate() works on a fresh exporter. Taken from where the counting code names them.
+    label_values: tuple[str, ...] = ()
+    # More of the description, for the README only: # HELP is sent on every scrape.
+    details: str = ""
 
     @property
     def family_name(self) -> str:
         return self.name.removesuffix("_total") if self.type == "counter" else self.name
+
+    @property
+    def exposed_help(self) -> str:
+        """The ``# HELP`` line: without the sampling sentence, which would repeat ~95 bytes
+        in 30-odd families of every scrape (gpu_exporter_last_sample_timestamp_seconds and
+        the README say it once)."""
+        return self.help.removesuffix(SAMPLED)
 
     @property
     def on_by_default(self) -> bool:
@@ -141,20 +159,21 @@ GPU_UP = MetricSpec(
 GPU_LAST_SEEN = MetricSpec(
     "gpu_last_seen_timestamp_seconds",
     "gauge",
-    "Unix time of the last sample in which the GPU answered; kept while it is down, so "
-    "time() - this is how long it has been gone." + SAMPLED,
+    "Unix time of the last sample in which the GPU answered (kept while it is down)." + SAMPLED,
     GPU_LABELS,
     "the exporter",
     unit="seconds",
+    details="time() - this is how long it has been gone.",
 )
 GPU_DOWN_REASON = MetricSpec(
     "gpu_down_reason",
     "gauge",
-    "1 while gpu_up is 0, with why: lost (fell off the bus, needs a reset), timeout (an NVML "
-    "call for it has not returned within --nvml-timeout) or error." + SAMPLED,
+    "1 while gpu_up is 0, with why: lost, timeout or error." + SAMPLED,
     (*GPU_LABELS, "reason"),
     "nvmlDeviceGetHandleByIndex and every value call",
     unit="1 (info)",
+    details="lost: fell off the bus, needs a reset; timeout: an NVML call for it has not "
+    "returned within --nvml-timeout.",
 )
 # One GPU or MIG device value per row: name and help, then the NVML source, the GpuSample
 # field(s) and the unit (see _gpu, _labelled). Kept as a table, not in ruff's layout.
@@ -181,10 +200,6 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
          "nvmlDeviceGetEnforcedPowerLimit", "power_limit_watts", "watts"),
     _gpu("gpu_power_limit_default_watts", "Power limit the board ships with.",
          "nvmlDeviceGetPowerManagementDefaultLimit", "power_limit_default_watts", "watts"),
-    _gpu("gpu_power_limit_min_watts", "Lowest power limit that can be set.",
-         "nvmlDeviceGetPowerManagementLimitConstraints", "power_limit_min_watts", "watts"),
-    _gpu("gpu_power_limit_max_watts", "Highest power limit that can be set.",
-         "nvmlDeviceGetPowerManagementLimitConstraints", "power_limit_max_watts", "watts"),
     _gpu("gpu_energy_joules_total", "Energy consumed since the driver was loaded.",
          "nvmlDeviceGetTotalEnergyConsumption", "energy_joules", "joules", type="counter"),
     _gpu("gpu_temperature_celsius", "GPU core temperature.",
@@ -204,10 +219,11 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
               "clock", "nvmlDeviceGetMaxClockInfo", "hertz",
               tuple((c, f"clock_max_{c}_hz") for c in CLOCKS)),
     MetricSpec("gpu_clocks_event_reasons", "gauge",
-               "1 for each reason the clocks are held below their maximum right now (power cap, "
-               "thermal or hardware slowdown, power brake, idle …), 0 for the others." + SAMPLED,
+               "1 for each reason the clocks are held below their maximum now, 0 for the others."
+               + SAMPLED,
                (*GPU_LABELS, "reason"), "nvmlDeviceGetCurrentClocksEventReasons",
-               unit="0/1", values=_reasons),
+               unit="0/1", values=_reasons,
+               details="Reasons: power cap, thermal or hardware slowdown, power brake, idle …"),
     _gpu("gpu_performance_state", "Performance state: 0 (P0, fastest) to 15 (P15, slowest).",
          "nvmlDeviceGetPerformanceState", "performance_state", "P-state"),
     _gpu("gpu_persistence_mode_enabled",
@@ -270,33 +286,32 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
 GPU_MIG_INFO = MetricSpec(
     "gpu_mig_info",
     "gauge",
-    "Always 1 for each MIG device (uuid MIG-…): its parent GPU, GPU and compute instance and "
-    "profile. Whole-card queries leave MIG devices out with `unless on(uuid) gpu_mig_info`."
-    + SAMPLED,
+    "Always 1 for each MIG device (uuid MIG-…): its parent GPU, instances and profile." + SAMPLED,
     (*GPU_LABELS, "parent_uuid", "gpu_instance_id", "compute_instance_id", "profile"),
     "nvmlDeviceGetMigDeviceHandleByIndex, nvmlDeviceGetGpuInstanceId, "
     "nvmlDeviceGetComputeInstanceId, nvmlDeviceGetName",
     unit="1 (info)",
+    details="Whole-card queries leave MIG devices out with `unless on(uuid) gpu_mig_info`.",
 )
 PROCESS_MEMORY = MetricSpec(
     "gpu_process_memory_used_bytes",
     "gauge",
-    "Memory used by one compute process on a GPU or MIG device (at most "
-    "--process-series-limit per device, largest first; memory of processes in other PID "
-    "namespaces is in gpu_memory_used_bytes but not here)." + SAMPLED,
+    "Memory used by one compute process on a GPU or MIG device." + SAMPLED,
     (*GPU_LABELS, "pid", *PROCESS_LABELS),
     "nvmlDeviceGetComputeRunningProcesses, /proc/<pid>/{status,cmdline,cgroup}",
     unit="bytes",
     default="yes; user, command, container, slurm_job, pod labels only with --process-labels",
+    details="At most --process-series-limit per device, largest first; memory of processes in "
+    "other PID namespaces is in gpu_memory_used_bytes but not here.",
 )
 XID_ERRORS = MetricSpec(
     "gpu_xid_errors_total",
     "counter",
-    "Critical Xid errors reported by the driver, by Xid code (79: fallen off the bus, 48: "
-    "double-bit ECC, 13/31/43: application faults …); counted since the exporter started.",
+    "Critical Xid errors reported by the driver, by Xid code, since the exporter started.",
     (*GPU_LABELS, "xid"),
     "nvmlEventSetWait_v2 (nvmlEventTypeXidCriticalError)",
     unit="errors",
+    details="79: fallen off the bus, 48: double-bit ECC, 13/31/43: application faults …",
 )
 LAST_XID = MetricSpec(
     "gpu_last_xid_timestamp_seconds",
@@ -327,11 +342,11 @@ GPU_LEASED = MetricSpec(
 BUILD_INFO = MetricSpec(
     "gpu_exporter_build_info",
     "gauge",
-    'Always 1; the exporter\'s version, backend="simulated" when --simulate is on, and the '
-    'source revision it was built from ("unknown" where none was recorded).',
+    "Always 1; the exporter's version, backend and source revision.",
     ("version", "backend", "revision"),
     "the exporter",
     unit="1 (info)",
+    details='With --simulate, backend="simulated"; revision is "unknown" where none was recorded.',
 )
 NVML_UP = MetricSpec(
     "gpu_exporter_nvml_up",
@@ -369,48 +384,56 @@ NVML_ERRORS = MetricSpec(
 FIELD_SUPPORTED = MetricSpec(
     "gpu_exporter_field_supported",
     "gauge",
-    "1 if this GPU or MIG device reports the field, 0 if NVML said NOT_SUPPORTED or "
-    "FUNCTION_NOT_FOUND (asked once per initialisation, never again).",
+    "0 for each field NVML does not report for this GPU or MIG device; supported ones have no "
+    "series.",
     (*GPU_LABELS, "field"),
     "every NVML value call",
-    unit="0/1",
+    unit="0 (unsupported)",
+    details="NVML answered NOT_SUPPORTED or FUNCTION_NOT_FOUND (asked once per "
+    "initialisation); /gpus lists the same fields as unsupported_fields.",
 )
 CHOOSE_REQUESTS = MetricSpec(
     "gpu_exporter_choose_requests_total",
     "counter",
-    "/choose requests by result: ok, or the error code (not_enough_gpus, invalid_parameter…).",
+    "/choose requests by result: ok, or the error code.",
     ("result",),
     "the exporter",
     unit="requests",
+    label_values=CHOOSE_RESULTS,
 )
 LEASES_DROPPED = MetricSpec(
     "gpu_exporter_lease_gpus_released_total",
     "counter",
-    "GPUs released from leases before expiry: arrived (the job showed up), down, gone, "
-    "not_on_this_host (restored from --state-dir for a GPU this host does not have).",
+    "GPUs released from leases before expiry, by reason.",
     ("reason",),
     "the lease table",
     unit="GPUs",
+    details="Reasons: arrived (the job showed up), down, gone, not_on_this_host (restored "
+    "from --state-dir for a GPU this host does not have).",
+    label_values=RELEASE_REASONS,
 )
 STATE_WRITE_ERRORS = MetricSpec(
     "gpu_exporter_state_write_errors_total",
     "counter",
-    "Writes of <--state-dir>/leases.json that failed (full or read-only file system); while "
-    "they fail, /choose claims nothing (503 state_unwritable) and /readyz is 503.",
+    "Writes of <--state-dir>/leases.json that failed.",
     (),
     "the lease table",
     unit="writes",
+    details="While they fail (full or read-only file system), /choose claims nothing (503 "
+    "state_unwritable) and /readyz is 503.",
 )
 REQUESTS_REJECTED = MetricSpec(
     "gpu_exporter_requests_rejected_total",
     "counter",
-    "Requests refused by the request limits: too_many_requests (--max-requests-in-flight), "
-    "too_many_waiters (--max-waiters, --max-waiters-per-requester), uri_too_long; and before "
-    "checking a password: auth_throttled (429: too many failed logins from that address), "
-    "auth_busy (503: every bcrypt slot busy).",
+    "Requests refused by the request limits, by reason.",
     ("reason",),
     "the exporter",
     unit="requests",
+    details="Reasons: too_many_requests (--max-requests-in-flight), too_many_waiters "
+    "(--max-waiters, --max-waiters-per-requester), uri_too_long; and before checking a "
+    "password: auth_throttled (429: too many failed logins from that address), auth_busy "
+    "(503: every bcrypt slot busy).",
+    label_values=REJECTION_REASONS,
 )
 CHOOSE_WAITERS = MetricSpec(
     "gpu_exporter_choose_waiters",
@@ -430,6 +453,7 @@ WEB_CONFIG_RELOADS = MetricSpec(
     "the exporter",
     unit="reloads",
     default="with --web-config-file",
+    label_values=RELOAD_RESULTS,
 )
 WEB_CONFIG_OK = MetricSpec(
     "gpu_exporter_web_config_last_reload_successful",
@@ -479,7 +503,7 @@ def markdown_table() -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for spec in METRICS:
-        help_text = spec.help.removesuffix(SAMPLED).replace("|", "\\|")
+        help_text = " ".join(filter(None, (spec.exposed_help, spec.details))).replace("|", "\\|")
         labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
         if spec is PROCESS_MEMORY:
             labels = (
@@ -487,6 +511,9 @@ def markdown_table() -> str:
                 + ", ".join(f"`{label}`" for label in PROCESS_LABELS)
                 + ")"
             )
+        if spec.label_values:
+            values = ", ".join(spec.label_values)
+            help_text += f" Exported at 0 from the start: {values}."
         rows.append(
             f"| `{spec.name}` | {spec.type} | {spec.unit} | {labels} | {spec.source} "
             f"| {spec.default} | {spec.updated} | {spec.group or '—'} | {help_text} |"

@@ -28,7 +28,7 @@ from urllib.parse import parse_qs
 import bcrypt
 from werkzeug.wrappers import Request, Response
 
-from gpu_exporter.counters import RequestCounter
+from gpu_exporter.counters import AUTH_BUSY, AUTH_THROTTLED, RequestCounter
 from gpu_exporter.units import parse_duration, plural
 from gpu_exporter.web.errors import error_response
 from gpu_exporter.web.limits import WsgiApp
@@ -269,14 +269,14 @@ class BasicAuthMiddleware:
             return self._refuse(
                 environ,
                 429,
-                "auth_throttled",
+                AUTH_THROTTLED,
                 f"too many failed logins from {address}; retry in {plural(seconds, 'second')}",
                 seconds,
             )
         if not self._gate.enter():
             self._throttle.cancel(address)
             return self._refuse(
-                environ, 503, "auth_busy", "too many logins being checked; retry in a second", 1
+                environ, 503, AUTH_BUSY, "too many logins being checked; retry in a second", 1
             )
         ok = False
         try:

@@ -21,7 +21,7 @@ from typing import Any
 
 from werkzeug.wrappers import Request
 
-from gpu_exporter.counters import RequestCounter
+from gpu_exporter.counters import TOO_MANY_REQUESTS, URI_TOO_LONG, RequestCounter
 from gpu_exporter.units import plural
 from gpu_exporter.web.errors import error_response
 
@@ -56,7 +56,7 @@ class RequestLimits:
                 environ,
                 start_response,
                 414,
-                "uri_too_long",
+                URI_TOO_LONG,
                 f"the query string is {len(query)} bytes; at most {self.max_query_bytes}",
             )
         if environ.get("PATH_INFO", "") in EXEMPT_PATHS:
@@ -66,7 +66,7 @@ class RequestLimits:
                 environ,
                 start_response,
                 503,
-                "too_many_requests",
+                TOO_MANY_REQUESTS,
                 f"{plural(self.max_in_flight, 'request')} "
                 f"{'is' if self.max_in_flight == 1 else 'are'} already being handled; "
                 "retry in a second",

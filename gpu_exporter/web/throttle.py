@@ -46,7 +46,6 @@ FORGET_SECONDS = 600.0  # no failure for this long: the address starts afresh
 MAX_ADDRESSES = 4096  # remembered at once; the least recently failing are forgotten first
 BCRYPT_SLOTS = 4  # bcrypt checks at once, from every client together
 BCRYPT_WAIT_SECONDS = 0.25  # how long a request may wait for one before 503 auth_busy
-AUTH_REJECTION_REASONS = ("auth_throttled", "auth_busy")  # requests_rejected_total reasons
 
 
 @dataclass(slots=True)

@@ -125,6 +125,11 @@ class FakeGpu:
     synthetic_processes: tuple[int, int] | None = None  # (count, bytes each)
     errors: dict[str, str] = field(default_factory=dict)  # function or "*" → "GPU_IS_LOST"
     hangs: dict[str, float] = field(default_factory=dict)  # function or "*" → seconds
+    # What an A100 reports besides, by fakenvml.c's key (ecc_corrected_volatile,
+    # remapped_pending, clocks_event_reasons, pcie_width, retired_pages "2 1 0" …); the
+    # library's defaults are a healthy A100-SXM4-80GB.
+    health: dict[str, int | str] = field(default_factory=dict)
+    xids: tuple[int, ...] = ()  # Xid events, each delivered once to a waiting event set
 
     def lines(self, index: int | str) -> list[str]:
         out = []
@@ -151,9 +156,16 @@ class FakeGpu:
         if self.synthetic_processes is not None:
             n, used = self.synthetic_processes
             out.append(f"{index} synthetic_processes {n} {used}")
+        out += [f"{index} {key} {value}" for key, value in self.health.items()]
+        out += [f"{index} xid {xid}" for xid in self.xids]
         out += [f"{index} error {fn} {err}" for fn, err in self.errors.items()]
         out += [f"{index} hang {fn} {seconds:g}" for fn, seconds in self.hangs.items()]
         return out
+
+
+# An A100-SXM4-80GB's answers where the library's defaults are not what one reports: no fan.
+# (Retired pages are NOT_SUPPORTED by default already: an A100 remaps rows instead.)
+A100_SXM_ERRORS = {"nvmlDeviceGetFanSpeed": "NOT_SUPPORTED"}
 
 
 def config_text(

@@ -33,14 +33,32 @@
  *   error FUNCTION|* ERROR                      that call on this GPU fails with ERROR
  *   hang FUNCTION|* SECONDS                     that call on this GPU sleeps first
  *
+ * ... and what an A100-SXM4-80GB reports besides (defaults: a healthy one; see default_gpu):
+ *   clock_max_graphics_mhz, clock_max_sm_mhz, clock_max_memory_mhz, clock_max_video_mhz
+ *   temperature_shutdown_c, temperature_slowdown_c, temperature_memory_max_c, temperature_gpu_max_c
+ *   power_default_limit_mw, power_min_limit_mw, power_max_limit_mw
+ *   clocks_event_reasons MASK                   nvmlClocksEventReason* bits (0x1 idle, 0x4 cap)
+ *   pstate, persistence_mode, compute_mode, ecc_mode
+ *   ecc_corrected_volatile, ecc_corrected_aggregate, ecc_uncorrected_volatile,
+ *   ecc_uncorrected_aggregate                   nvmlDeviceGetTotalEccErrors
+ *   remapped_correctable, remapped_uncorrectable, remapped_pending, remapped_failed
+ *   retired_pages SBE DBE PENDING               makes nvmlDeviceGetRetiredPages* answer (a
+ *                                               pre-Ampere card); NOT_SUPPORTED without it
+ *   pcie_gen, pcie_gen_max, pcie_width, pcie_width_max, pcie_replays
+ *   mig_mode, max_mig_devices, supported_events MASK
+ *   xid CODE                                    one more Xid event for nvmlEventSetWait_v2: a
+ *                                               waiting set gets each configured event once
+ *
  * If $FAKENVML_STATS names a file, it is created (or truncated) at load time and holds one
  * 64-byte record per exported function, {char name[56]; uint64_t calls;}, counted with
  * atomic increments through a shared mapping, so another process can read the counts at
- * any moment.
+ * any moment (tests/fakenvml/__init__.py: read_stats) — how the benchmark and the tests
+ * count NVML calls per minute of each exporter.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -58,6 +76,8 @@
 #define MAX_RULES 32
 #define NAME_LEN 96
 #define SYNTHETIC_PID_BASE 4000000u
+#define MAX_XIDS 64
+#define MAX_EVENT_SETS 16
 
 struct rule {
     char function[64]; /* "*" matches every per-GPU function */
@@ -75,6 +95,21 @@ struct gpu {
     unsigned int power_usage_mw, power_limit_mw, temperature_c, fan_percent;
     unsigned long long energy_mj;
     unsigned int clocks_mhz[4]; /* graphics, sm, memory, video */
+    /* What an A100 reports besides: health, limits, PCIe link, modes. */
+    unsigned int max_clocks_mhz[4];
+    unsigned int temperature_thresholds_c[4]; /* shutdown, slowdown, memory max, GPU max */
+    unsigned int power_default_limit_mw, power_min_limit_mw, power_max_limit_mw;
+    unsigned long long clocks_event_reasons;
+    unsigned int pstate, persistence_mode, compute_mode, ecc_mode;
+    unsigned long long ecc[2][2]; /* [corrected, uncorrected][volatile, aggregate] */
+    unsigned int remapped_correctable, remapped_uncorrectable, remapped_pending, remapped_failed;
+    int retired_pages_supported; /* 0 on an A100: it remaps rows instead */
+    unsigned int retired_pages_sbe, retired_pages_dbe, retired_pages_pending;
+    unsigned int pcie_gen, pcie_gen_max, pcie_width, pcie_width_max, pcie_replays;
+    unsigned int mig_mode, max_mig_devices;
+    unsigned long long supported_events;
+    unsigned int xid_count; /* Xid events configured so far ("xid" lines), in order */
+    unsigned long long xids[MAX_XIDS];
     unsigned int process_count;
     nvmlProcessInfo_t *processes;
     struct rule rules[MAX_RULES];
@@ -102,68 +137,67 @@ static int loaded;
 
 /* -- call statistics ------------------------------------------------------------------- */
 
-enum function_id {
-    F_nvmlInitWithFlags,
-    F_nvmlInit_v2,
-    F_nvmlShutdown,
-    F_nvmlErrorString,
-    F_nvmlSystemGetDriverVersion,
-    F_nvmlSystemGetCudaDriverVersion,
-    F_nvmlSystemGetCudaDriverVersion_v2,
-    F_nvmlDeviceGetCount_v2,
-    F_nvmlDeviceGetHandleByIndex_v2,
-    F_nvmlDeviceGetIndex,
-    F_nvmlDeviceGetUUID,
-    F_nvmlDeviceGetName,
-    F_nvmlDeviceGetPciInfo_v3,
-    F_nvmlDeviceGetMemoryInfo,
-    F_nvmlDeviceGetMemoryInfo_v2,
-    F_nvmlDeviceGetUtilizationRates,
-    F_nvmlDeviceGetPowerUsage,
-    F_nvmlDeviceGetEnforcedPowerLimit,
-    F_nvmlDeviceGetPowerManagementLimit,
-    F_nvmlDeviceGetTotalEnergyConsumption,
-    F_nvmlDeviceGetTemperature,
-    F_nvmlDeviceGetFanSpeed,
-    F_nvmlDeviceGetClockInfo,
-    F_nvmlDeviceGetComputeRunningProcesses_v3,
-    F_nvmlDeviceGetGraphicsRunningProcesses_v3,
-    F_nvmlDeviceGetEncoderUtilization,
-    F_nvmlDeviceGetDecoderUtilization,
-    F_nvmlDeviceGetPcieThroughput,
-    F_COUNT
-};
+/* Every exported function, once: the enum of counters and their names come from here. */
+#define FUNCTIONS(X)                                                                             \
+    X(nvmlInitWithFlags)                                                                        \
+    X(nvmlInit_v2)                                                                              \
+    X(nvmlShutdown)                                                                             \
+    X(nvmlErrorString)                                                                          \
+    X(nvmlSystemGetDriverVersion)                                                               \
+    X(nvmlSystemGetCudaDriverVersion)                                                           \
+    X(nvmlSystemGetCudaDriverVersion_v2)                                                        \
+    X(nvmlDeviceGetCount_v2)                                                                    \
+    X(nvmlDeviceGetHandleByIndex_v2)                                                            \
+    X(nvmlDeviceGetIndex)                                                                       \
+    X(nvmlDeviceGetUUID)                                                                        \
+    X(nvmlDeviceGetName)                                                                        \
+    X(nvmlDeviceGetPciInfo_v3)                                                                  \
+    X(nvmlDeviceGetMemoryInfo)                                                                  \
+    X(nvmlDeviceGetMemoryInfo_v2)                                                               \
+    X(nvmlDeviceGetUtilizationRates)                                                            \
+    X(nvmlDeviceGetPowerUsage)                                                                  \
+    X(nvmlDeviceGetEnforcedPowerLimit)                                                          \
+    X(nvmlDeviceGetPowerManagementLimit)                                                        \
+    X(nvmlDeviceGetPowerManagementDefaultLimit)                                                 \
+    X(nvmlDeviceGetPowerManagementLimitConstraints)                                             \
+    X(nvmlDeviceGetTotalEnergyConsumption)                                                      \
+    X(nvmlDeviceGetTemperature)                                                                 \
+    X(nvmlDeviceGetTemperatureThreshold)                                                        \
+    X(nvmlDeviceGetFanSpeed)                                                                    \
+    X(nvmlDeviceGetClockInfo)                                                                   \
+    X(nvmlDeviceGetMaxClockInfo)                                                                \
+    X(nvmlDeviceGetCurrentClocksEventReasons)                                                   \
+    X(nvmlDeviceGetCurrentClocksThrottleReasons)                                                \
+    X(nvmlDeviceGetPerformanceState)                                                            \
+    X(nvmlDeviceGetPersistenceMode)                                                             \
+    X(nvmlDeviceGetComputeMode)                                                                 \
+    X(nvmlDeviceGetEccMode)                                                                     \
+    X(nvmlDeviceGetTotalEccErrors)                                                              \
+    X(nvmlDeviceGetRemappedRows)                                                                \
+    X(nvmlDeviceGetRetiredPages)                                                                \
+    X(nvmlDeviceGetRetiredPagesPendingStatus)                                                   \
+    X(nvmlDeviceGetCurrPcieLinkGeneration)                                                      \
+    X(nvmlDeviceGetMaxPcieLinkGeneration)                                                       \
+    X(nvmlDeviceGetCurrPcieLinkWidth)                                                           \
+    X(nvmlDeviceGetMaxPcieLinkWidth)                                                            \
+    X(nvmlDeviceGetPcieReplayCounter)                                                           \
+    X(nvmlDeviceGetPcieThroughput)                                                              \
+    X(nvmlDeviceGetComputeRunningProcesses_v3)                                                  \
+    X(nvmlDeviceGetGraphicsRunningProcesses_v3)                                                 \
+    X(nvmlDeviceGetEncoderUtilization)                                                          \
+    X(nvmlDeviceGetDecoderUtilization)                                                          \
+    X(nvmlDeviceGetMigMode)                                                                     \
+    X(nvmlDeviceGetMaxMigDeviceCount)                                                           \
+    X(nvmlDeviceGetSupportedEventTypes)                                                         \
+    X(nvmlDeviceRegisterEvents)                                                                 \
+    X(nvmlEventSetCreate)                                                                       \
+    X(nvmlEventSetWait_v2)                                                                      \
+    X(nvmlEventSetFree)
 
-static const char *const function_names[F_COUNT] = {
-    "nvmlInitWithFlags",
-    "nvmlInit_v2",
-    "nvmlShutdown",
-    "nvmlErrorString",
-    "nvmlSystemGetDriverVersion",
-    "nvmlSystemGetCudaDriverVersion",
-    "nvmlSystemGetCudaDriverVersion_v2",
-    "nvmlDeviceGetCount_v2",
-    "nvmlDeviceGetHandleByIndex_v2",
-    "nvmlDeviceGetIndex",
-    "nvmlDeviceGetUUID",
-    "nvmlDeviceGetName",
-    "nvmlDeviceGetPciInfo_v3",
-    "nvmlDeviceGetMemoryInfo",
-    "nvmlDeviceGetMemoryInfo_v2",
-    "nvmlDeviceGetUtilizationRates",
-    "nvmlDeviceGetPowerUsage",
-    "nvmlDeviceGetEnforcedPowerLimit",
-    "nvmlDeviceGetPowerManagementLimit",
-    "nvmlDeviceGetTotalEnergyConsumption",
-    "nvmlDeviceGetTemperature",
-    "nvmlDeviceGetFanSpeed",
-    "nvmlDeviceGetClockInfo",
-    "nvmlDeviceGetComputeRunningProcesses_v3",
-    "nvmlDeviceGetGraphicsRunningProcesses_v3",
-    "nvmlDeviceGetEncoderUtilization",
-    "nvmlDeviceGetDecoderUtilization",
-    "nvmlDeviceGetPcieThroughput",
-};
+#define AS_ID(name) F_##name,
+#define AS_NAME(name) #name,
+enum function_id { FUNCTIONS(AS_ID) F_COUNT };
+static const char *const function_names[F_COUNT] = {FUNCTIONS(AS_NAME)};
 
 struct stat_record {
     char name[56];
@@ -256,6 +290,31 @@ static void default_gpu(unsigned int index, struct gpu *g)
     g->clocks_mhz[NVML_CLOCK_SM] = 210;
     g->clocks_mhz[NVML_CLOCK_MEM] = 1593;
     g->clocks_mhz[NVML_CLOCK_VIDEO] = 795;
+    g->max_clocks_mhz[NVML_CLOCK_GRAPHICS] = 1410;
+    g->max_clocks_mhz[NVML_CLOCK_SM] = 1410;
+    g->max_clocks_mhz[NVML_CLOCK_MEM] = 1593;
+    g->max_clocks_mhz[NVML_CLOCK_VIDEO] = 1290;
+    g->temperature_thresholds_c[0] = 92; /* shutdown */
+    g->temperature_thresholds_c[1] = 89; /* slowdown */
+    g->temperature_thresholds_c[2] = 95; /* memory max */
+    g->temperature_thresholds_c[3] = 87; /* GPU max */
+    g->power_default_limit_mw = 400000;
+    g->power_min_limit_mw = 100000;
+    g->power_max_limit_mw = 400000;
+    g->clocks_event_reasons = 0x1; /* idle */
+    g->pstate = 0;
+    g->persistence_mode = 1;
+    g->compute_mode = 0;
+    g->ecc_mode = 1;
+    g->pcie_gen = 4;
+    g->pcie_gen_max = 4;
+    g->pcie_width = 16;
+    g->pcie_width_max = 16;
+    g->max_mig_devices = 7;
+    /* Xid, single- and double-bit ECC, P-state and clock events, as an A100 on 550 */
+    g->supported_events = nvmlEventTypeXidCriticalError | nvmlEventTypeSingleBitEccError |
+                          nvmlEventTypeDoubleBitEccError | nvmlEventTypePState |
+                          nvmlEventTypeClock;
 }
 
 static void add_rule(struct rule *rules, int *n, const char *function, nvmlReturn_t error,
@@ -307,6 +366,79 @@ static void set_synthetic_processes(struct gpu *g, unsigned int index, unsigned 
     }
 }
 
+/* The A100 keys (see the top of this file): 1 if `key` was one. */
+static int apply_health(struct gpu *g, const char *key, const char *rest)
+{
+    static const struct {
+        const char *key;
+        size_t offset;
+    } uints[] = {
+#define U(name, field) {name, offsetof(struct gpu, field)}
+        U("clock_max_graphics_mhz", max_clocks_mhz[NVML_CLOCK_GRAPHICS]),
+        U("clock_max_sm_mhz", max_clocks_mhz[NVML_CLOCK_SM]),
+        U("clock_max_memory_mhz", max_clocks_mhz[NVML_CLOCK_MEM]),
+        U("clock_max_video_mhz", max_clocks_mhz[NVML_CLOCK_VIDEO]),
+        U("temperature_shutdown_c", temperature_thresholds_c[0]),
+        U("temperature_slowdown_c", temperature_thresholds_c[1]),
+        U("temperature_memory_max_c", temperature_thresholds_c[2]),
+        U("temperature_gpu_max_c", temperature_thresholds_c[3]),
+        U("power_default_limit_mw", power_default_limit_mw),
+        U("power_min_limit_mw", power_min_limit_mw),
+        U("power_max_limit_mw", power_max_limit_mw),
+        U("pstate", pstate),
+        U("persistence_mode", persistence_mode),
+        U("compute_mode", compute_mode),
+        U("ecc_mode", ecc_mode),
+        U("remapped_correctable", remapped_correctable),
+        U("remapped_uncorrectable", remapped_uncorrectable),
+        U("remapped_pending", remapped_pending),
+        U("remapped_failed", remapped_failed),
+        U("pcie_gen", pcie_gen),
+        U("pcie_gen_max", pcie_gen_max),
+        U("pcie_width", pcie_width),
+        U("pcie_width_max", pcie_width_max),
+        U("pcie_replays", pcie_replays),
+        U("mig_mode", mig_mode),
+        U("max_mig_devices", max_mig_devices),
+#undef U
+    };
+    static const struct {
+        const char *key;
+        size_t offset;
+    } ulls[] = {
+#define L(name, field) {name, offsetof(struct gpu, field)}
+        L("clocks_event_reasons", clocks_event_reasons),
+        L("supported_events", supported_events),
+        L("ecc_corrected_volatile", ecc[0][0]),
+        L("ecc_corrected_aggregate", ecc[0][1]),
+        L("ecc_uncorrected_volatile", ecc[1][0]),
+        L("ecc_uncorrected_aggregate", ecc[1][1]),
+#undef L
+    };
+    for (size_t i = 0; i < sizeof(uints) / sizeof(uints[0]); i++)
+        if (strcmp(key, uints[i].key) == 0) {
+            *(unsigned int *)((char *)g + uints[i].offset) = (unsigned int)strtoul(rest, NULL, 0);
+            return 1;
+        }
+    for (size_t i = 0; i < sizeof(ulls) / sizeof(ulls[0]); i++)
+        if (strcmp(key, ulls[i].key) == 0) {
+            *(unsigned long long *)((char *)g + ulls[i].offset) = strtoull(rest, NULL, 0);
+            return 1;
+        }
+    if (strcmp(key, "retired_pages") == 0) {
+        g->retired_pages_supported = 1;
+        sscanf(rest, "%u %u %u", &g->retired_pages_sbe, &g->retired_pages_dbe,
+               &g->retired_pages_pending);
+        return 1;
+    }
+    if (strcmp(key, "xid") == 0) {
+        if (g->xid_count < MAX_XIDS)
+            g->xids[g->xid_count++] = strtoull(rest, NULL, 10);
+        return 1;
+    }
+    return 0;
+}
+
 /* Apply "KEY VALUE..." to GPU `index`. `rest` is the text after the key. */
 static void apply_gpu(unsigned int index, const char *key, char *rest)
 {
@@ -354,6 +486,8 @@ static void apply_gpu(unsigned int index, const char *key, char *rest)
         g->clocks_mhz[NVML_CLOCK_MEM] = (unsigned int)strtoul(rest, NULL, 10);
     else if (strcmp(key, "clock_video_mhz") == 0)
         g->clocks_mhz[NVML_CLOCK_VIDEO] = (unsigned int)strtoul(rest, NULL, 10);
+    else if (apply_health(g, key, rest))
+        ;
     else if (strcmp(key, "processes") == 0) {
         char *copy = strdup(rest);
         set_processes(g, copy);
@@ -865,5 +999,303 @@ EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device
     if (info_count == NULL)
         return end(NVML_ERROR_INVALID_ARGUMENT);
     *info_count = 0; /* every configured process is a compute process */
+    return end(NVML_SUCCESS);
+}
+
+/* -- what an A100 reports besides: limits, health, PCIe link, modes ------------------------- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, nvmlClockType_t type,
+                                              unsigned int *clock)
+{
+    DEVICE_CALL(F_nvmlDeviceGetMaxClockInfo, device)
+    OUT_OF(clock)
+    if ((unsigned int)type >= 4)
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    *clock = g->max_clocks_mhz[type];
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device,
+                                                      nvmlTemperatureThresholds_t type,
+                                                      unsigned int *temp)
+{
+    DEVICE_CALL(F_nvmlDeviceGetTemperatureThreshold, device)
+    OUT_OF(temp)
+    switch (type) {
+    case NVML_TEMPERATURE_THRESHOLD_SHUTDOWN:
+        *temp = g->temperature_thresholds_c[0];
+        break;
+    case NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+        *temp = g->temperature_thresholds_c[1];
+        break;
+    case NVML_TEMPERATURE_THRESHOLD_MEM_MAX:
+        *temp = g->temperature_thresholds_c[2];
+        break;
+    case NVML_TEMPERATURE_THRESHOLD_GPU_MAX:
+        *temp = g->temperature_thresholds_c[3];
+        break;
+    default:
+        return end(NVML_ERROR_NOT_SUPPORTED);
+    }
+    return end(NVML_SUCCESS);
+}
+
+UINT_GETTER(nvmlDeviceGetPowerManagementDefaultLimit, power_default_limit_mw)
+UINT_GETTER(nvmlDeviceGetCurrPcieLinkGeneration, pcie_gen)
+UINT_GETTER(nvmlDeviceGetMaxPcieLinkGeneration, pcie_gen_max)
+UINT_GETTER(nvmlDeviceGetCurrPcieLinkWidth, pcie_width)
+UINT_GETTER(nvmlDeviceGetMaxPcieLinkWidth, pcie_width_max)
+UINT_GETTER(nvmlDeviceGetPcieReplayCounter, pcie_replays)
+UINT_GETTER(nvmlDeviceGetMaxMigDeviceCount, max_mig_devices)
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimitConstraints(nvmlDevice_t device,
+                                                                 unsigned int *min_limit,
+                                                                 unsigned int *max_limit)
+{
+    DEVICE_CALL(F_nvmlDeviceGetPowerManagementLimitConstraints, device)
+    OUT_OF(min_limit)
+    OUT_OF(max_limit)
+    *min_limit = g->power_min_limit_mw;
+    *max_limit = g->power_max_limit_mw;
+    return end(NVML_SUCCESS);
+}
+
+static nvmlReturn_t event_reasons(enum function_id id, nvmlDevice_t device,
+                                  unsigned long long *reasons)
+{
+    DEVICE_CALL(id, device)
+    OUT_OF(reasons)
+    *reasons = g->clocks_event_reasons;
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
+                                                           unsigned long long *reasons)
+{
+    return event_reasons(F_nvmlDeviceGetCurrentClocksEventReasons, device, reasons);
+}
+
+/* The older name of the same call, which drivers before 535 have alone. */
+EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device,
+                                                              unsigned long long *reasons)
+{
+    return event_reasons(F_nvmlDeviceGetCurrentClocksThrottleReasons, device, reasons);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t device, nvmlPstates_t *pstate)
+{
+    DEVICE_CALL(F_nvmlDeviceGetPerformanceState, device)
+    OUT_OF(pstate)
+    *pstate = (nvmlPstates_t)g->pstate;
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode)
+{
+    DEVICE_CALL(F_nvmlDeviceGetPersistenceMode, device)
+    OUT_OF(mode)
+    *mode = g->persistence_mode ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, nvmlComputeMode_t *mode)
+{
+    DEVICE_CALL(F_nvmlDeviceGetComputeMode, device)
+    OUT_OF(mode)
+    *mode = (nvmlComputeMode_t)g->compute_mode;
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, nvmlEnableState_t *current,
+                                         nvmlEnableState_t *pending)
+{
+    DEVICE_CALL(F_nvmlDeviceGetEccMode, device)
+    OUT_OF(current)
+    OUT_OF(pending)
+    *current = *pending = g->ecc_mode ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device,
+                                                nvmlMemoryErrorType_t error_type,
+                                                nvmlEccCounterType_t counter_type,
+                                                unsigned long long *count_out)
+{
+    DEVICE_CALL(F_nvmlDeviceGetTotalEccErrors, device)
+    OUT_OF(count_out)
+    if ((unsigned int)error_type > 1 || (unsigned int)counter_type > 1)
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->ecc_mode)
+        return end(NVML_ERROR_NOT_SUPPORTED);
+    *count_out = g->ecc[error_type][counter_type];
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corr_rows,
+                                              unsigned int *unc_rows, unsigned int *is_pending,
+                                              unsigned int *failure_occurred)
+{
+    DEVICE_CALL(F_nvmlDeviceGetRemappedRows, device)
+    OUT_OF(corr_rows)
+    OUT_OF(unc_rows)
+    OUT_OF(is_pending)
+    OUT_OF(failure_occurred)
+    *corr_rows = g->remapped_correctable;
+    *unc_rows = g->remapped_uncorrectable;
+    *is_pending = g->remapped_pending;
+    *failure_occurred = g->remapped_failed;
+    return end(NVML_SUCCESS);
+}
+
+/* An A100 answers NOT_SUPPORTED (it remaps rows); with "retired_pages", pages at made-up
+ * addresses, through the same two-call size protocol as the process lists. */
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t device,
+                                              nvmlPageRetirementCause_t cause,
+                                              unsigned int *page_count,
+                                              unsigned long long *addresses)
+{
+    DEVICE_CALL(F_nvmlDeviceGetRetiredPages, device)
+    OUT_OF(page_count)
+    if (!g->retired_pages_supported)
+        return end(NVML_ERROR_NOT_SUPPORTED);
+    unsigned int n = cause == NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
+                         ? g->retired_pages_sbe
+                         : g->retired_pages_dbe;
+    unsigned int capacity = *page_count;
+    *page_count = n;
+    if (n == 0)
+        return end(NVML_SUCCESS);
+    if (addresses == NULL || capacity < n)
+        return end(NVML_ERROR_INSUFFICIENT_SIZE);
+    for (unsigned int i = 0; i < n; i++)
+        addresses[i] = 0x1000ULL * (i + 1) + (cause ? 0x100000ULL : 0);
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device,
+                                                           nvmlEnableState_t *pending)
+{
+    DEVICE_CALL(F_nvmlDeviceGetRetiredPagesPendingStatus, device)
+    OUT_OF(pending)
+    if (!g->retired_pages_supported)
+        return end(NVML_ERROR_NOT_SUPPORTED);
+    *pending = g->retired_pages_pending ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current,
+                                         unsigned int *pending)
+{
+    DEVICE_CALL(F_nvmlDeviceGetMigMode, device)
+    OUT_OF(current)
+    OUT_OF(pending)
+    *current = *pending = g->mig_mode;
+    return end(NVML_SUCCESS);
+}
+
+/* -- events --------------------------------------------------------------------------------- */
+
+struct nvmlEventSet_st {
+    int used;
+    unsigned long long registered[MAX_GPUS]; /* event types per GPU */
+    unsigned int delivered[MAX_GPUS];        /* Xid events of that GPU handed out so far */
+};
+
+static struct nvmlEventSet_st event_sets[MAX_EVENT_SETS];
+
+EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device,
+                                                     unsigned long long *event_types)
+{
+    DEVICE_CALL(F_nvmlDeviceGetSupportedEventTypes, device)
+    OUT_OF(event_types)
+    *event_types = g->supported_events;
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    nvmlReturn_t r = begin(F_nvmlEventSetCreate, 1);
+    if (r != NVML_SUCCESS)
+        return r;
+    OUT_OF(set)
+    for (int i = 0; i < MAX_EVENT_SETS; i++)
+        if (!event_sets[i].used) {
+            memset(&event_sets[i], 0, sizeof(event_sets[i]));
+            event_sets[i].used = 1;
+            *set = &event_sets[i];
+            return end(NVML_SUCCESS);
+        }
+    return end(NVML_ERROR_MEMORY);
+}
+
+static int valid_set(nvmlEventSet_t set)
+{
+    return set >= &event_sets[0] && set < &event_sets[MAX_EVENT_SETS] && set->used;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long event_types,
+                                             nvmlEventSet_t set)
+{
+    DEVICE_CALL(F_nvmlDeviceRegisterEvents, device)
+    if (!valid_set(set))
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    if (event_types & ~g->supported_events)
+        return end(NVML_ERROR_NOT_SUPPORTED);
+    set->registered[device->index] |= event_types;
+    set->delivered[device->index] = g->xid_count; /* only events from now on */
+    return end(NVML_SUCCESS);
+}
+
+/* The next configured Xid event of a GPU registered in `set`, or 0. Called with `lock` held. */
+static int next_xid(nvmlEventSet_t set, nvmlEventData_t *data)
+{
+    for (unsigned int i = 0; i < config.gpu_count; i++) {
+        struct gpu *g = &config.gpus[i];
+        if (!(set->registered[i] & nvmlEventTypeXidCriticalError))
+            continue;
+        if (set->delivered[i] > g->xid_count)
+            set->delivered[i] = g->xid_count; /* the file was rewritten with fewer */
+        if (set->delivered[i] < g->xid_count) {
+            handles[i].index = i;
+            data->device = &handles[i];
+            data->eventType = nvmlEventTypeXidCriticalError;
+            data->eventData = g->xids[set->delivered[i]++];
+            data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFFu;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Blocks up to `timeout_ms` (in one sleep, as the driver's wait costs no CPU) for the next
+ * Xid event; events configured while it sleeps are seen by the next call. */
+EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data,
+                                        unsigned int timeout_ms)
+{
+    nvmlReturn_t r = begin(F_nvmlEventSetWait_v2, 1);
+    if (r != NVML_SUCCESS)
+        return r;
+    OUT_OF(data)
+    if (!valid_set(set))
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    if (next_xid(set, data))
+        return end(NVML_SUCCESS);
+    pthread_mutex_unlock(&lock);
+    sleep_seconds(timeout_ms / 1000.0);
+    pthread_mutex_lock(&lock);
+    reload_if_changed();
+    if (valid_set(set) && next_xid(set, data))
+        return end(NVML_SUCCESS);
+    return end(NVML_ERROR_TIMEOUT);
+}
+
+EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    nvmlReturn_t r = begin(F_nvmlEventSetFree, 1);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!valid_set(set))
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    set->used = 0;
     return end(NVML_SUCCESS);
 }
