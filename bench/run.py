@@ -29,6 +29,9 @@ Measured (the five groups of docs/performance.md):
    latency and the sampler's own ``gpu_exporter_sample_duration_seconds`` and CPU.
 5. RSS after start, and after 100,000 requests (a third each of ``/metrics``, ``/choose``
    and ``/healthz``).
+6. Hostile clients: the worst p99 of a scraper (``/metrics`` and ``/healthz`` every 100 ms)
+   and a job (``/choose?lease=0`` every 100 ms) while 200 slowloris and 200 idle connections
+   attack (``bench/hostile.py``; 10 + 10 in ``--quick``, a smoke run only).
 
 Results go to ``bench/results/exporter.json`` (``exporter-quick.json`` for ``--quick``);
 ``--report`` turns a results file into the table in ``docs/performance.md``, which a full
@@ -59,6 +62,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
+import hostile  # noqa: E402  (bench/hostile.py: the attack of the "hostile clients" row)
 import servers  # noqa: E402  (bench/servers.py: load generator and /proc helpers)
 
 import fakenvml  # noqa: E402  (tests/fakenvml, on the path just above)
@@ -92,6 +96,8 @@ class Size:
     processes: tuple[int, ...]
     rss_requests: int
     sparse: int  # scrapes spaced more than one sample apart, as from one Prometheus
+    hostile: int = 200  # slowloris connections, and as many idle ones (bench/hostile.py)
+    hostile_seconds: float = 10.0  # the good clients' window under that attack
 
 
 FULL = Size(
@@ -117,6 +123,10 @@ QUICK = Size(
     processes=(1000,),
     rss_requests=1500,
     sparse=3,
+    # Few enough for even a fixed pool of threads to survive: a smoke run of the machinery,
+    # not the measurement (which takes 200 + 200 connections and 10 s).
+    hostile=10,
+    hostile_seconds=2.0,
 )
 
 
@@ -435,6 +445,19 @@ def group_choose(ex: Exporter, size: Size) -> dict[str, Any]:
     return out
 
 
+def group_hostile(ex: Exporter, size: Size) -> dict[str, Any]:
+    """The scraper's and the job's latency while slowloris and idle clients attack."""
+    _log(f"6. hostile clients: {size.hostile} slowloris + {size.hostile} idle connections")
+    attack = hostile.Attack(slowloris=size.hostile, idle=size.hostile)
+    ramp = min(2.0, size.hostile_seconds / 2)
+    report = hostile.measure(
+        hostile.Target(ex.port), attack, seconds=size.hostile_seconds, ramp_seconds=ramp
+    )
+    report["worst"] = hostile.worst(report)
+    report["connections"] = {"slowloris": size.hostile, "idle": size.hostile}
+    return report
+
+
 def group_scaling(lib: Path, work: Path, size: Size) -> list[dict[str, Any]]:
     points = [(d, 0) for d in size.devices] + [(GPUS, p) for p in size.processes]
     out = []
@@ -673,6 +696,18 @@ def markdown(report: dict[str, Any]) -> str:
         "≤ 5 MB",
         growth is not None and growth <= 4.7,
     )
+    if hostile_report := report.get("hostile"):
+        worst, conns = hostile_report["worst"], hostile_report["connections"]
+        row(
+            "6",
+            f"hostile clients ({conns['slowloris']} slowloris + {conns['idle']} idle "
+            "connections): the scraper's and job's worst p99 ms; errors of "
+            f"{worst['requests']:,} requests",
+            f"{_f(worst['p99_ms'])}; {worst['errors']}",
+            None,
+            "≤ 100 ms, 0 errors",
+            worst["p99_ms"] <= 100 and worst["errors"] == 0,
+        )
     lines += [
         "",
         "Scaling (group 4), gpu-exporter:",
@@ -723,6 +758,7 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
         for kind, result in sparse(exporters, size.sparse).items():
             report["latency"][kind]["sparse"] = result
         report["choose"] = group_choose(exporters["gpu-exporter"], size)
+        report["hostile"] = group_hostile(exporters["gpu-exporter"], size)  # last: it may harm
     report["scaling"] = group_scaling(lib, work, size)
     with running("gpu-exporter", lib, lab(), work) as ex:
         report["rss"] = group_rss(ex, size, None)

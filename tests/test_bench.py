@@ -54,6 +54,11 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     assert points[(1, 0)]["nvml_calls_per_sample"] == 1 + 15
     assert points[(64, 0)]["nvml_calls_per_sample"] == 1 + 64 * 15
     assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 16
+    # 6. hostile clients: the machinery runs (10 + 10 connections in --quick: a smoke run)
+    attacked = report["hostile"]
+    assert attacked["worst"]["requests"] > 0
+    assert attacked["attack"]["slowloris"]["connected"] > 0
+    assert attacked["attack"]["idle"]["connected"] > 0
     # 5. RSS
     assert 10 < report["rss"]["after_start_mib"] < 500
     assert report["rss"]["requests"] > 1000
@@ -70,3 +75,4 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     text = doc.read_text()
     assert "old" not in text and text.endswith("<!-- bench-table:end -->\nrest\n")
     assert "**Preliminary**" in text and "| 64 | 0 |" in text
+    assert "| 6 | hostile clients (10 slowloris + 10 idle connections)" in text
