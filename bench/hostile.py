@@ -320,6 +320,7 @@ class BadAuth:
 
     def __init__(self, target: Target, attack: Attack) -> None:
         self.target, self.attack = target, attack
+        self.ctx = _client_context(target) if target.tls else None
         self.statuses: Counter[str] = Counter()
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -331,9 +332,9 @@ class BadAuth:
     def _connection(self) -> http.client.HTTPConnection:
         source = (self.attack.bad_source, 0)
         t = self.target
-        if t.tls:
+        if self.ctx is not None:
             return http.client.HTTPSConnection(
-                t.host, t.port, timeout=10, source_address=source, context=_client_context(t)
+                t.host, t.port, timeout=10, source_address=source, context=self.ctx
             )
         return http.client.HTTPConnection(t.host, t.port, timeout=10, source_address=source)
 
@@ -448,6 +449,7 @@ class GoodClients:
 
     def __init__(self, target: Target) -> None:
         self.target = target
+        self.ctx = _client_context(target) if target.tls else None  # one, as a client keeps
         self.headers = {"User-Agent": "good-client"}
         if target.auth:
             token = base64.b64encode(target.auth.encode()).decode()
@@ -465,10 +467,9 @@ class GoodClients:
 
     def _connection(self) -> http.client.HTTPConnection:
         t = self.target
-        if t.tls:
-            ctx = _client_context(t)
+        if self.ctx is not None:
             return http.client.HTTPSConnection(
-                t.host, t.port, timeout=GOOD_TIMEOUT_SECONDS, context=ctx
+                t.host, t.port, timeout=GOOD_TIMEOUT_SECONDS, context=self.ctx
             )
         return http.client.HTTPConnection(t.host, t.port, timeout=GOOD_TIMEOUT_SECONDS)
 
