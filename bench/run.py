@@ -801,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     size = QUICK if args.quick else FULL
+    hostile.raise_fd_limit()  # before any exporter starts: they inherit it (group 6)
     out: Path = args.out or RESULTS_DIR / ("exporter-quick.json" if args.quick else "exporter.json")
     started = time.monotonic()
     peer, peer_note = (
