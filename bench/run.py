@@ -17,7 +17,7 @@ into the project's: it pins its own ``nvidia-ml-py`` range and brings ``psutil``
 project's environment must stay exactly what ``pyproject.toml`` says. If it cannot be
 installed (no network), the bench measures this exporter alone and says so.
 
-Measured (the six groups of docs/performance.md):
+Measured (the seven groups of docs/performance.md):
 
 1. ``/metrics`` latency: p50/p99 over sequential scrapes on one keep-alive connection (plain,
    and gzip as Prometheus asks), and under 16 concurrent scrapers; both exporters, 8 GPUs.
@@ -31,6 +31,9 @@ Measured (the six groups of docs/performance.md):
    and ``/healthz``).
 6. Steady-state idle CPU (``bench/idle.py``): 30 s warm-up, 60 s window, nobody scraping;
    8 GPUs with 0 and with 16 compute processes, both exporters at once; 64 GPUs, this one.
+7. Hostile clients: the worst p99 of a scraper (``/metrics`` and ``/healthz`` every 100 ms)
+   and a job (``/choose?lease=0`` every 100 ms) while 200 slowloris and 200 idle connections
+   attack (``bench/hostile.py``; 10 + 10 in ``--quick``, a smoke run only).
 
 Results go to ``bench/results/exporter.json`` (``exporter-quick.json`` for ``--quick``);
 ``--report`` turns a results file into the table in ``docs/performance.md``, which a full
@@ -61,6 +64,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
+import hostile  # noqa: E402  (bench/hostile.py: the attack of the "hostile clients" row)
 import idle  # noqa: E402  (bench/idle.py: steady-state idle CPU, group 6)
 import servers  # noqa: E402  (bench/servers.py: load generator and /proc helpers)
 
@@ -96,6 +100,8 @@ class Size:
     rss_requests: int
     sparse: int  # scrapes spaced more than one sample apart, as from one Prometheus
     idle: idle.IdleSize  # group 6: warm-up and window of the steady-state idle CPU
+    hostile: int = 200  # slowloris connections, and as many idle ones (bench/hostile.py)
+    hostile_seconds: float = 10.0  # the good clients' window under that attack
 
 
 FULL = Size(
@@ -123,6 +129,10 @@ QUICK = Size(
     rss_requests=1500,
     sparse=3,
     idle=idle.QUICK_IDLE,
+    # Few enough for even a fixed pool of threads to survive: a smoke run of the machinery,
+    # not the measurement (which takes 200 + 200 connections and 10 s).
+    hostile=10,
+    hostile_seconds=2.0,
 )
 
 
@@ -446,6 +456,19 @@ def group_choose(ex: Exporter, size: Size) -> dict[str, Any]:
     return out
 
 
+def group_hostile(ex: Exporter, size: Size) -> dict[str, Any]:
+    """The scraper's and the job's latency while slowloris and idle clients attack."""
+    _log(f"6. hostile clients: {size.hostile} slowloris + {size.hostile} idle connections")
+    attack = hostile.Attack(slowloris=size.hostile, idle=size.hostile)
+    ramp = min(2.0, size.hostile_seconds / 2)
+    report = hostile.measure(
+        hostile.Target(ex.port), attack, seconds=size.hostile_seconds, ramp_seconds=ramp
+    )
+    report["worst"] = hostile.worst(report)
+    report["connections"] = {"slowloris": size.hostile, "idle": size.hostile}
+    return report
+
+
 def group_scaling(lib: Path, work: Path, size: Size) -> list[dict[str, Any]]:
     points = [(d, 0) for d in size.devices] + [(GPUS, p) for p in size.processes]
     out = []
@@ -686,6 +709,18 @@ def markdown(report: dict[str, Any]) -> str:
     )
     for what, ours, peer, target, met in idle.rows(report.get("idle", [])):
         row("6", what, ours, peer, target, met)
+    if hostile_report := report.get("hostile"):
+        worst, conns = hostile_report["worst"], hostile_report["connections"]
+        row(
+            "7",
+            f"hostile clients ({conns['slowloris']} slowloris + {conns['idle']} idle "
+            "connections): the scraper's and job's worst p99 ms; errors of "
+            f"{worst['requests']:,} requests",
+            f"{_f(worst['p99_ms'])}; {worst['errors']}",
+            None,
+            "≤ 100 ms, 0 errors",
+            worst["p99_ms"] <= 100 and worst["errors"] == 0,
+        )
     lines += [
         "",
         "Scaling (group 4), gpu-exporter:",
@@ -736,6 +771,7 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
         for kind, result in sparse(exporters, size.sparse).items():
             report["latency"][kind]["sparse"] = result
         report["choose"] = group_choose(exporters["gpu-exporter"], size)
+        report["hostile"] = group_hostile(exporters["gpu-exporter"], size)  # last: it may harm
     report["scaling"] = group_scaling(lib, work, size)
     _log(
         f"6. steady-state idle CPU: {size.idle.warmup_seconds:g} s warm-up, "
@@ -821,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     size = QUICK if args.quick else FULL
+    hostile.raise_fd_limit()  # before any exporter starts: they inherit it (group 7)
     out: Path = args.out or RESULTS_DIR / ("exporter-quick.json" if args.quick else "exporter.json")
     started = time.monotonic()
     peer, peer_note = (

@@ -23,7 +23,12 @@ wires them — in a subprocess of its own on a free 127.0.0.1 port:
 * ``gunicorn``: one worker, ``-k gthread --threads 16 -w 1``; the app and its sampler are
   built in the worker, after the fork;
 * ``cheroot-backlog`` (not in ``--quick``): cheroot as above but with a listen backlog of
-  1024 instead of cheroot's default of 5.
+  1024 instead of cheroot's default of 5;
+* on request (``--servers``), the candidates of issue 14, which ``bench/candidates.py`` puts
+  under hostile clients: ``waitress-1024`` (waitress with ``connection_limit=1024``),
+  ``uvicorn`` (asyncio + h11, the WSGI app in a2wsgi's pool of 16 threads), ``hypercorn``
+  (asyncio + h11, WSGI mode) and ``granian`` (Rust, one worker process, 16 blocking
+  threads). ``BENCH_TLS_CERT``/``BENCH_TLS_KEY`` make each that can serve TLS.
 
 Measured, against ``/healthz`` (the no-op baseline), ``/choose?n=1&lease=0`` and
 ``/metrics`` (``lease=0``: the same selection under the same lock, without claiming the GPU
@@ -95,7 +100,8 @@ HOST = "127.0.0.1"
 SERVERS = ("cheroot", "waitress", "gunicorn")
 VARIANTS = ("cheroot-backlog",)  # in the default run only
 BACKLOG = 1024  # cheroot-backlog's listen backlog; cheroot's default is 5
-MODULE = {"cheroot-backlog": "cheroot"}  # what must be importable, where not the name
+# What must be importable, where not the name:
+MODULE = {"cheroot-backlog": "cheroot", "waitress-1024": "waitress"}
 # /choose claims what it picks for 60 s by default, so 8 GPUs would be gone after 8 requests
 # and every later one would be a 503; lease=0 runs the same selection under the same lock
 # without holding anything.
@@ -183,11 +189,24 @@ def _serve_until_sigterm(server: Any, daemon: Any) -> int:
     return 0
 
 
+def _tls_files() -> tuple[str, str] | None:
+    """Certificate and key to serve TLS with (``bench/candidates.py --tls`` sets these)."""
+    cert, key = os.environ.get("BENCH_TLS_CERT"), os.environ.get("BENCH_TLS_KEY")
+    return (cert, key) if cert and key else None
+
+
 def _serve_cheroot(port: int) -> int:
+    import ssl
+
     from gpu_exporter.web.server import ListenError, Server
 
     app, daemon = _build_app()
-    server = Server(app, HOST, port, threads=SERVER_THREADS)
+    tls = None
+    if files := _tls_files():
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*files)
+        tls = lambda: context  # noqa: E731
+    server = Server(app, HOST, port, threads=SERVER_THREADS, tls=tls)
     try:
         server.bind()
     except ListenError as exc:
@@ -210,12 +229,14 @@ def _serve_cheroot_backlog(port: int) -> int:
     return _serve_until_sigterm(server, daemon)
 
 
-def _serve_waitress(port: int) -> int:
+def _serve_waitress(port: int, connection_limit: int = 100) -> int:
     from waitress import create_server
 
     app, daemon = _build_app()
     try:
-        server = create_server(app, host=HOST, port=port, threads=SERVER_THREADS)
+        server = create_server(
+            app, host=HOST, port=port, threads=SERVER_THREADS, connection_limit=connection_limit
+        )
     except OSError as exc:
         print(f"waitress: cannot listen on {HOST}:{port}: {exc}", file=sys.stderr)
         return 1
@@ -261,11 +282,103 @@ def _serve_gunicorn(port: int) -> int:
     return 0
 
 
+def _serve_uvicorn(port: int) -> int:
+    """uvicorn (asyncio + h11) with the WSGI app in a2wsgi's bounded thread pool."""
+    import uvicorn
+    from a2wsgi import WSGIMiddleware
+
+    app, daemon = _build_app()
+    files = _tls_files()
+    config = uvicorn.Config(
+        WSGIMiddleware(app, workers=SERVER_THREADS),
+        host=HOST,
+        port=port,
+        http="h11",
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        ssl_certfile=files[0] if files else None,
+        ssl_keyfile=files[1] if files else None,
+    )
+    daemon.start()
+    try:
+        uvicorn.Server(config).run()  # its own SIGTERM handling; exits 1 on a busy port
+    finally:
+        daemon.stop()
+    return 0
+
+
+def _serve_hypercorn(port: int) -> int:
+    """hypercorn (asyncio + h11) in WSGI mode: the app runs in the loop's thread pool."""
+    import asyncio
+
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    app, daemon = _build_app()
+    config = Config()
+    config.bind = [f"{HOST}:{port}"]
+    config.loglevel = "WARNING"
+    config.accesslog = None
+    if files := _tls_files():
+        config.certfile, config.keyfile = files
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await serve(app, config, shutdown_trigger=stop.wait, mode="wsgi")  # type: ignore[arg-type]
+
+    daemon.start()
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        print(f"hypercorn: cannot listen on {HOST}:{port}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        daemon.stop()
+    return 0
+
+
+def granian_app() -> Any:
+    """granian's factory: runs in granian's worker process, after its fork/spawn."""
+    app, daemon = _build_app()
+    daemon.start()
+    return app
+
+
+def _serve_granian(port: int) -> int:
+    """granian (Rust, hyper) with the WSGI interface: a supervisor and one worker process."""
+    from granian import Granian
+    from granian.constants import Interfaces
+    from granian.log import LogLevels
+
+    files = _tls_files()
+    Granian(
+        "servers:granian_app",
+        factory=True,
+        address=HOST,
+        port=port,
+        interface=Interfaces.WSGI,
+        workers=1,
+        blocking_threads=SERVER_THREADS,
+        log_level=LogLevels.warning,
+        log_access=False,
+        ssl_cert=Path(files[0]) if files else None,
+        ssl_key=Path(files[1]) if files else None,
+    ).serve()
+    return 0
+
+
 SERVE = {
     "cheroot": _serve_cheroot,
     "waitress": _serve_waitress,
     "gunicorn": _serve_gunicorn,
     "cheroot-backlog": _serve_cheroot_backlog,
+    # waitress with room for the hostile clients' 400 connections (its default is 100)
+    "waitress-1024": lambda port: _serve_waitress(port, connection_limit=1024),
+    "uvicorn": _serve_uvicorn,
+    "hypercorn": _serve_hypercorn,
+    "granian": _serve_granian,
 }
 
 

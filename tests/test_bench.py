@@ -63,6 +63,11 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     for case in cases.values():
         assert case["cpu_percent_of_one_core"] > 0 and case["nvml_calls_per_minute"] > 0
         assert "nvmlDeviceGetMemoryInfo_v2" in case["nvml_calls_per_minute_by_function"]
+    # 7. hostile clients: the machinery runs (10 + 10 connections in --quick: a smoke run)
+    attacked = report["hostile"]
+    assert attacked["worst"]["requests"] > 0
+    assert attacked["attack"]["slowloris"]["connected"] > 0
+    assert attacked["attack"]["idle"]["connected"] > 0
     # 5. RSS
     assert 10 < report["rss"]["after_start_mib"] < 500
     assert report["rss"]["requests"] > 1000
@@ -80,3 +85,4 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     assert "old" not in text and text.endswith("<!-- bench-table:end -->\nrest\n")
     assert "**Preliminary**" in text and "| 64 | 0 |" in text
     assert "| 6 | idle CPU % of one core (s per minute), 64 GPUs, 0 processes |" in text
+    assert "| 7 | hostile clients (10 slowloris + 10 idle connections)" in text
