@@ -1,4 +1,7 @@
-"""Choosing across hosts for real: three exporters, a real Prometheus, leases on the hosts.
+"""Choosing across hosts for real: three exporters, a real store, leases on the hosts.
+
+Every test runs twice: against Prometheus and against VictoriaMetrics (single node, scraping
+the exporters itself); each skips, saying why, where its package is missing.
 
 Loads (constant, so no lease ends early because a job "arrived"):
 
@@ -24,7 +27,16 @@ import pytest
 
 from gpu_exporter import client
 from gpu_exporter.client import GpuExporterWarning, NoGpusAvailable
-from harness import ROOT, Exporter, Prometheus, exporter, get, prometheus, stop
+from harness import (
+    ROOT,
+    Exporter,
+    Prometheus,
+    exporter,
+    get,
+    prometheus,
+    stop,
+    victoria_metrics,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +62,14 @@ class Fleet:
         self.prom.wait_for("sum(gpu_leased) == 0")
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+STORES = {"prometheus": prometheus, "victoria-metrics": victoria_metrics}
+
+
+@pytest.fixture(scope="module", params=sorted(STORES))
+def fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
+    store = STORES[request.param]
     tmp = tmp_path_factory.mktemp("fleet")
     with contextlib.ExitStack() as stack:
         a, b, c = (
@@ -62,7 +80,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             )
             for name, idle, busy in (("a", 1, 3), ("b", 3, 1), ("c", 2, 2))
         )
-        prom = stack.enter_context(prometheus([a.address, b.address, c.address]))
+        prom = stack.enter_context(store([a.address, b.address, c.address]))
         prom.wait_for_targets_up(3)
         prom.wait_for("count(gpu_up == 1) == 12")
         prom.wait_for("count(gpu_exporter_last_sample_timestamp_seconds) == 3")
