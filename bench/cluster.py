@@ -63,7 +63,7 @@ import servers  # noqa: E402  (bench/servers.py: ports, readiness)
 from gpu_exporter.choose.filters import Filters  # noqa: E402
 from gpu_exporter.choose.fleet import rank_fleet  # noqa: E402
 from gpu_exporter.choose.promql import fleet_queries, needed_metrics, parse_fleet  # noqa: E402
-from gpu_exporter.client.fleet import http_get_json, query_prometheus  # noqa: E402
+from gpu_exporter.client.fleetread import http_get_json, query_prometheus  # noqa: E402
 
 GIB = 2**30
 GPUS_PER_HOST = 8

@@ -225,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. 'job=\"gpu-shared\"' (default: every gpu-exporter Prometheus scrapes)",
     )
     serve.add_argument(
+        "--fleet-rule-prefix",
+        default=_env("fleet-rule-prefix", ""),
+        metavar="PREFIX",
+        help="/cluster/choose reads the fleet from these recording rules (PREFIX:gpu, "
+        "PREFIX:host; deploy/prometheus/gpu-exporter.fleet.rules.yml records gpu_fleet) "
+        "where Prometheus has them, the raw series otherwise (default: the raw series)",
+    )
+    serve.add_argument(
         "--web-config-file",
         default=_env("web-config-file", None),
         metavar="FILE",
@@ -275,6 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
         "70 ms per check; successful checks are cached)",
     )
     return parser
+
+
+def _rule_prefix(text: str, parser: argparse.ArgumentParser) -> str:
+    from gpu_exporter.choose.fleetview import check_prefix
+
+    try:
+        return check_prefix(text) if text else ""
+    except ValueError as exc:
+        parser.error(f"--fleet-rule-prefix: {exc}")
 
 
 def _selector(text: str, parser: argparse.ArgumentParser) -> str:
@@ -352,6 +369,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         choose_defaults=args.choose_defaults,
         lease_admins=parse_user_list(args.lease_admins),
         max_waiters_per_requester=int(args.max_waiters_per_requester),
+        fleet_rule_prefix=_rule_prefix(args.fleet_rule_prefix, parser),
     )
 
 

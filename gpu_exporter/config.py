@@ -46,6 +46,8 @@ class ServeConfig:
     choose_defaults: str = DEFAULT_CHOOSE_DEFAULTS
     lease_admins: tuple[str, ...] = ()  # basic-auth users who may renew/release any lease by id
     max_waiters_per_requester: int = 2  # waiting /choose requests per client address; 0: any
+    # /cluster/choose reads the recorded fleet view <prefix>:gpu/:host where the store has it
+    fleet_rule_prefix: str = ""
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:

@@ -1,7 +1,9 @@
 """Choosing across hosts for real: three exporters, a real store, leases on the hosts.
 
-Every test runs twice: against Prometheus and against VictoriaMetrics (single node, scraping
-the exporters itself); each skips, saying why, where its package is missing.
+Every test runs twice: against Prometheus (with the recorded fleet view of
+deploy/prometheus/gpu-exporter.fleet.rules.yml loaded) and against VictoriaMetrics (single
+node, scraping the exporters itself, no rules: the chooser falls back to the raw series); each
+skips, saying why, where its package is missing.
 
 Loads (constant, so no lease ends early because a job "arrived"):
 
@@ -13,6 +15,7 @@ The tests run in file order on one fleet: B is stopped by the down-host test.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -22,11 +25,15 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpu_exporter import client
+from gpu_exporter.choose.params import ApiError
 from gpu_exporter.client import GpuExporterWarning, NoGpusAvailable
+from gpu_exporter.client.fleet import choose_fleet
+from gpu_exporter.client.fleetread import http_get_json
 from harness import (
     ROOT,
     Exporter,
@@ -56,13 +63,18 @@ class Fleet:
     b: Exporter
     c: Exporter
     prom: Prometheus
+    store: str  # "prometheus" (with the fleet rules) or "victoria-metrics" (without)
 
     def wait_until_no_leases(self) -> None:
         """Prometheus' view catches up with released leases (one scrape, 1 s)."""
         self.prom.wait_for("sum(gpu_leased) == 0")
 
 
-STORES = {"prometheus": prometheus, "victoria-metrics": victoria_metrics}
+FLEET_RULES = ROOT / "deploy" / "prometheus" / "gpu-exporter.fleet.rules.yml"
+STORES = {
+    "prometheus": functools.partial(prometheus, rule_files=[FLEET_RULES]),
+    "victoria-metrics": victoria_metrics,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(STORES))
@@ -84,7 +96,7 @@ def fleet(
         prom.wait_for_targets_up(3)
         prom.wait_for("count(gpu_up == 1) == 12")
         prom.wait_for("count(gpu_exporter_last_sample_timestamp_seconds) == 3")
-        yield Fleet(a, b, c, prom)
+        yield Fleet(a, b, c, prom, request.param)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -143,6 +155,41 @@ def test_the_host_with_the_requested_free_gpus_is_chosen(fleet: Fleet) -> None:
     assert narrowed.url in (fleet.a.base, fleet.b.base, fleet.c.base)
     with pytest.raises(client.ServerError, match='no gpu-exporter series matching job="other"'):
         client.choose(1, prometheus=fleet.prom.base, selector='job="other"', lease=0)
+
+
+def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Fleet) -> None:
+    fleet.wait_until_no_leases()
+    recorded = fleet.store == "prometheus"
+    if recorded:
+        fleet.prom.wait_for('count(gpu_fleet:gpu{field="up"} == 1) == 12')
+        fleet.prom.wait_for('count(gpu_fleet:host{field="scraped_at"}) == 3')
+    answers = {}
+    for prefix in ("gpu_fleet", ""):
+        asked: list[str] = []
+
+        def fetch(url: str, timeout: float, asked: list[str] = asked) -> Any:
+            asked.append(url)
+            return http_get_json(url, timeout)
+
+        store = fleet.prom.base
+        advice = choose_fleet(
+            {"n": "3", "max_util": "10%", "lease": "0"},
+            prometheus=store,
+            rule_prefix=prefix,
+            fetch=fetch,
+        )
+        assert advice.placements[0].url == fleet.b.base
+        with pytest.raises(ApiError) as info:
+            choose_fleet(
+                {"n": "5", "lease": "0"}, prometheus=store, rule_prefix=prefix, fetch=fetch
+            )
+        answers[prefix] = (asked, info.value.message)
+    view_asked, view_refusal = answers["gpu_fleet"]
+    assert view_refusal == answers[""][1]
+    assert "gpu_fleet" in view_asked[0]
+    # Prometheus has the rules: one query per choice. VictoriaMetrics has none (no vmalert
+    # here): the view is empty and the raw series are read, three queries more.
+    assert len(view_asked) == (2 if recorded else 8)
 
 
 def test_the_cluster_endpoint_of_an_exporter_with_a_prometheus_url(fleet: Fleet) -> None:
@@ -207,6 +254,15 @@ def test_a_host_whose_exporter_is_down_is_skipped(fleet: Fleet) -> None:
     assert later.placements[0].url == fleet.c.base
     reasons = {url: why for _, url, why in later.passed_over}
     assert "target down" in reasons[fleet.b.base]
+    if fleet.store == "prometheus":  # the recorded view sees it once the rules ran again
+        fleet.prom.wait_for(
+            f'gpu_fleet:host{{field="target_up",instance="{fleet.b.address}"}} == 0'
+        )
+    viewed = client.choose_cluster(
+        2, prometheus=fleet.prom.base, max_util=0.1, lease=0, fleet_rule_prefix="gpu_fleet"
+    )
+    assert viewed.placements[0].url == fleet.c.base
+    assert "target down" in {url: why for _, url, why in viewed.passed_over}[fleet.b.base]
 
 
 def test_with_prometheus_down_the_named_hosts_still_serve(fleet: Fleet) -> None:
