@@ -194,7 +194,9 @@ def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Flee
 
 def test_the_cluster_endpoint_of_an_exporter_with_a_prometheus_url(fleet: Fleet) -> None:
     fleet.wait_until_no_leases()
-    with exporter("--simulate", "1", "--prometheus-url", fleet.prom.base) as front:
+    # The recorded view where the store has it (Prometheus here), the raw series elsewhere.
+    view = ("--fleet-rule-prefix", "gpu_fleet")
+    with exporter("--simulate", "1", "--prometheus-url", fleet.prom.base, *view) as front:
         status, body = get(front.base + "/cluster/choose?n=3&max_util=10%25&format=json")
         assert status == 200, body
         answer = json.loads(body)

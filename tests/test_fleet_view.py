@@ -197,3 +197,16 @@ def test_promtool_unit_tests_of_the_fleet_rules_pass() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
+
+
+def test_serve_hands_the_prefix_to_cluster_choose() -> None:
+    from conftest import build_stack
+    from gpu_exporter.simulate import SimulatedNvml
+
+    s = build_stack(
+        lambda c: SimulatedNvml.with_gpus(1, clock=c.monotonic),
+        prometheus_url="http://prom:9090",
+        fleet_rule_prefix="gpu_fleet",
+    )
+    cluster = s.daemon.services.cluster
+    assert cluster is not None and cluster.rule_prefix == "gpu_fleet"
