@@ -7,6 +7,7 @@ own functions (those :func:`gpu_exporter.client.fleet.choose_fleet` calls, in it
 
 * **query**: :func:`~gpu_exporter.client.fleetread.query_prometheus`: the store selecting and
   encoding the series, the transfer, the JSON decoding;
+  (the two with the cyclic garbage collector paused, as the chooser reads);
 * **parse**: :func:`~gpu_exporter.choose.promql.parse_fleet` (after
   :func:`~gpu_exporter.choose.fleetview.from_view` for the recorded view);
 * **rank**: :func:`~gpu_exporter.choose.fleet.rank_fleet`;
@@ -41,7 +42,7 @@ from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.fleet import rank_fleet
 from gpu_exporter.choose.fleetview import FIELDS, from_view, view_query
 from gpu_exporter.choose.promql import fleet_queries, parse_fleet
-from gpu_exporter.client.fleetread import http_get_json, query_prometheus
+from gpu_exporter.client.fleetread import gc_paused, http_get_json, query_prometheus
 
 SCRAPES = 4  # samples per series, 15 s apart, the last at the host's scrape time
 BATCH_HOSTS = 500  # hosts per import request
@@ -161,10 +162,11 @@ def choice(base: str, at: float, filters: Filters, n: int, *, view: bool) -> dic
         queries = {"view": view_query("gpu_fleet", filters, "free")}
     else:
         queries = fleet_queries(filters, "free", None)
-    got = query_prometheus(base, queries, at, fetch=http_get_json, timeout=600)
-    t1 = time.perf_counter()
-    results = from_view(got["view"]) if view else got
-    fleet = parse_fleet(results, evaluated_at=at, max_age_seconds=60)
+    with gc_paused():  # as read_prometheus() reads
+        got = query_prometheus(base, queries, at, fetch=http_get_json, timeout=600)
+        t1 = time.perf_counter()
+        results = from_view(got["view"]) if view else got
+        fleet = parse_fleet(results, evaluated_at=at, max_age_seconds=60)
     t2 = time.perf_counter()
     ranking = rank_fleet(fleet, n, filters)
     t3 = time.perf_counter()

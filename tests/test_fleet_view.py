@@ -210,3 +210,33 @@ def test_serve_hands_the_prefix_to_cluster_choose() -> None:
     )
     cluster = s.daemon.services.cluster
     assert cluster is not None and cluster.rule_prefix == "gpu_fleet"
+
+
+def test_the_fleet_is_decoded_and_parsed_with_the_cyclic_gc_paused_then_restored() -> None:
+    import gc
+
+    from gpu_exporter.client.fleetread import gc_paused
+
+    raw = mixed_fleet()
+    seen: list[bool] = []
+    answer = view_fetch([], raw, [])
+
+    def fetch(url: str, timeout: float) -> Any:
+        seen.append(gc.isenabled())
+        return answer(url, timeout)
+
+    assert gc.isenabled()
+    choose({"n": "1", "max_util": "10%"}, fetch, "")
+    assert seen == [False, False, False] and gc.isenabled()
+    with gc_paused():  # overlapping reads share the pause; the last one out restores it
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
