@@ -7,10 +7,10 @@ own functions (those :func:`gpu_exporter.client.fleet.choose_fleet` calls, in it
 
 * **query**: :func:`~gpu_exporter.client.fleetread.query_prometheus`: the store selecting and
   encoding the series, the transfer, the JSON decoding;
-  (the two with the cyclic garbage collector paused, as the chooser reads);
 * **parse**: :func:`~gpu_exporter.choose.promql.parse_fleet` (after
   :func:`~gpu_exporter.choose.fleetview.from_view` for the recorded view);
-* **rank**: :func:`~gpu_exporter.choose.fleet.rank_fleet`;
+* **rank**: :func:`~gpu_exporter.choose.fleet.rank_fleet` (query, parse and rank with the
+  cyclic garbage collector paused, as the chooser reads and ranks);
 * **end to end**: the three together (the claim, one HTTP round trip to one host, is not in
   it), and the chooser's **memory**: the peak of Python allocations during one choice
   (tracemalloc, run apart from the timed runs).
@@ -162,20 +162,22 @@ def choice(base: str, at: float, filters: Filters, n: int, *, view: bool) -> dic
         queries = {"view": view_query("gpu_fleet", filters, "free")}
     else:
         queries = fleet_queries(filters, "free", None)
-    with gc_paused():  # as read_prometheus() reads
+    with gc_paused():  # as choose_fleet() reads and ranks
         got = query_prometheus(base, queries, at, fetch=http_get_json, timeout=600)
         t1 = time.perf_counter()
         results = from_view(got["view"]) if view else got
         fleet = parse_fleet(results, evaluated_at=at, max_age_seconds=60)
-    t2 = time.perf_counter()
-    ranking = rank_fleet(fleet, n, filters)
-    t3 = time.perf_counter()
+        series = sum(len(r) for r in got.values())
+        del got, results  # as read_prometheus() returns only the fleet
+        t2 = time.perf_counter()
+        ranking = rank_fleet(fleet, n, filters)
+        t3 = time.perf_counter()
     return {
         "query": (t1 - t0) * 1000,
         "parse": (t2 - t1) * 1000,
         "rank": (t3 - t2) * 1000,
         "end_to_end": (t3 - t0) * 1000,
-        "series": sum(len(r) for r in got.values()),
+        "series": series,
         "candidates": len(ranking.candidates),
         "chosen": ranking.candidates[0].host.url if ranking.candidates else None,
     }

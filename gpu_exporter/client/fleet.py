@@ -47,6 +47,7 @@ from gpu_exporter.client.fleetread import (  # re-exported: where callers have f
     DEFAULT_EXPORTER_PORT,
     Fetch,
     SourceUnavailable,
+    gc_paused,
     http_get_json,
     read_hosts,
     read_prometheus,
@@ -255,26 +256,29 @@ def choose_fleet(
     while True:
         now = wall_clock()
         notes: list[str] = []
-        fleet: Fleet | None = None
-        if prometheus:
-            try:
-                fleet = read_prometheus(
-                    prometheus,
-                    req,
-                    fetch=fetch,
-                    timeout=timeout,
-                    now=now,
-                    selector=selector,
-                    rule_prefix=rule_prefix,
-                )
-            except SourceUnavailable as exc:
-                if not hosts:
-                    raise ApiError(503, "prometheus_unavailable", str(exc)) from None
-                notes.append(f"{exc}; asked the hosts named instead")
-        if fleet is None:
-            fleet = read_hosts(hosts, req, fetch=fetch, timeout=timeout, now=now)
-        c = req.choose
-        ranking = rank_fleet(fleet, c.n, c.filters, sort=c.sort, spread=req.spread)
+        # Reading and ranking make millions of short-lived objects at 100,000 GPUs, with no
+        # cycles: the cyclic GC would walk them again and again (fleetread.gc_paused).
+        with gc_paused():
+            fleet: Fleet | None = None
+            if prometheus:
+                try:
+                    fleet = read_prometheus(
+                        prometheus,
+                        req,
+                        fetch=fetch,
+                        timeout=timeout,
+                        now=now,
+                        selector=selector,
+                        rule_prefix=rule_prefix,
+                    )
+                except SourceUnavailable as exc:
+                    if not hosts:
+                        raise ApiError(503, "prometheus_unavailable", str(exc)) from None
+                    notes.append(f"{exc}; asked the hosts named instead")
+            if fleet is None:
+                fleet = read_hosts(hosts, req, fetch=fetch, timeout=timeout, now=now)
+            c = req.choose
+            ranking = rank_fleet(fleet, c.n, c.filters, sort=c.sort, spread=req.spread)
         claim = claimer(args, req, fleet, timeout)
         placements, passed = place(ranking, c.n, spread=req.spread, claim=claim)
         passed_over = tuple((h.name, h.url, why) for h, why in passed)
