@@ -245,11 +245,16 @@ def require_victoria_metrics() -> str:
 
 @contextlib.contextmanager
 def victoria_metrics(
-    targets: Sequence[str], *, scrape_interval: str = "1s", job: str = "gpu"
+    targets: Sequence[str],
+    *,
+    scrape_interval: str = "1s",
+    job: str = "gpu",
+    rule_files: Sequence[Path] = (),
 ) -> Iterator[Prometheus]:
     """A single-node VictoriaMetrics on loopback scraping ``targets`` itself, stopped after.
 
     Same handle as :func:`prometheus`: VictoriaMetrics answers ``/api/v1/query`` too.
+    ``rule_files`` are evaluated every second by a vmalert (same package) writing back into it.
     """
     binary = require_victoria_metrics()
     port = free_port()
@@ -282,8 +287,36 @@ def victoria_metrics(
             text=True,
         )
         base = f"http://127.0.0.1:{port}"
-        try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(stop, proc)
             _wait_ok(base + "/health", proc, timeout=30)
+            if rule_files:
+                stack.enter_context(_vmalert(base, rule_files))
             yield Prometheus(base, proc)
-        finally:
-            stop(proc)
+
+
+@contextlib.contextmanager
+def _vmalert(base: str, rule_files: Sequence[Path]) -> Iterator[None]:
+    binary = shutil.which("vmalert")
+    if binary is None:
+        pytest.skip("vmalert not installed (Debian package 'victoria-metrics')")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            binary,
+            *(f"-rule={Path(f).resolve()}" for f in rule_files),
+            f"-datasource.url={base}",
+            f"-remoteWrite.url={base}",
+            "-evaluationInterval=1s",
+            f"-httpListenAddr=127.0.0.1:{port}",
+            "-loggerLevel=WARN",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_ok(f"http://127.0.0.1:{port}/health", proc, timeout=30)
+        yield
+    finally:
+        stop(proc)

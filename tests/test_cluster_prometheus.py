@@ -1,9 +1,9 @@
 """Choosing across hosts for real: three exporters, a real store, leases on the hosts.
 
-Every test runs twice: against Prometheus (with the recorded fleet view of
-deploy/prometheus/gpu-exporter.fleet.rules.yml loaded) and against VictoriaMetrics (single
-node, scraping the exporters itself, no rules: the chooser falls back to the raw series); each
-skips, saying why, where its package is missing.
+Every test runs twice: against Prometheus and against VictoriaMetrics (single node, scraping
+the exporters itself, the rules evaluated by vmalert), both with the recorded fleet view of
+deploy/prometheus/gpu-exporter.fleet.rules.yml loaded; each skips, saying why, where its
+package is missing.
 
 Loads (constant, so no lease ends early because a job "arrived"):
 
@@ -63,7 +63,6 @@ class Fleet:
     b: Exporter
     c: Exporter
     prom: Prometheus
-    store: str  # "prometheus" (with the fleet rules) or "victoria-metrics" (without)
 
     def wait_until_no_leases(self) -> None:
         """Prometheus' view catches up with released leases (one scrape, 1 s)."""
@@ -73,7 +72,7 @@ class Fleet:
 FLEET_RULES = ROOT / "deploy" / "prometheus" / "gpu-exporter.fleet.rules.yml"
 STORES = {
     "prometheus": functools.partial(prometheus, rule_files=[FLEET_RULES]),
-    "victoria-metrics": victoria_metrics,
+    "victoria-metrics": functools.partial(victoria_metrics, rule_files=[FLEET_RULES]),
 }
 
 
@@ -96,7 +95,7 @@ def fleet(
         prom.wait_for_targets_up(3)
         prom.wait_for("count(gpu_up == 1) == 12")
         prom.wait_for("count(gpu_exporter_last_sample_timestamp_seconds) == 3")
-        yield Fleet(a, b, c, prom, request.param)
+        yield Fleet(a, b, c, prom)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -159,10 +158,8 @@ def test_the_host_with_the_requested_free_gpus_is_chosen(fleet: Fleet) -> None:
 
 def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Fleet) -> None:
     fleet.wait_until_no_leases()
-    recorded = fleet.store == "prometheus"
-    if recorded:
-        fleet.prom.wait_for('count(gpu_fleet:gpu{field="up"} == 1) == 12')
-        fleet.prom.wait_for('count(gpu_fleet:host{field="scraped_at"}) == 3')
+    fleet.prom.wait_for('count(gpu_fleet:gpu{field="up"} == 1) == 12')
+    fleet.prom.wait_for('count(gpu_fleet:host{field="scraped_at"}) == 3')
     answers = {}
     for prefix in ("gpu_fleet", ""):
         asked: list[str] = []
@@ -187,14 +184,22 @@ def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Flee
     view_asked, view_refusal = answers["gpu_fleet"]
     assert view_refusal == answers[""][1]
     assert "gpu_fleet" in view_asked[0]
-    # Prometheus has the rules: one query per choice. VictoriaMetrics has none (no vmalert
-    # here): the view is empty and the raw series are read, three queries more.
-    assert len(view_asked) == (2 if recorded else 8)
+    assert len(view_asked) == 2  # one query per choice
+    # Without the rules (another prefix here) the view is empty: the raw series are read.
+    asked_raw: list[str] = []
+
+    def counted(url: str, timeout: float) -> Any:
+        asked_raw.append(url)
+        return http_get_json(url, timeout)
+
+    args = {"n": "3", "max_util": "10%", "lease": "0"}
+    advice = choose_fleet(args, prometheus=fleet.prom.base, rule_prefix="no_such", fetch=counted)
+    assert advice.placements[0].url == fleet.b.base and len(asked_raw) == 4
 
 
 def test_the_cluster_endpoint_of_an_exporter_with_a_prometheus_url(fleet: Fleet) -> None:
     fleet.wait_until_no_leases()
-    # The recorded view where the store has it (Prometheus here), the raw series elsewhere.
+    # The recorded view (the raw series where a store has none).
     view = ("--fleet-rule-prefix", "gpu_fleet")
     with exporter("--simulate", "1", "--prometheus-url", fleet.prom.base, *view) as front:
         status, body = get(front.base + "/cluster/choose?n=3&max_util=10%25&format=json")
@@ -256,10 +261,8 @@ def test_a_host_whose_exporter_is_down_is_skipped(fleet: Fleet) -> None:
     assert later.placements[0].url == fleet.c.base
     reasons = {url: why for _, url, why in later.passed_over}
     assert "target down" in reasons[fleet.b.base]
-    if fleet.store == "prometheus":  # the recorded view sees it once the rules ran again
-        fleet.prom.wait_for(
-            f'gpu_fleet:host{{field="target_up",instance="{fleet.b.address}"}} == 0'
-        )
+    # The recorded view sees it once the rules ran again (vmalert: a few seconds later).
+    fleet.prom.wait_for(f'gpu_fleet:host{{field="target_up",instance="{fleet.b.address}"}} == 0')
     viewed = client.choose_cluster(
         2, prometheus=fleet.prom.base, max_util=0.1, lease=0, fleet_rule_prefix="gpu_fleet"
     )
