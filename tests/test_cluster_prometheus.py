@@ -65,8 +65,12 @@ class Fleet:
     prom: Prometheus
 
     def wait_until_no_leases(self) -> None:
-        """Prometheus' view catches up with released leases (one scrape, 1 s)."""
-        self.prom.wait_for("sum(gpu_leased) == 0")
+        """The store's view catches up with released leases: every GPU's latest sample
+        says not leased, in the raw series and in the recorded view (vmalert evaluates a
+        few seconds behind; VictoriaMetrics makes each series' new samples searchable a
+        second or two apart, so a sum could miss one)."""
+        self.prom.wait_for("count(gpu_leased == 0) == 12")
+        self.prom.wait_for('count(gpu_fleet:gpu{field="leased"} == 0) == 12')
 
 
 FLEET_RULES = ROOT / "deploy" / "prometheus" / "gpu-exporter.fleet.rules.yml"
