@@ -228,9 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fleet-rule-prefix",
         default=_env("fleet-rule-prefix", ""),
         metavar="PREFIX",
-        help="/cluster/choose reads the fleet from these recording rules (PREFIX:gpu, "
-        "PREFIX:host; deploy/prometheus/gpu-exporter.fleet.rules.yml records gpu_fleet) "
-        "where Prometheus has them, the raw series otherwise (default: the raw series)",
+        help="/cluster/choose reads the recorded fleet view PREFIX:gpu/PREFIX:host (gpu_fleet: "
+        "deploy/prometheus/gpu-exporter.fleet.rules.yml) where present, else the raw series",
     )
     serve.add_argument(
         "--web-config-file",
@@ -285,22 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _rule_prefix(text: str, parser: argparse.ArgumentParser) -> str:
+def _fleet_option(args: argparse.Namespace, name: str, parser: argparse.ArgumentParser) -> str:
+    """--prometheus-selector or --fleet-rule-prefix, checked ('' stays '')."""
     from gpu_exporter.choose.fleetview import check_prefix
-
-    try:
-        return check_prefix(text) if text else ""
-    except ValueError as exc:
-        parser.error(f"--fleet-rule-prefix: {exc}")
-
-
-def _selector(text: str, parser: argparse.ArgumentParser) -> str:
     from gpu_exporter.choose.promql import check_selector
 
     try:
-        return check_selector(text)
+        check = check_selector if name == "prometheus_selector" else check_prefix
+        return check(text) if (text := getattr(args, name)) else ""
     except ValueError as exc:
-        parser.error(f"--prometheus-selector: {exc}")
+        parser.error(f"--{name.replace('_', '-')}: {exc}")
 
 
 def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
@@ -363,13 +356,13 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_requests_in_flight=int(args.max_requests_in_flight),
         max_waiters=int(args.max_waiters),
         prometheus_url=args.prometheus_url or None,
-        prometheus_selector=_selector(args.prometheus_selector, parser),
+        prometheus_selector=_fleet_option(args, "prometheus_selector", parser),
         web_config_file=args.web_config_file,
         auth_scope=args.auth_scope,
         choose_defaults=args.choose_defaults,
         lease_admins=parse_user_list(args.lease_admins),
         max_waiters_per_requester=int(args.max_waiters_per_requester),
-        fleet_rule_prefix=_rule_prefix(args.fleet_rule_prefix, parser),
+        fleet_rule_prefix=_fleet_option(args, "fleet_rule_prefix", parser),
     )
 
 
