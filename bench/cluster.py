@@ -36,39 +36,39 @@ Results: a table on stdout and JSON in ``bench/results/cluster.json``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import http.server
 import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-import servers  # noqa: E402  (bench/servers.py: ports, readiness)
+import fleet_store  # noqa: E402  (bench/fleet_store.py: the fleet in a real store)
 
 from gpu_exporter.choose.filters import Filters  # noqa: E402
 from gpu_exporter.choose.fleet import rank_fleet  # noqa: E402
 from gpu_exporter.choose.promql import fleet_queries, needed_metrics, parse_fleet  # noqa: E402
-from gpu_exporter.client.fleet import http_get_json, query_prometheus  # noqa: E402
+from gpu_exporter.client.fleetread import http_get_json, query_prometheus  # noqa: E402
 
 GIB = 2**30
 GPUS_PER_HOST = 8
 NOW = 1_800_000_000.0
 TARGET_RANK_MS = 50.0
+SIZES = "10000,30000,100000"  # --store: GPUs
+TARGET_E2E_MS = 1000.0  # --store: one choice among 100,000 GPUs, end to end
+TARGET_RANK_100K_MS = 250.0
+STORE_CHOICE = "n=2 min_free=40GiB max_util=10% max_procs=0"
 
 
 # The choice measured: what a job script typically asks for.
@@ -76,12 +76,19 @@ FILTERS = Filters(min_free_bytes=40 * GIB, max_util_ratio=0.1, max_procs=0)
 
 
 def synthetic_answers(
-    hosts: int, per_host: int = GPUS_PER_HOST, metrics: tuple[str, ...] | None = None
+    hosts: int,
+    per_host: int = GPUS_PER_HOST,
+    metrics: tuple[str, ...] | None = None,
+    *,
+    first: int = 0,
+    now: float = NOW,
 ) -> dict[str, dict[str, Any]]:
     """Prometheus API answers (``{"status", "data"}``) for every fleet query, by name.
 
     ``metrics``: keep only these series in ``values`` (what the query asks for); default all.
+    ``first``: the first host's number (a fleet built in batches); ``now``: the answers' time.
     """
+    NOW = now
     values: list[dict[str, Any]] = []
     scraped: list[dict[str, Any]] = []
     down: list[dict[str, Any]] = []
@@ -89,10 +96,10 @@ def synthetic_answers(
     def sample(metric: dict[str, str], value: float) -> dict[str, Any]:
         return {"metric": metric, "value": [NOW, repr(float(value))]}
 
-    for h in range(hosts // 100):  # and 1 % more targets are down: only `up 0` is left
+    for h in range(first // 100, (first + hosts) // 100):  # and 1 % more targets are down
         target = {"instance": f"gpu-down-{h:04d}.lab.example.org:9400", "job": "gpu"}
         down.append(sample({"__name__": "up", **target}, 0))
-    for h in range(hosts):
+    for h in range(first, first + hosts):
         instance = f"gpu-node-{h:04d}.lab.example.org:9400"
         target = {"instance": instance, "job": "gpu"}
         stale = h % 199 == 198  # a few were last scraped long ago
@@ -251,86 +258,11 @@ def run(hosts: int, repeat: int) -> dict[str, Any]:
     }
 
 
-def openmetrics(answers: dict[str, dict[str, Any]], at: float, scrapes: int = 4) -> str:
-    """The fleet's series as an OpenMetrics file: ``scrapes`` samples 15 s apart, up to ``at``."""
-    families: dict[str, list[str]] = {}
-    series = answers["values"]["data"]["result"] + answers["down"]["data"]["result"]
-    targets = {s["metric"]["instance"] for s in answers["scraped"]["data"]["result"]}
-    series += [
-        {"metric": {"__name__": "up", "instance": t, "job": "gpu"}, "value": [at, "1"]}
-        for t in sorted(targets)
-    ]
-    for sample in series:
-        labels = dict(sample["metric"])
-        name = labels.pop("__name__")
-        text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        value = float(sample["value"][1])
-        if name == "gpu_exporter_last_sample_timestamp_seconds":
-            value = at - 1
-        lines = families.setdefault(name, [])
-        for i in range(scrapes):
-            t = at - 15 * (scrapes - 1 - i)
-            v = value - 15 * (scrapes - 1 - i) if name.endswith("timestamp_seconds") else value
-            lines.append(f"{name}{{{text}}} {v!r} {t:.3f}")
-    out = []
-    for name, lines in families.items():
-        out.append(f"# TYPE {name} gauge")
-        out += lines
-    out.append("# EOF")
-    return "\n".join(out) + "\n"
-
-
-@contextlib.contextmanager
-def real_prometheus(answers: dict[str, dict[str, Any]], at: float) -> Iterator[str]:
-    """A Prometheus on 127.0.0.1 over a backfilled block of the fleet; yields its URL."""
-    binary, promtool = shutil.which("prometheus"), shutil.which("promtool")
-    if binary is None or promtool is None:
-        raise SystemExit("--prometheus needs the prometheus and promtool binaries")
-    with tempfile.TemporaryDirectory(prefix="bench-prometheus-") as tmp:
-        source = Path(tmp, "fleet.om")
-        source.write_text(openmetrics(answers, at))
-        data = Path(tmp, "data")
-        subprocess.run(
-            [promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(source), str(data)],
-            check=True,
-            capture_output=True,
-        )
-        source.unlink()
-        port = servers.free_port()
-        config = Path(tmp, "prometheus.yml")
-        config.write_text("global:\n  scrape_interval: 15s\n")
-        proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={data}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--log.level=warn",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        base = f"http://127.0.0.1:{port}"
-        try:
-            try:
-                servers.wait_until_ok(base + "/-/ready", proc, 120, "prometheus")
-            except RuntimeError as exc:
-                raise SystemExit(str(exc)) from None
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 def measure_prometheus(hosts: int, repeat: int) -> dict[str, Any]:
     at = float(int(time.time()) - 7200)
     answers = synthetic_answers(hosts)
     queries = fleet_queries(FILTERS, "free", None)
-    with real_prometheus(answers, at) as prom:
+    with fleet_store.real_prometheus(answers, at) as prom:
         got = query_prometheus(prom, queries, at, fetch=http_get_json, timeout=120)
         wanted = set(needed_metrics(FILTERS, "free"))
         expected = {name: len(doc["data"]["result"]) for name, doc in answers.items()}
@@ -372,6 +304,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time a real Prometheus answering the queries over a backfilled block",
     )
+    parser.add_argument(
+        "--store",
+        choices=["victoria-metrics"],
+        help="also load the fleet into a real store through its import API and time the "
+        "chooser against it (raw series and recorded view) at --sizes",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help="GPUs per --store run, comma-separated (default 10000,30000,100000; --quick 400)",
+    )
     args = parser.parse_args(argv)
     hosts = args.hosts or (50 if args.quick else 1250)
     repeat = args.repeat or (2 if args.quick else 7)
@@ -381,6 +324,22 @@ def main(argv: list[str] | None = None) -> int:
     result["exporter"] = exporter_series_count()
     if args.prometheus:
         result["prometheus"] = measure_prometheus(hosts, repeat)
+    if args.store:
+        sizes = [int(x) for x in (args.sizes or ("400" if args.quick else SIZES)).split(",")]
+        result["store"] = {
+            "name": args.store,
+            "choice": STORE_CHOICE,
+            "end_to_end_target_ms": TARGET_E2E_MS,
+            "rank_target_ms": TARGET_RANK_100K_MS,
+            "by_gpus": fleet_store.measure_victoria_metrics(
+                lambda h, f, at: synthetic_answers(h, first=f, now=at),
+                sizes,
+                GPUS_PER_HOST,
+                FILTERS,
+                2,
+                repeat,
+            ),
+        }
     result["meta"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "mode": "quick" if args.quick else "default",
@@ -406,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     if "prometheus" in result:
         p = result["prometheus"]
         print(f"real Prometheus: {p['query_ms']} ms per query, {p['all_queries_ms']} ms together")
+    if "store" in result:
+        print(f"{args.store}, {STORE_CHOICE} (median / fastest ms):")
+        print(fleet_store.table(result["store"]["by_gpus"]))
     print(f"wrote {out}")
     return 0 if result["rank_within_target"] else 1
 

@@ -247,7 +247,10 @@ def build(
         from gpu_exporter.web.cluster import ClusterService
 
         cluster = ClusterService(
-            config.prometheus_url, config.prometheus_selector, defaults=choose_defaults
+            config.prometheus_url,
+            config.prometheus_selector,
+            defaults=choose_defaults,
+            rule_prefix=config.fleet_rule_prefix,
         )
     claimer = Claimer(cache, leases, waiters, clock=clock, max_age_seconds=config.max_age_seconds)
     services = Services(

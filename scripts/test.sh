@@ -6,11 +6,13 @@ cd "$(dirname "$0")/.."
 . scripts/_venv.sh test
 
 # System tools the tests use (each test skips with the reason where one is missing):
-# promtool and prometheus (Debian package prometheus), wrk (load test), a C compiler (the
+# promtool and prometheus (Debian package prometheus), victoria-metrics (the cluster test
+# against a second store), wrk (load test), a C compiler (the
 # fake libnvidia-ml.so.1 of the end-to-end tests and the benchmarks, tests/fakenvml),
 # chromium (the status page in a headless browser).
 need=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || need+=(prometheus)
+command -v victoria-metrics >/dev/null || need+=(victoria-metrics)
 command -v wrk >/dev/null || need+=(wrk)
 command -v cc >/dev/null || command -v gcc >/dev/null || need+=(gcc libc6-dev)
 command -v chromium >/dev/null || need+=(chromium)

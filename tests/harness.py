@@ -3,7 +3,9 @@
 Everything binds to 127.0.0.1 on a free port and is stopped by the context managers, even
 when a test fails. Prometheus is the Debian package (``/usr/bin/prometheus``, installed by
 ``scripts/test.sh`` when running as root); :func:`require_prometheus` skips with the reason
-where it is missing.
+where it is missing. VictoriaMetrics (Debian package ``victoria-metrics``, single node,
+scraping by itself) answers the same query API: :func:`victoria_metrics` yields the same
+:class:`Prometheus` handle, so a test can run against either store.
 """
 
 from __future__ import annotations
@@ -221,3 +223,100 @@ def prometheus(
             yield Prometheus(base, proc)
         finally:
             stop(proc)
+
+
+# -- VictoriaMetrics -------------------------------------------------------------------------
+
+# How long VictoriaMetrics hides fresh samples from queries. Its default is 30 s, so every
+# figure the chooser reads is at least 30 s old (docs/cluster.md); the tests want fresh ones.
+VM_LATENCY_OFFSET = "1s"
+
+
+def require_victoria_metrics() -> str:
+    """Path of the VictoriaMetrics single-node binary, or skip the test saying why."""
+    path = shutil.which("victoria-metrics")
+    if path is None:
+        pytest.skip(
+            "victoria-metrics not installed (Debian package 'victoria-metrics'; scripts/test.sh "
+            "installs it when run as root)"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def victoria_metrics(
+    targets: Sequence[str],
+    *,
+    scrape_interval: str = "1s",
+    job: str = "gpu",
+    rule_files: Sequence[Path] = (),
+) -> Iterator[Prometheus]:
+    """A single-node VictoriaMetrics on loopback scraping ``targets`` itself, stopped after.
+
+    Same handle as :func:`prometheus`: VictoriaMetrics answers ``/api/v1/query`` too.
+    ``rule_files`` are evaluated every second by a vmalert (same package) writing back into it.
+    """
+    binary = require_victoria_metrics()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="victoria-metrics-") as tmp:
+        config = Path(tmp, "scrape.yml")
+        config.write_text(
+            "\n".join(
+                [
+                    "global:",
+                    f"  scrape_interval: {scrape_interval}",
+                    "scrape_configs:",
+                    f"  - job_name: {job}",
+                    "    static_configs:",
+                    f"      - targets: {json.dumps(list(targets))}",
+                ]
+            )
+            + "\n"
+        )
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"-promscrape.config={config}",
+                f"-storageDataPath={tmp}/data",
+                f"-httpListenAddr=127.0.0.1:{port}",
+                f"-search.latencyOffset={VM_LATENCY_OFFSET}",
+                "-loggerLevel=WARN",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        base = f"http://127.0.0.1:{port}"
+        with contextlib.ExitStack() as stack:
+            stack.callback(stop, proc)
+            _wait_ok(base + "/health", proc, timeout=30)
+            if rule_files:
+                stack.enter_context(_vmalert(base, rule_files))
+            yield Prometheus(base, proc)
+
+
+@contextlib.contextmanager
+def _vmalert(base: str, rule_files: Sequence[Path]) -> Iterator[None]:
+    binary = shutil.which("vmalert")
+    if binary is None:
+        pytest.skip("vmalert not installed (Debian package 'victoria-metrics')")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            binary,
+            *(f"-rule={Path(f).resolve()}" for f in rule_files),
+            f"-datasource.url={base}",
+            f"-remoteWrite.url={base}",
+            "-evaluationInterval=1s",
+            f"-httpListenAddr=127.0.0.1:{port}",
+            "-loggerLevel=WARN",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_ok(f"http://127.0.0.1:{port}/health", proc, timeout=30)
+        yield
+    finally:
+        stop(proc)

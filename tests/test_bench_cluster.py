@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.fleet import rank_fleet
@@ -56,3 +59,25 @@ def test_the_synthetic_fleet_has_stale_down_and_leased_gpus_that_are_passed_over
     leased = {u for h in fleet.hosts for u in h.leased}
     chosen_first = {g.uuid for c in ranking.candidates for g in c.qualified}
     assert leased and not leased & chosen_first
+
+
+@pytest.mark.slow
+def test_quick_store_mode_times_the_chooser_against_a_real_victoria_metrics(
+    tmp_path: Path,
+) -> None:
+    if shutil.which("victoria-metrics") is None:
+        pytest.skip("victoria-metrics not installed (Debian package 'victoria-metrics')")
+    bench = load_bench()
+    out = tmp_path / "cluster.json"
+    bench.main(["--quick", "--store", "victoria-metrics", "--out", str(out)])
+    store = json.loads(out.read_text())["store"]
+    assert store["name"] == "victoria-metrics" and list(store["by_gpus"]) == ["400"]
+    size = store["by_gpus"]["400"]
+    assert size["hosts"] == 50 and size["samples"] > 2 * 4 * 2000  # raw and view, 4 scrapes
+    for path in ("raw", "view"):
+        figures = size[path]
+        assert figures["series"] > 2000  # every GPU's series came back from the store
+        for step in ("query", "parse", "rank", "end_to_end"):
+            assert figures[step]["median_ms"] > 0
+        assert figures["peak_python_mib"] > 0 and figures["candidate_hosts"] > 0
+    assert size["raw"]["chosen"] == size["view"]["chosen"]  # the same choice either way

@@ -1,4 +1,9 @@
-"""Choosing across hosts for real: three exporters, a real Prometheus, leases on the hosts.
+"""Choosing across hosts for real: three exporters, a real store, leases on the hosts.
+
+Every test runs twice: against Prometheus and against VictoriaMetrics (single node, scraping
+the exporters itself, the rules evaluated by vmalert), both with the recorded fleet view of
+deploy/prometheus/gpu-exporter.fleet.rules.yml loaded; each skips, saying why, where its
+package is missing.
 
 Loads (constant, so no lease ends early because a job "arrived"):
 
@@ -10,6 +15,7 @@ The tests run in file order on one fleet: B is stopped by the down-host test.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -19,12 +25,25 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpu_exporter import client
+from gpu_exporter.choose.params import ApiError
 from gpu_exporter.client import GpuExporterWarning, NoGpusAvailable
-from harness import ROOT, Exporter, Prometheus, exporter, get, prometheus, stop
+from gpu_exporter.client.fleet import choose_fleet
+from gpu_exporter.client.fleetread import http_get_json
+from harness import (
+    ROOT,
+    Exporter,
+    Prometheus,
+    exporter,
+    get,
+    prometheus,
+    stop,
+    victoria_metrics,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -46,12 +65,26 @@ class Fleet:
     prom: Prometheus
 
     def wait_until_no_leases(self) -> None:
-        """Prometheus' view catches up with released leases (one scrape, 1 s)."""
-        self.prom.wait_for("sum(gpu_leased) == 0")
+        """The store's view catches up with released leases: every GPU's latest sample
+        says not leased, in the raw series and in the recorded view (vmalert evaluates a
+        few seconds behind; VictoriaMetrics makes each series' new samples searchable a
+        second or two apart, so a sum could miss one)."""
+        self.prom.wait_for("count(gpu_leased == 0) == 12")
+        self.prom.wait_for('count(gpu_fleet:gpu{field="leased"} == 0) == 12')
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+FLEET_RULES = ROOT / "deploy" / "prometheus" / "gpu-exporter.fleet.rules.yml"
+STORES = {
+    "prometheus": functools.partial(prometheus, rule_files=[FLEET_RULES]),
+    "victoria-metrics": functools.partial(victoria_metrics, rule_files=[FLEET_RULES]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(STORES))
+def fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
+    store = STORES[request.param]
     tmp = tmp_path_factory.mktemp("fleet")
     with contextlib.ExitStack() as stack:
         a, b, c = (
@@ -62,7 +95,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             )
             for name, idle, busy in (("a", 1, 3), ("b", 3, 1), ("c", 2, 2))
         )
-        prom = stack.enter_context(prometheus([a.address, b.address, c.address]))
+        prom = stack.enter_context(store([a.address, b.address, c.address]))
         prom.wait_for_targets_up(3)
         prom.wait_for("count(gpu_up == 1) == 12")
         prom.wait_for("count(gpu_exporter_last_sample_timestamp_seconds) == 3")
@@ -127,9 +160,52 @@ def test_the_host_with_the_requested_free_gpus_is_chosen(fleet: Fleet) -> None:
         client.choose(1, prometheus=fleet.prom.base, selector='job="other"', lease=0)
 
 
+def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Fleet) -> None:
+    fleet.wait_until_no_leases()
+    fleet.prom.wait_for('count(gpu_fleet:gpu{field="up"} == 1) == 12')
+    fleet.prom.wait_for('count(gpu_fleet:host{field="scraped_at"}) == 3')
+    answers = {}
+    for prefix in ("gpu_fleet", ""):
+        asked: list[str] = []
+
+        def fetch(url: str, timeout: float, asked: list[str] = asked) -> Any:
+            asked.append(url)
+            return http_get_json(url, timeout)
+
+        store = fleet.prom.base
+        advice = choose_fleet(
+            {"n": "3", "max_util": "10%", "lease": "0"},
+            prometheus=store,
+            rule_prefix=prefix,
+            fetch=fetch,
+        )
+        assert advice.placements[0].url == fleet.b.base
+        with pytest.raises(ApiError) as info:
+            choose_fleet(
+                {"n": "5", "lease": "0"}, prometheus=store, rule_prefix=prefix, fetch=fetch
+            )
+        answers[prefix] = (asked, info.value.message)
+    view_asked, view_refusal = answers["gpu_fleet"]
+    assert view_refusal == answers[""][1]
+    assert "gpu_fleet" in view_asked[0]
+    assert len(view_asked) == 2  # one query per choice
+    # Without the rules (another prefix here) the view is empty: the raw series are read.
+    asked_raw: list[str] = []
+
+    def counted(url: str, timeout: float) -> Any:
+        asked_raw.append(url)
+        return http_get_json(url, timeout)
+
+    args = {"n": "3", "max_util": "10%", "lease": "0"}
+    advice = choose_fleet(args, prometheus=fleet.prom.base, rule_prefix="no_such", fetch=counted)
+    assert advice.placements[0].url == fleet.b.base and len(asked_raw) == 4
+
+
 def test_the_cluster_endpoint_of_an_exporter_with_a_prometheus_url(fleet: Fleet) -> None:
     fleet.wait_until_no_leases()
-    with exporter("--simulate", "1", "--prometheus-url", fleet.prom.base) as front:
+    # The recorded view (the raw series where a store has none).
+    view = ("--fleet-rule-prefix", "gpu_fleet")
+    with exporter("--simulate", "1", "--prometheus-url", fleet.prom.base, *view) as front:
         status, body = get(front.base + "/cluster/choose?n=3&max_util=10%25&format=json")
         assert status == 200, body
         answer = json.loads(body)
@@ -189,6 +265,13 @@ def test_a_host_whose_exporter_is_down_is_skipped(fleet: Fleet) -> None:
     assert later.placements[0].url == fleet.c.base
     reasons = {url: why for _, url, why in later.passed_over}
     assert "target down" in reasons[fleet.b.base]
+    # The recorded view sees it once the rules ran again (vmalert: a few seconds later).
+    fleet.prom.wait_for(f'gpu_fleet:host{{field="target_up",instance="{fleet.b.address}"}} == 0')
+    viewed = client.choose_cluster(
+        2, prometheus=fleet.prom.base, max_util=0.1, lease=0, fleet_rule_prefix="gpu_fleet"
+    )
+    assert viewed.placements[0].url == fleet.c.base
+    assert "target down" in {url: why for _, url, why in viewed.passed_over}[fleet.b.base]
 
 
 def test_with_prometheus_down_the_named_hosts_still_serve(fleet: Fleet) -> None:

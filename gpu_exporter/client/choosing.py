@@ -34,6 +34,7 @@ def choose(
     hosts: Iterable[str] | str | None = None,
     max_age: Duration | None = None,
     selector: str | None = None,
+    fleet_rule_prefix: str | None = None,
     **filters: FilterValue,
 ) -> Choice:
     """Choose ``n`` GPUs and lease them for ``lease`` (``0``: advice only, nothing reserved).
@@ -71,6 +72,7 @@ def choose(
             owner=owner,
             max_age=max_age,
             selector=selector,
+            fleet_rule_prefix=fleet_rule_prefix,
             timeout=timeout,
             filters=filters,
             stacklevel=3,
@@ -91,6 +93,7 @@ def choose_cluster(
     max_age: Duration | None = None,
     selector: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    fleet_rule_prefix: str | None = None,
     **filters: FilterValue,
 ) -> ClusterChoice:
     """Choose and lease ``n`` GPUs across hosts, reading the fleet from Prometheus.
@@ -100,7 +103,9 @@ def choose_cluster(
     :class:`GpuExporterWarning`. All ``n`` GPUs come from one host unless ``spread``; each
     host's own exporter grants the lease. ``max_age`` (default 60 s): figures older than this
     are never used. ``selector`` (label matchers, ``'job="gpu-shared"'``) narrows the fleet
-    Prometheus shows to those targets. Filters as for :func:`choose`.
+    Prometheus shows to those targets. ``fleet_rule_prefix`` (``"gpu_fleet"``) reads the
+    recorded fleet view of deploy/prometheus/gpu-exporter.fleet.rules.yml where the store has
+    it (one query), the raw series otherwise. Filters as for :func:`choose`.
 
     Raises :class:`NoGpusAvailable` (the message has every host's reason) and
     :class:`ServerError` (400 bad argument, 503 ``prometheus_unavailable``).
@@ -115,6 +120,7 @@ def choose_cluster(
         owner=owner,
         max_age=max_age,
         selector=selector,
+        fleet_rule_prefix=fleet_rule_prefix,
         timeout=timeout,
         filters=filters,
         stacklevel=3,
@@ -135,6 +141,7 @@ def _choose_cluster(
     timeout: float,
     filters: Mapping[str, FilterValue],
     stacklevel: int,
+    fleet_rule_prefix: str | None = None,
 ) -> ClusterChoice:
     params = choose_params(n, "json", lease, wait, owner, filters)
     if spread:
@@ -150,6 +157,7 @@ def _choose_cluster(
             prometheus=prometheus,
             hosts=host_list,
             selector=selector or "",
+            rule_prefix=fleet_rule_prefix or "",
             timeout=timeout,
         )
     except ApiError as exc:

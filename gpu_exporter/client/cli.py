@@ -126,6 +126,14 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         "e.g. 'job=\"gpu-shared\"'",
     )
     fleet.add_argument(
+        "--fleet-rule-prefix",
+        default=None,
+        metavar="PREFIX",
+        help="with --prometheus: read the recorded fleet view PREFIX:gpu/PREFIX:host "
+        "(deploy/prometheus/gpu-exporter.fleet.rules.yml: gpu_fleet) where it is there, "
+        "the raw series otherwise",
+    )
+    fleet.add_argument(
         "--max-age",
         type=_duration_text,
         default=None,
@@ -218,9 +226,16 @@ def fail(exc: GpuExporterError, prefix: str = "") -> int:
 def across_hosts(args: argparse.Namespace) -> bool:
     """Across hosts? Then --url makes no sense."""
     if not (args.prometheus or args.hosts):
-        if args.max_age is not None or args.selector or getattr(args, "spread", False):
+        if (
+            args.max_age is not None
+            or args.selector
+            or args.fleet_rule_prefix
+            or getattr(args, "spread", False)
+        ):
             raise ServerError(
-                400, "--max-age, --selector and --spread need --prometheus or --hosts"
+                400,
+                "--max-age, --selector, --fleet-rule-prefix and --spread need --prometheus "
+                "or --hosts",
             )
         return False
     if args.url is not None:
@@ -241,6 +256,7 @@ def choose_across_hosts(args: argparse.Namespace, *, spread: bool) -> ClusterCho
             owner=args.owner,
             max_age=args.max_age,
             selector=args.selector,
+            fleet_rule_prefix=args.fleet_rule_prefix,
             **filters_of(args),
         )
     for warning in caught:

@@ -2,10 +2,10 @@
 
 Prometheus is the fleet view, each host's exporter the authority:
 
-1. **Read the fleet** from the Prometheus HTTP API (:func:`read_prometheus`: the instant
-   queries of :func:`gpu_exporter.choose.promql.fleet_queries`, evaluated at one moment and
-   asked concurrently), or, without Prometheus (or when it cannot be reached), from the named
-   ``hosts``' own ``/gpus`` and ``/leases`` (:func:`read_hosts`).
+1. **Read the fleet** (:mod:`gpu_exporter.client.fleetread`) from the Prometheus HTTP API
+   (:func:`read_prometheus`; any store that speaks it, VictoriaMetrics included), or, without
+   Prometheus (or when it cannot be reached), from the named ``hosts``' own ``/gpus`` and
+   ``/leases`` (:func:`read_hosts`).
 2. **Rank** with :func:`gpu_exporter.choose.fleet.rank_fleet`: pure, the same functions
    ``/choose`` ranks with.
 3. **Claim** on the chosen host's own ``/choose`` (:func:`http_claimer`, :func:`place`) with
@@ -25,9 +25,7 @@ import json
 import logging
 import shlex
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -36,139 +34,30 @@ from gpu_exporter.choose.fleet import (
     Fleet,
     FleetRanking,
     Host,
-    base_url,
     check_sources,
-    host_from_snapshot,
     host_labels,
     rank_fleet,
 )
+from gpu_exporter.choose.fleetview import check_prefix
 from gpu_exporter.choose.params import POINT_FILTERS, ApiError
-from gpu_exporter.choose.promql import check_selector, fleet_queries, parse_fleet
+from gpu_exporter.choose.promql import check_selector
 from gpu_exporter.choose.request import ClusterRequest, parse_cluster_args
 from gpu_exporter.client.api import DEFAULT_LEASE, Choice, Lease, choose_host, release
-from gpu_exporter.client.transport import (
-    DEFAULT_TIMEOUT_SECONDS,
-    GpuExporterError,
-    ServerError,
-    ServerUnreachable,
-    send,
+from gpu_exporter.client.fleetread import (  # re-exported: where callers have found them
+    DEFAULT_EXPORTER_PORT,
+    Fetch,
+    SourceUnavailable,
+    gc_paused,
+    http_get_json,
+    read_hosts,
+    read_prometheus,
 )
+from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS, GpuExporterError, ServerError
 from gpu_exporter.units import plural
 
 log = logging.getLogger(__name__)
 
-DEFAULT_EXPORTER_PORT: Final = 9400
 WAIT_POLL_SECONDS: Final = 5.0  # with wait=, how often the fleet is read again
-PROMETHEUS_QUERY_PATH: Final = "/api/v1/query"
-USER_AGENT: Final = "gpu-exporter-cluster"
-
-
-# -- reading the fleet -----------------------------------------------------------------------
-
-
-class SourceUnavailable(Exception):
-    """Prometheus (or a host) could not be asked: unreachable, an error, or nonsense."""
-
-
-Fetch = Callable[[str, float], Any]
-"""GET a URL with a timeout and return its decoded JSON; raises :class:`SourceUnavailable`."""
-
-
-def http_get_json(url: str, timeout: float) -> Any:
-    """The default :data:`Fetch`, through :func:`~gpu_exporter.client.transport.send`.
-
-    No exporter credentials: Prometheus is not an exporter, and a host's ``/gpus`` needs none.
-    """
-    where = urllib.parse.urlsplit(url).netloc
-    try:
-        resp = send("GET", url, timeout=timeout, credentials=False, user_agent=USER_AGENT)
-    except ServerUnreachable as exc:
-        raise SourceUnavailable(f"cannot reach {where}: {exc.reason}") from None
-    except (ValueError, GpuExporterError) as exc:  # not a URL urllib can ask, not HTTP(S)
-        raise SourceUnavailable(f"cannot ask {where or url}: {exc}") from None
-    if resp.status >= 400:
-        detail = resp.body[:300].decode("utf-8", "replace")
-        raise SourceUnavailable(f"HTTP {resp.status} from {where}: {detail}")
-    try:
-        return json.loads(resp.body)
-    except ValueError:
-        raise SourceUnavailable(f"{where} did not answer JSON") from None
-
-
-def query_prometheus(
-    prometheus: str, queries: Mapping[str, str], at: float, *, fetch: Fetch, timeout: float
-) -> dict[str, list[dict[str, Any]]]:
-    """Run the instant queries (concurrently), all evaluated at Unix time ``at``."""
-    base = base_url(prometheus)
-
-    def one(expr: str) -> list[dict[str, Any]]:
-        params = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
-        doc = fetch(f"{base}{PROMETHEUS_QUERY_PATH}?{params}", timeout)
-        if not isinstance(doc, dict) or doc.get("status") != "success":
-            error = doc.get("error") if isinstance(doc, dict) else None
-            raise SourceUnavailable(f"Prometheus refused {expr!r}: {error or doc!r}"[:500])
-        data = doc.get("data") or {}
-        if data.get("resultType") != "vector":
-            raise SourceUnavailable(f"Prometheus answered {expr!r} with no instant vector")
-        result: list[dict[str, Any]] = data.get("result") or []
-        return result
-
-    with ThreadPoolExecutor(max_workers=len(queries)) as pool:
-        futures = {name: pool.submit(one, expr) for name, expr in queries.items()}
-        return {name: future.result() for name, future in futures.items()}
-
-
-def read_prometheus(
-    prometheus: str,
-    req: ClusterRequest,
-    *,
-    fetch: Fetch = http_get_json,
-    timeout: float,
-    now: float,
-    selector: str = "",
-) -> Fleet:
-    c = req.choose
-    queries = fleet_queries(c.filters, c.sort, c.idle_for_seconds, selector)
-    results = query_prometheus(prometheus, queries, now, fetch=fetch, timeout=timeout)
-    fleet = parse_fleet(
-        results,
-        evaluated_at=now,
-        max_age_seconds=req.max_age_seconds,
-        idle_for_seconds=c.idle_for_seconds,
-    )
-    if not fleet.hosts:
-        raise SourceUnavailable(
-            f"Prometheus at {base_url(prometheus)} has no gpu-exporter series"
-            + (f" matching {selector}" if selector else "")
-            + " (is it scraping the exporters?)"
-        )
-    return fleet
-
-
-def read_hosts(
-    hosts: Sequence[str],
-    req: ClusterRequest,
-    *,
-    fetch: Fetch = http_get_json,
-    timeout: float,
-    now: float,
-) -> Fleet:
-    """The fleet from each named exporter's ``/gpus`` and ``/leases`` (asked concurrently)."""
-
-    def one(name: str) -> Host:
-        url = base_url(name, DEFAULT_EXPORTER_PORT)
-        try:
-            snapshot = fetch(url + "/gpus", timeout)
-            held = fetch(url + "/leases", timeout)
-            return host_from_snapshot(url, name, snapshot, held, req.max_age_seconds)
-        except SourceUnavailable as exc:
-            return Host(url=url, instance=name, problem=str(exc))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            return Host(url=url, instance=name, problem=f"unexpected /gpus answer: {exc}")
-
-    with ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts)))) as pool:
-        found = tuple(pool.map(one, hosts))
-    return Fleet(found, "hosts", now)
 
 
 # -- claiming --------------------------------------------------------------------------------
@@ -330,6 +219,7 @@ def choose_fleet(
     prometheus: str | None = None,
     hosts: Sequence[str] = (),
     selector: str = "",
+    rule_prefix: str = "",
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     fetch: Fetch = http_get_json,
     claimer: Callable[[Mapping[str, str], ClusterRequest, Fleet, float], Claim] = http_claimer,
@@ -341,7 +231,8 @@ def choose_fleet(
     """Choose and claim GPUs across the fleet; ``args`` are ``/cluster/choose``'s parameters.
 
     Reads the fleet from ``prometheus`` (only the targets ``selector`` matches, e.g.
-    ``job="gpu-shared"``); if it cannot be asked (or knows no exporter) and ``hosts`` are
+    ``job="gpu-shared"``; with ``rule_prefix``, from its recorded fleet view where it has
+    one); if it cannot be asked (or knows no exporter) and ``hosts`` are
     named, from those hosts directly. ``defaults`` are the filters applied where ``args`` gives
     none (:mod:`gpu_exporter.choose.defaults`); only those ``args`` gives go to the chosen host,
     which applies its own defaults again. Raises :class:`ApiError`: 400 for bad
@@ -356,24 +247,38 @@ def choose_fleet(
         check_selector(selector)
     except ValueError as exc:
         raise ApiError(400, "invalid_parameter", str(exc), "selector") from None
+    if rule_prefix:
+        try:
+            check_prefix(rule_prefix)
+        except ValueError as exc:
+            raise ApiError(400, "invalid_parameter", str(exc), "fleet_rule_prefix") from None
     deadline = monotonic() + req.choose.wait_seconds
     while True:
         now = wall_clock()
         notes: list[str] = []
-        fleet: Fleet | None = None
-        if prometheus:
-            try:
-                fleet = read_prometheus(
-                    prometheus, req, fetch=fetch, timeout=timeout, now=now, selector=selector
-                )
-            except SourceUnavailable as exc:
-                if not hosts:
-                    raise ApiError(503, "prometheus_unavailable", str(exc)) from None
-                notes.append(f"{exc}; asked the hosts named instead")
-        if fleet is None:
-            fleet = read_hosts(hosts, req, fetch=fetch, timeout=timeout, now=now)
-        c = req.choose
-        ranking = rank_fleet(fleet, c.n, c.filters, sort=c.sort, spread=req.spread)
+        # Reading and ranking make millions of short-lived objects at 100,000 GPUs, with no
+        # cycles: the cyclic GC would walk them again and again (fleetread.gc_paused).
+        with gc_paused():
+            fleet: Fleet | None = None
+            if prometheus:
+                try:
+                    fleet = read_prometheus(
+                        prometheus,
+                        req,
+                        fetch=fetch,
+                        timeout=timeout,
+                        now=now,
+                        selector=selector,
+                        rule_prefix=rule_prefix,
+                    )
+                except SourceUnavailable as exc:
+                    if not hosts:
+                        raise ApiError(503, "prometheus_unavailable", str(exc)) from None
+                    notes.append(f"{exc}; asked the hosts named instead")
+            if fleet is None:
+                fleet = read_hosts(hosts, req, fetch=fetch, timeout=timeout, now=now)
+            c = req.choose
+            ranking = rank_fleet(fleet, c.n, c.filters, sort=c.sort, spread=req.spread)
         claim = claimer(args, req, fleet, timeout)
         placements, passed = place(ranking, c.n, spread=req.spread, claim=claim)
         passed_over = tuple((h.name, h.url, why) for h, why in passed)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from gpu_exporter.choose.claim import Waiters
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
-from gpu_exporter.client.fleet import ClusterChoice, Fetch, choose_fleet, http_get_json
+from gpu_exporter.client.fleet import ClusterChoice, choose_fleet
+from gpu_exporter.client.fleetread import Fetch, http_get_json
 from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS
 
 
@@ -29,6 +30,7 @@ class ClusterService:
     fetch: Fetch = http_get_json  # how Prometheus and the hosts are read
     # --choose-defaults: what "free" means here; each host re-applies its own when claiming.
     defaults: Mapping[str, str] = field(default_factory=lambda: dict(SHIPPED_DEFAULTS))
+    rule_prefix: str = ""  # --fleet-rule-prefix: the recorded fleet view, where present
 
     def choose(self, args: Mapping[str, str], waiters: Waiters) -> ClusterChoice:
         """Choose and claim for ``args``; waits between fleet reads as a waiter of ``waiters``."""
@@ -47,6 +49,7 @@ class ClusterService:
                 args,
                 prometheus=self.prometheus,
                 selector=self.selector,
+                rule_prefix=self.rule_prefix,
                 timeout=self.timeout,
                 fetch=self.fetch,
                 sleep=pause,
