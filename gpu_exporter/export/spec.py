@@ -394,7 +394,8 @@ REQUESTS_REJECTED = MetricSpec(
     "gpu_exporter_requests_rejected_total",
     "counter",
     "Requests refused by the request limits: too_many_requests (--max-requests-in-flight), "
-    "too_many_waiters (--max-waiters, --max-waiters-per-requester), uri_too_long.",
+    "too_many_waiters (--max-waiters, --max-waiters-per-requester), uri_too_long, "
+    "too_many_connections (every connection busy with a request at the connection cap).",
     ("reason",),
     "the exporter",
     unit="requests",

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 REQUEST_SECONDS = 10.0  # a whole request head and body, from its first byte (Go: ReadTimeout)
 KEEPALIVE_SECONDS = 90.0  # idle between requests: longer than a 60 s scrape interval
 WRITE_SECONDS = 10.0  # an answer nobody reads is dropped after this
+HANDSHAKE_SECONDS = 5.0  # a whole TLS handshake (kubelet's probe timeout is 1 s; TLS takes ms)
 # After refusing a request, its unread rest is read and dropped for this long, so that the
 # client reads the refusal instead of a reset (its body may still be on the way).
 LINGER_SECONDS = 2.0
@@ -92,6 +93,20 @@ def client_connected(sock: Any) -> bool:
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Every deadline of a connection (the defaults above; tests shorten them)."""
+
+    request_seconds: float = REQUEST_SECONDS
+    keepalive_seconds: float = KEEPALIVE_SECONDS
+    write_seconds: float = WRITE_SECONDS
+    handshake_seconds: float = HANDSHAKE_SECONDS
+    linger_seconds: float = LINGER_SECONDS
+
+
+DEFAULT_TIMEOUTS = Timeouts()
+
+
 @dataclass
 class Site:
     """What every connection of one server shares (used on the event loop only)."""
@@ -103,6 +118,7 @@ class Site:
     probe_workers: Workers
     admission: Admission[HttpConnection]
     rejections: RequestCounter
+    timeouts: Timeouts = DEFAULT_TIMEOUTS
     stopping: bool = False
 
 
@@ -140,7 +156,7 @@ class HttpConnection(asyncio.Protocol):
         self.opening = self.layer = None
         transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
         self._sock = transport.get_extra_info("socket")
-        self._arm(REQUEST_SECONDS, self._close)
+        self._arm(self.site.timeouts.request_seconds, self._close)
         if self.gone:  # evicted during the handshake
             transport.abort()
 
@@ -149,7 +165,7 @@ class HttpConnection(asyncio.Protocol):
             return
         if self._idle:  # the first byte of a keep-alive request: its deadline starts now
             self._idle = False
-            self._arm(REQUEST_SECONDS, self._close)
+            self._arm(self.site.timeouts.request_seconds, self._close)
         self._h11.receive_data(data)
         self._advance()
 
@@ -169,7 +185,7 @@ class HttpConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
-        self._arm(WRITE_SECONDS, self.evict)
+        self._arm(self.site.timeouts.write_seconds, self.evict)
         if self._transport is not None:
             self._transport.pause_reading()
 
@@ -332,7 +348,9 @@ class HttpConnection(asyncio.Protocol):
         assert self._transport is not None
         self.site.admission.waiting(self)
         self._idle = not self._h11.trailing_data[0]
-        self._arm(KEEPALIVE_SECONDS if self._idle else REQUEST_SECONDS, self._close)
+        timeouts = self.site.timeouts
+        wait = timeouts.keepalive_seconds if self._idle else timeouts.request_seconds
+        self._arm(wait, self._close)
         self._transport.resume_reading()
         self._advance()
 
@@ -357,7 +375,7 @@ class HttpConnection(asyncio.Protocol):
             return
         transport.write_eof()
         self._closing = self._lingering = True
-        self._arm(LINGER_SECONDS, self.evict)
+        self._arm(self.site.timeouts.linger_seconds, self.evict)
         transport.resume_reading()
 
     def _close(self) -> None:
@@ -366,7 +384,7 @@ class HttpConnection(asyncio.Protocol):
         if self._transport is None:
             self.evict()
             return
-        self._arm(WRITE_SECONDS, self.evict)
+        self._arm(self.site.timeouts.write_seconds, self.evict)
         self._transport.close()
 
     # ------------------------------------------------------------------ timers

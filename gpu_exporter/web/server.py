@@ -35,9 +35,9 @@ from typing import Any
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.web.admission import MAX_CONNECTIONS, MAX_WAITING_PER_ADDRESS, Admission
 from gpu_exporter.web.connection import CONNECTED as CONNECTED
+from gpu_exporter.web.connection import DEFAULT_TIMEOUTS, HttpConnection, Site, Timeouts
 from gpu_exporter.web.connection import MAX_BODY_BYTES as MAX_BODY_BYTES
 from gpu_exporter.web.connection import MAX_HEADER_BYTES as MAX_HEADER_BYTES
-from gpu_exporter.web.connection import HttpConnection, Site
 from gpu_exporter.web.connection import client_connected as client_connected
 from gpu_exporter.web.gateway import Workers
 from gpu_exporter.web.limits import PROBE_THREADS
@@ -49,7 +49,6 @@ THREADS = 16  # app workers; scrapes and /choose take well under a millisecond e
 # Connections the kernel queues before accept(): a backlog of 5 made a burst of 32 job
 # scripts wait up to ~2 s (bench/servers.py, docs/server-choice.md).
 LISTEN_BACKLOG = 1024
-HANDSHAKE_TIMEOUT_SECONDS = 5.0  # a whole TLS handshake; it never holds a worker
 SHUTDOWN_SECONDS = 3.0  # stop(): requests in hand get this long (SIGTERM → exit within 5 s)
 FD_RESERVE = 64  # file descriptors kept for everything but connections (state file, /proc)
 ACCEPT_BURST = 64  # connections accepted per wake-up before other connections get a turn
@@ -77,6 +76,7 @@ class Server:
         rejections: RequestCounter | None = None,
         max_connections: int = MAX_CONNECTIONS,
         max_waiting_per_address: int = MAX_WAITING_PER_ADDRESS,
+        timeouts: Timeouts = DEFAULT_TIMEOUTS,
     ) -> None:
         self.host = host
         self.port = port
@@ -87,6 +87,7 @@ class Server:
         self._rejections = rejections if rejections is not None else RequestCounter()
         self._max_connections = max_connections
         self._max_waiting_per_address = max_waiting_per_address
+        self._timeouts = timeouts
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -193,6 +194,7 @@ class Server:
                 max(1, min(self._max_connections, room)), self._max_waiting_per_address
             ),
             rejections=self._rejections,
+            timeouts=self._timeouts,
         )
         self.site = site
         loop.add_reader(listener.fileno(), self._accept, listener, site)
@@ -244,7 +246,7 @@ class Server:
                 conn,
                 self._tls(),
                 loop=site.loop,
-                handshake_seconds=HANDSHAKE_TIMEOUT_SECONDS,
+                handshake_seconds=self._timeouts.handshake_seconds,
                 failed=conn.lost_before_start,
             )
         conn.opening = site.loop.create_task(_connect(site, conn, sock, protocol))
