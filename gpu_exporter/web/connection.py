@@ -299,11 +299,15 @@ class HttpConnection(asyncio.Protocol):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._respond, answer)
 
-        pool = self.site.probe_workers if is_probe else self.site.workers
-        if not pool.submit(job, queue_when_busy=is_probe):
-            self.site.rejections.inc("too_many_requests")
-            message = f"error: {pool.size} requests are already being handled; retry in a second\n"
-            self._respond(error_answer(503, message.encode(), ((b"Retry-After", b"1"),)))
+        workers = self.site.workers
+        if workers.submit(job):
+            return
+        if is_probe:  # never starved: the probes' own workers, queued behind other probes
+            self.site.probe_workers.submit(job, queue_when_busy=True)
+            return
+        self.site.rejections.inc("too_many_requests")
+        message = f"error: {workers.size} requests are already being handled; retry in a second\n"
+        self._respond(error_answer(503, message.encode(), ((b"Retry-After", b"1"),)))
 
     # ------------------------------------------------------------------ writing answers
 
@@ -319,15 +323,14 @@ class HttpConnection(asyncio.Protocol):
         if self.site.stopping:
             headers.append((b"Connection", b"close"))
         try:
-            self._write(
-                self._h11.send(
-                    h11.Response(status_code=answer.status, headers=headers, reason=answer.reason)
-                )
+            response = h11.Response(
+                status_code=answer.status, headers=headers, reason=answer.reason
             )
+            parts = [self._h11.send(response) or b""]
             if answer.body and not head_only:
-                for chunk in self._h11.send_with_data_passthrough(h11.Data(answer.body)) or ():
-                    self._transport.write(chunk)
-            self._write(self._h11.send(h11.EndOfMessage()))
+                parts += self._h11.send_with_data_passthrough(h11.Data(answer.body)) or ()
+            parts.append(self._h11.send(h11.EndOfMessage()) or b"")
+            self._transport.write(b"".join(parts))  # one send(): head and body in one packet
         except h11.LocalProtocolError as exc:  # the app's headers are not valid HTTP
             log.error("cannot send the answer to %s: %s", _path(request), exc)
             self.evict()
