@@ -100,22 +100,27 @@ def test_slowloris_and_idle_connections_do_not_starve_anyone() -> None:
 
 
 def test_the_request_deadline_is_for_the_whole_head_not_per_byte() -> None:
-    with served() as exporter, extra_server(exporter, timeouts=Timeouts(request_seconds=1.0)) as s:
-        with connect(s.port) as slow, connect(s.port) as idle:
-            slow.sendall(b"GET /metrics HTTP/1.1\r\n")
-            started = time.monotonic()
-            slow.settimeout(0.2)
-            gone = False
-            while time.monotonic() - started < 3 and not gone:  # one byte every 0.2 s
-                try:
-                    slow.sendall(b"X")
-                    gone = slow.recv(1) == b""
-                except TimeoutError:
-                    pass
-                except (BrokenPipeError, ConnectionResetError):
-                    gone = True
-            assert gone and time.monotonic() - started < 2.0
-            assert closed_within(idle, 2.0) < 2.0  # nothing sent at all: the same deadline
+    timeouts = Timeouts(request_seconds=1.0)
+    with (
+        served() as exporter,
+        extra_server(exporter, timeouts=timeouts) as s,
+        connect(s.port) as slow,
+        connect(s.port) as idle,
+    ):
+        slow.sendall(b"GET /metrics HTTP/1.1\r\n")
+        started = time.monotonic()
+        slow.settimeout(0.2)
+        gone = False
+        while time.monotonic() - started < 3 and not gone:  # one byte every 0.2 s
+            try:
+                slow.sendall(b"X")
+                gone = slow.recv(1) == b""
+            except TimeoutError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                gone = True
+        assert gone and time.monotonic() - started < 2.0
+        assert closed_within(idle, 2.0) < 2.0  # nothing sent at all: the same deadline
 
 
 def test_an_unread_answer_is_dropped_after_the_write_deadline() -> None:
@@ -150,9 +155,10 @@ def test_a_new_connection_evicts_its_address_oldest_waiting_one() -> None:
 
 
 def test_beyond_the_global_cap_with_nothing_to_evict_is_503_at_once() -> None:
-    with served() as exporter, extra_server(
-        exporter, max_connections=2, rejections=exporter.daemon.rejections
-    ) as s:
+    with (
+        served() as exporter,
+        extra_server(exporter, max_connections=2, rejections=exporter.daemon.rejections) as s,
+    ):
         assert timed_get(exporter.port, f"/choose?n=4&lease=1h&{ALL}")[0] == 200  # all taken
         waiting = [connect(s.port) for _ in range(2)]
         for sock in waiting:  # both busy: long polls are never evicted
@@ -288,10 +294,12 @@ def test_the_tls_handshake_has_a_deadline(tls_files: tuple[Path, Path]) -> None:
     with served(web_config_file=str(config)) as exporter:
         watcher = exporter.daemon.watcher
         assert watcher is not None
-        with extra_server(exporter, tls=watcher.tls_context, timeouts=timeouts) as s:
-            with connect(s.port) as silent:
-                silent.sendall(b"\x16\x03\x01")  # the start of a ClientHello, then nothing
-                assert closed_within(silent, 3.0) < 1.5
+        with (
+            extra_server(exporter, tls=watcher.tls_context, timeouts=timeouts) as s,
+            connect(s.port) as silent,
+        ):
+            silent.sendall(b"\x16\x03\x01")  # the start of a ClientHello, then nothing
+            assert closed_within(silent, 3.0) < 1.5
 
 
 # -- SIGTERM --------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from gpu_exporter.web.server import MAX_BODY_BYTES, MAX_HEADER_BYTES
 
 
 class Running:
-    """One simulated GPU behind the real cheroot server, with the given limits, leased for an
+    """One simulated GPU behind the real server, with the given limits, leased for an
     hour: ``/choose?wait=`` requests wait for it."""
 
     def __init__(self, *, max_in_flight: int, max_waiters: int) -> None:
