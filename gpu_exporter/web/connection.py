@@ -58,6 +58,7 @@ _POLLRDHUP = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its se
 _GONE = _POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 _REASONS = {400: "Bad Request", 413: "Content Too Large", 431: "Request Header Fields Too Large"}
 _SERVER = (b"Server", b"gpu-exporter")
+_NO_PARSER = h11.Connection(h11.SERVER)  # never fed: a placeholder until connection_made
 
 
 def client_connected(sock: Any) -> bool:
@@ -136,7 +137,7 @@ class HttpConnection(asyncio.Protocol):
         self.opening: asyncio.Task[Any] | None = None  # until connection_made
         self.layer: asyncio.Transport | None = None  # TLS: until connection_made
         self.gone = False
-        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        self._h11: h11.Connection = _NO_PARSER  # its own at connection_made: floods cost less
         self._transport: asyncio.Transport | None = None
         self._sock: Any = None
         self._timer: asyncio.TimerHandle | None = None
@@ -154,6 +155,7 @@ class HttpConnection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         self.opening = self.layer = None
+        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
         transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
         self._sock = transport.get_extra_info("socket")
         self._arm(self.site.timeouts.request_seconds, self._close)
