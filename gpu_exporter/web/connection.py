@@ -25,9 +25,6 @@ import contextlib
 import email.utils
 import functools
 import logging
-import select
-import socket
-import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +34,15 @@ import h11
 
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.web.admission import Admission, address_key
-from gpu_exporter.web.gateway import Answer, Workers, call_app, environ_for, error_answer
+from gpu_exporter.web.gateway import (
+    CONNECTED,
+    Answer,
+    Workers,
+    call_app,
+    client_connected,
+    environ_for,
+    error_answer,
+)
 from gpu_exporter.web.limits import EXEMPT_PATHS
 
 log = logging.getLogger(__name__)
@@ -52,46 +57,9 @@ LINGER_SECONDS = 2.0
 WRITE_BUFFER_BYTES = 256 * 1024  # buffered answer bytes before a connection stops reading
 MAX_HEADER_BYTES = 16 * 1024  # a request head beyond this is 431
 MAX_BODY_BYTES = 64 * 1024  # nothing here needs more: 413
-# The environ key of the "is the client still connected?" callable.
-CONNECTED = "gpu_exporter.client_connected"
-_POLLRDHUP = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its sending side
-_GONE = _POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 _REASONS = {400: "Bad Request", 413: "Content Too Large", 431: "Request Header Fields Too Large"}
 _SERVER = (b"Server", b"gpu-exporter")
 _NO_PARSER = h11.Connection(h11.SERVER)  # never fed: a placeholder until connection_made
-
-
-def client_connected(sock: Any) -> bool:
-    """False once the client closed or reset the connection (never blocks; never reads).
-
-    Linux says so with ``POLLRDHUP`` even when unread bytes wait (a pipelined request) and on
-    the TCP socket under TLS, whose ``close_notify`` is such a byte. Elsewhere, a readable
-    plain socket is peeked for end-of-file; a TLS one then counts as connected. A client that
-    only half-closes (shuts down writing, still reading) counts as gone, as with Go's
-    ``net/http``: HTTP clients do not do that while awaiting an answer.
-    """
-    try:
-        fd = sock.fileno()
-    except OSError:
-        return False
-    if fd < 0:
-        return False
-    poller = select.poll()
-    poller.register(fd, select.POLLIN | _POLLRDHUP)
-    events = poller.poll(0)
-    if not events:
-        return True
-    revents = events[0][1]
-    if revents & _GONE:
-        return False
-    if _POLLRDHUP or isinstance(sock, ssl.SSLSocket):
-        return True  # readable but not closed: bytes of a pipelined request
-    try:
-        return bool(sock.recv(1, socket.MSG_PEEK) != b"")
-    except (BlockingIOError, InterruptedError, TimeoutError):
-        return True
-    except OSError:
-        return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""From a parsed HTTP request to a WSGI call and back, on a bounded pool of threads.
+"""From a parsed HTTP request to a WSGI call and back, on a bounded pool of threads; and
+:data:`CONNECTED`, the environ's "is the client still there?" callable (:func:`client_connected`).
 
 The event loop (:mod:`gpu_exporter.web.connection`) hands a request to a worker only once its
 head and body have fully arrived, so a worker never waits on a client: it builds the environ
@@ -15,6 +16,9 @@ from __future__ import annotations
 import io
 import logging
 import queue
+import select
+import socket
+import ssl
 import sys
 import threading
 import urllib.parse
@@ -26,6 +30,10 @@ log = logging.getLogger(__name__)
 
 Headers = list[tuple[bytes, bytes]]
 _INTERNAL_ERROR = b"error: internal error; see the exporter's log\n"
+# The environ key of the "is the client still connected?" callable.
+CONNECTED = "gpu_exporter.client_connected"
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its sending side
+_GONE = _POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,39 @@ class Workers:
             finally:
                 with self._lock:
                     self._busy -= 1
+
+
+def client_connected(sock: Any) -> bool:
+    """False once the client closed or reset the connection (never blocks; never reads).
+
+    Linux says so with ``POLLRDHUP`` even when unread bytes wait (a pipelined request) and on
+    the TCP socket under TLS, whose ``close_notify`` is such a byte. Elsewhere, a readable
+    plain socket is peeked for end-of-file; a TLS one then counts as connected. A client that
+    only half-closes (shuts down writing, still reading) counts as gone, as with Go's
+    ``net/http``: HTTP clients do not do that while awaiting an answer.
+    """
+    try:
+        fd = sock.fileno()
+    except OSError:
+        return False
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | _POLLRDHUP)
+    events = poller.poll(0)
+    if not events:
+        return True
+    revents = events[0][1]
+    if revents & _GONE:
+        return False
+    if _POLLRDHUP or isinstance(sock, ssl.SSLSocket):
+        return True  # readable but not closed: bytes of a pipelined request
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK) != b"")
+    except (BlockingIOError, InterruptedError, TimeoutError):
+        return True
+    except OSError:
+        return False
 
 
 def environ_for(

@@ -34,12 +34,12 @@ from typing import Any
 
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.web.admission import MAX_CONNECTIONS, MAX_WAITING_PER_ADDRESS, Admission
-from gpu_exporter.web.connection import CONNECTED as CONNECTED
 from gpu_exporter.web.connection import DEFAULT_TIMEOUTS, HttpConnection, Site, Timeouts
 from gpu_exporter.web.connection import MAX_BODY_BYTES as MAX_BODY_BYTES
 from gpu_exporter.web.connection import MAX_HEADER_BYTES as MAX_HEADER_BYTES
-from gpu_exporter.web.connection import client_connected as client_connected
+from gpu_exporter.web.gateway import CONNECTED as CONNECTED
 from gpu_exporter.web.gateway import Workers
+from gpu_exporter.web.gateway import client_connected as client_connected
 from gpu_exporter.web.limits import PROBE_THREADS
 from gpu_exporter.web.tlslayer import TlsLayer
 
