@@ -49,7 +49,15 @@ TOO_MANY_WAITERS = "too_many_waiters"  # --max-waiters, --max-waiters-per-reques
 URI_TOO_LONG = "uri_too_long"
 AUTH_THROTTLED = "auth_throttled"  # 429: too many failed logins from that address
 AUTH_BUSY = "auth_busy"  # 503: every bcrypt slot busy
-REJECTION_REASONS = (TOO_MANY_REQUESTS, TOO_MANY_WAITERS, URI_TOO_LONG, AUTH_THROTTLED, AUTH_BUSY)
+TOO_MANY_CONNECTIONS = "too_many_connections"  # every connection at the cap busy with a request
+REJECTION_REASONS = (
+    TOO_MANY_REQUESTS,
+    TOO_MANY_WAITERS,
+    URI_TOO_LONG,
+    AUTH_THROTTLED,
+    AUTH_BUSY,
+    TOO_MANY_CONNECTIONS,
+)
 # gpu_exporter_lease_gpus_released_total{reason}: why a GPU left its lease before expiry.
 ARRIVED = "arrived"  # the job showed up on it
 DOWN = "down"

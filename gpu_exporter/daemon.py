@@ -101,12 +101,15 @@ class Daemon:
         """
         host = self.config.host if host is None else host
         port = self.config.port if port is None else port
-        # A few threads beyond the request limit, so that probes always find one free.
+        # A few workers beyond the request limit, so that the one request too many is
+        # answered 503 by RequestLimits at once; probes have PROBE_THREADS of their own.
         threads = self.config.max_requests_in_flight + PROBE_THREADS
         tls = None
         if self.watcher is not None and self.watcher.active.context is not None:
             tls = self.watcher.tls_context
-        self.server = Server(self.app, host, port, threads=threads, tls=tls)
+        self.server = Server(
+            self.app, host, port, threads=threads, tls=tls, rejections=self.rejections
+        )
         self.server.bind()
         return self.server
 

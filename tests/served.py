@@ -1,5 +1,6 @@
 """The real exporter for client tests: :func:`gpu_exporter.daemon.build` over simulated GPUs,
-served by cheroot on 127.0.0.1 from a thread of the test process.
+served by the real server (gpu_exporter.web.server) on 127.0.0.1 from a thread of the test
+process.
 
 The client, ``gpu-exporter choose/run`` subprocesses and the test all speak HTTP to the same
 server ``gpu-exporter serve`` runs, so the client is tested against the API as it is (there is
@@ -131,8 +132,7 @@ def served(
     a while, and no client test needs it) and ``/proc`` shows no process (``proc_root``: the
     simulated pids must not meet this machine's real ones). ``sampling=False`` takes one sample and
     starts no threads but the server's. ``port`` 0 is any free one; a test that stops and
-    restarts the server names one (``harness.free_port()``): cheroot sets SO_REUSEADDR only on
-    a port it was given, and without it the connections just closed keep the port taken.
+    restarts the server names one (``harness.free_port()``) to get the same port back.
     """
     sim = sim if sim is not None else four_gpus()
     settings = {

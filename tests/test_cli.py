@@ -1,4 +1,4 @@
-"""The real thing: `gpu-exporter serve` as a subprocess on loopback, through cheroot."""
+"""The real thing: `gpu-exporter serve` as a subprocess on loopback, through the real server."""
 
 from __future__ import annotations
 

@@ -211,14 +211,17 @@ def is_well_framed_chunked(body: bytes) -> bool:
     Bytes after a complete chunked body are the next request on the connection, not part of
     this one: the first answer may rightly be 200 (the next one is then a 400).
     """
+    # RFC 9112 2.2: a recipient MAY take a bare LF as a line end (h11 does), so a body whose
+    # framing is complete that way may be answered too.
     rest = body
     while True:
-        line, sep, rest = rest.partition(b"\r\n")
+        line, sep, rest = rest.partition(b"\n")
+        line = line.removesuffix(b"\r")
         if not sep or not re.fullmatch(rb"[0-9a-fA-F]{1,8}(;[!-~]*)?", line):
             return False
         size = int(line.split(b";")[0], 16)
         if size == 0:
-            return re.match(rb"([!-9;-~]+:[ -~]*\r\n)*\r\n", rest) is not None
+            return re.match(rb"([!-9;-~]+:[ -~]*\r?\n)*\r?\n", rest) is not None
         if len(rest) < size + 2 or rest[size : size + 2] != b"\r\n":
             return False
         rest = rest[size + 2 :]

@@ -38,7 +38,7 @@ def idle_box(n: int = 8, **kwargs: object) -> Stack:
 
 @pytest.fixture
 def served() -> Iterator[tuple[Stack, str]]:
-    """An 8-GPU simulated host behind the real cheroot server on loopback."""
+    """An 8-GPU simulated host behind the real server on loopback."""
     s = idle_box()
     server = Server(s.app, "127.0.0.1", 0, threads=32)
     server.bind()

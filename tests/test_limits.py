@@ -23,7 +23,7 @@ from gpu_exporter.web.server import MAX_BODY_BYTES, MAX_HEADER_BYTES
 
 
 class Running:
-    """One simulated GPU behind the real cheroot server, with the given limits, leased for an
+    """One simulated GPU behind the real server, with the given limits, leased for an
     hour: ``/choose?wait=`` requests wait for it."""
 
     def __init__(self, *, max_in_flight: int, max_waiters: int) -> None:
@@ -147,18 +147,18 @@ def test_unknown_parameters_are_rejected_everywhere() -> None:
         assert resp.json["error"]["code"] == "unknown_parameter"
 
 
-def test_oversized_headers_and_bodies_are_413_one_line(running: Running) -> None:
+def test_oversized_headers_are_431_and_bodies_413_one_line(running: Running) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", running.server.port, timeout=10)
     conn.request("GET", "/gpus", headers={"X-Padding": "a" * MAX_HEADER_BYTES})
     resp = conn.getresponse()
-    assert resp.status == 413
-    assert resp.read() == b"The headers sent with the request exceed the maximum allowed bytes."
+    assert resp.status == 431
+    assert resp.read() == b"error: the request head is over 16384 bytes\n"
     conn.close()
     conn = http.client.HTTPConnection("127.0.0.1", running.server.port, timeout=10)
     conn.request("POST", "/choose", body=b"n=1&" * MAX_BODY_BYTES)
     resp = conn.getresponse()
     assert resp.status == 413
-    assert b"\n" not in resp.read()
+    assert resp.read() == b"error: the request body is over 65536 bytes\n"
     conn.close()
 
 

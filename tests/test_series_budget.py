@@ -157,6 +157,7 @@ def test_a_fresh_exporter_exports_every_known_label_value_at_zero() -> None:
         "uri_too_long",
         "auth_throttled",
         "auth_busy",
+        "too_many_connections",
     }
 
 

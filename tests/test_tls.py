@@ -1,4 +1,4 @@
-"""TLS through the real cheroot server on 127.0.0.1, and `gpu-exporter serve` with a web config."""
+"""TLS through the real server on 127.0.0.1, and `gpu-exporter serve` with a web config."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def test_an_idle_connection_does_not_stall_the_server(
         time.sleep(0.2)
         started = time.monotonic()
         handshake(base, client_context(pki))
-        assert time.monotonic() - started < 3.0  # cheroot's own adapter waits 10 s here
+        assert time.monotonic() - started < 3.0  # cheroot's own TLS adapter waited 10 s here
 
 
 def test_plain_http_to_the_tls_port_gets_nothing(tls_server: tuple[str, WebConfigWatcher]) -> None:

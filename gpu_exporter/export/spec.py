@@ -432,7 +432,8 @@ REQUESTS_REJECTED = MetricSpec(
     details="Reasons: too_many_requests (--max-requests-in-flight), too_many_waiters "
     "(--max-waiters, --max-waiters-per-requester), uri_too_long; and before checking a "
     "password: auth_throttled (429: too many failed logins from that address), auth_busy "
-    "(503: every bcrypt slot busy).",
+    "(503: every bcrypt slot busy); too_many_connections (every connection at the connection "
+    "cap busy with a request).",
     label_values=REJECTION_REASONS,
 )
 CHOOSE_WAITERS = MetricSpec(

@@ -12,7 +12,8 @@ From the outside in::
     DispatcherMiddleware /metrics (or --web.telemetry-path, and then only there) to the
                          exposition, everything else to Flask
     MetricsParams        /metrics: unknown query parameters are a 400, as on every other
-                         endpoint; ``name[]`` is prometheus_client's documented name filter
+                         endpoint; ``name[]`` is prometheus_client's documented name filter;
+                         HEAD is served as GET (the server sends no body for HEAD)
 
 Headers and auth exist only with ``--web-config-file``. :func:`install` sets
 ``app.wsgi_app`` once, as prometheus_client's Flask example does, so the server, Flask's
@@ -74,6 +75,8 @@ class MetricsParams:
         self.path = path
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("REQUEST_METHOD") == "HEAD":  # prometheus_client answers HEAD 405
+            environ = {**environ, "REQUEST_METHOD": "GET"}
         if not environ.get("QUERY_STRING"):  # every scrape: no parsing on the hot path
             return self.app(environ, start_response)
         req = Request(environ)

@@ -1,10 +1,17 @@
-"""The production HTTP server: cheroot, one process, a pool of threads.
+"""The production HTTP server: one process, an asyncio front end, a bounded pool of workers.
 
-Why cheroot (see docs/design.md for the measurements): the cache and lease table live in
-one process, so a pre-fork server would add a master process for nothing and invite NVML
-initialisation before a fork; cheroot is a mature, pure-Python threaded WSGI server (the one
-under CherryPy) with TLS through the standard ``ssl`` module, and binding happens in a
-separate step, so a busy port is reported at once instead of after retries.
+The cache and lease table live in one process, so a pre-fork server would add a master
+process for nothing and invite NVML initialisation before a fork. One event-loop thread holds
+every connection (:mod:`gpu_exporter.web.connection`): a slow, idle or hostile client costs a
+file descriptor and a little memory, never a worker thread, because the app runs on a worker
+(:mod:`gpu_exporter.web.gateway`) only once a whole request has arrived. Connections are
+capped globally and per client address (:mod:`gpu_exporter.web.admission`); probes
+(``/healthz``, ``/readyz``) have workers of their own. Why this design and not cheroot,
+waitress or a Rust server: docs/server-choice.md.
+
+Binding happens in :meth:`Server.bind`, separately from serving, so a busy port is reported at
+once. TLS uses the standard :mod:`ssl` module; the context is asked for on every connection,
+so a reloaded certificate or client CA applies to the next connection without a restart.
 
 Every request's WSGI environ carries :data:`CONNECTED`, a callable that says whether the
 client is still connected (:func:`client_connected`), so a request that waits (``/choose``
@@ -13,159 +20,47 @@ with ``wait=``) can give up as soon as its client does.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
-import functools
 import logging
 import re
-import select
+import resource
 import socket
 import ssl
+import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-from cheroot import errors, wsgi
-from cheroot.server import HTTPConnection
-from cheroot.ssl.builtin import BuiltinSSLAdapter
+from gpu_exporter.counters import TOO_MANY_CONNECTIONS, RequestCounter
+from gpu_exporter.web.admission import MAX_CONNECTIONS, MAX_WAITING_PER_ADDRESS, Admission
+from gpu_exporter.web.connection import DEFAULT_TIMEOUTS, HttpConnection, Site, Timeouts
+from gpu_exporter.web.connection import MAX_BODY_BYTES as MAX_BODY_BYTES
+from gpu_exporter.web.connection import MAX_HEADER_BYTES as MAX_HEADER_BYTES
+from gpu_exporter.web.gateway import CONNECTED as CONNECTED
+from gpu_exporter.web.gateway import Workers
+from gpu_exporter.web.gateway import client_connected as client_connected
+from gpu_exporter.web.limits import PROBE_THREADS
+from gpu_exporter.web.tlslayer import TlsLayer
 
 log = logging.getLogger(__name__)
 
-THREADS = 16  # request threads; scrapes and /choose take well under a millisecond each
-# Connections the kernel queues before accept(): cheroot's default of 5 made a burst of 32
-# job scripts wait up to ~2 s (bench/servers.py, docs/server-choice.md).
+THREADS = 16  # app workers; scrapes and /choose take well under a millisecond each
+# Connections the kernel queues before accept(): a backlog of 5 made a burst of 32 job
+# scripts wait up to ~2 s (bench/servers.py, docs/server-choice.md).
 LISTEN_BACKLOG = 1024
-# A TLS handshake must finish within this; it runs on a request thread, never the accept loop.
-HANDSHAKE_TIMEOUT_SECONDS = 5.0
-# Nothing here needs more: cheroot answers 413 beyond these instead of buffering them.
-MAX_HEADER_BYTES = 16 * 1024
-MAX_BODY_BYTES = 64 * 1024
-# The environ key of the "is the client still connected?" callable (:class:`Gateway`).
-CONNECTED = "gpu_exporter.client_connected"
-_POLLRDHUP = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its sending side
-_GONE = _POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
-
-
-def client_connected(sock: socket.socket) -> bool:
-    """False once the client closed or reset the connection (never blocks; never reads).
-
-    Linux says so with ``POLLRDHUP`` even when unread bytes wait (a pipelined request) and on
-    the TCP socket under TLS, whose ``close_notify`` is such a byte. Elsewhere, a readable
-    plain socket is peeked for end-of-file; a TLS one then counts as connected. A client that
-    only half-closes (shuts down writing, still reading) counts as gone, as with Go's
-    ``net/http``: HTTP clients do not do that while awaiting an answer.
-    """
-    try:
-        fd = sock.fileno()
-    except OSError:
-        return False
-    if fd < 0:
-        return False
-    poller = select.poll()
-    poller.register(fd, select.POLLIN | _POLLRDHUP)
-    events = poller.poll(0)
-    if not events:
-        return True
-    revents = events[0][1]
-    if revents & _GONE:
-        return False
-    if _POLLRDHUP or isinstance(sock, ssl.SSLSocket):
-        return True  # readable but not closed: bytes of a pipelined request
-    try:
-        return sock.recv(1, socket.MSG_PEEK) != b""
-    except (BlockingIOError, InterruptedError, TimeoutError):
-        return True
-    except OSError:
-        return False
-
-
-class Gateway(wsgi.Gateway_10):
-    """cheroot's WSGI 1.0 gateway, adding :data:`CONNECTED` to each request's environ."""
-
-    def get_environ(self) -> dict[str, Any]:  # type: ignore[override]  # stubs say None
-        environ = cast(dict[str, Any], super().get_environ())  # type: ignore[no-untyped-call]
-        environ[CONNECTED] = functools.partial(client_connected, self.req.conn.socket)
-        return environ
+SHUTDOWN_SECONDS = 3.0  # stop(): requests in hand get this long (SIGTERM → exit within 5 s)
+FD_RESERVE = 64  # file descriptors kept for everything but connections (state file, /proc)
+ACCEPT_BURST = 64  # connections accepted per wake-up before other connections get a turn
+_BUSY_LINE = b"error: too many connections; retry in a second\n"
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s"
+) % (len(_BUSY_LINE), _BUSY_LINE)
 
 
 class ListenError(Exception):
     """The address could not be bound; the message says what to do about it."""
-
-
-class _TlsSocket(ssl.SSLSocket):
-    """A client that hangs up mid-response is a reset connection, as on plain TCP.
-
-    cheroot quietly drops ECONNRESET but logs a traceback for ``SSLEOFError`` (a scrape
-    that timed out while the exporter was still writing, say).
-    """
-
-    def send(self, data: Any, flags: int = 0) -> int:
-        try:
-            return super().send(data, flags)
-        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:
-            raise ConnectionResetError(
-                errno.ECONNRESET, "the client closed the connection"
-            ) from exc
-
-    def recv_into(self, buffer: Any, nbytes: int | None = None, flags: int = 0) -> int:
-        try:
-            return super().recv_into(buffer, nbytes, flags)
-        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:
-            raise ConnectionResetError(
-                errno.ECONNRESET, "the client closed the connection"
-            ) from exc
-
-
-class TlsAdapter(BuiltinSSLAdapter):
-    """cheroot's stdlib-``ssl`` adapter, with two changes.
-
-    * The context comes from a callable, asked on every connection, so a reloaded
-      certificate or client CA applies to the next connection without a restart.
-    * The handshake is deferred to the request thread (:class:`TlsConnection`). cheroot's
-      own adapter handshakes in the accept loop, where one client that connects and sends
-      nothing stalls every other connection for the whole socket timeout.
-    """
-
-    def __init__(self, context: Callable[[], ssl.SSLContext]) -> None:
-        # Not BuiltinSSLAdapter.__init__: it wants certificate files and handshakes with itself.
-        self.certificate = self.private_key = self.certificate_chain = self.ciphers = None
-        self.private_key_password = None
-        self._get_context = context
-        self._context = None
-        self._server_env: dict[str, str] = {}
-
-    @property
-    def context(self) -> ssl.SSLContext:
-        return self._get_context()
-
-    @context.setter
-    def context(self, context: ssl.SSLContext | None) -> None:  # cheroot's base class sets it
-        pass
-
-    def wrap(self, sock: socket.socket) -> tuple[ssl.SSLSocket, dict[str, str]]:
-        context = self.context
-        context.sslsocket_class = _TlsSocket
-        try:
-            wrapped = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        except OSError as exc:  # the client is already gone
-            raise errors.FatalSSLAlert(*exc.args) from exc
-        return wrapped, {"wsgi.url_scheme": "https", "HTTPS": "on"}
-
-
-class TlsConnection(HTTPConnection):
-    """Finishes the TLS handshake on the request thread before reading the first request."""
-
-    _handshaken = False
-
-    def communicate(self) -> bool:
-        if not self._handshaken and isinstance(self.socket, ssl.SSLSocket):
-            try:
-                self.socket.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
-                self.socket.do_handshake()
-                self.socket.settimeout(self.server.timeout)
-            except (OSError, ValueError) as exc:  # ssl.SSLError, timeouts, resets
-                log.debug("TLS handshake with %s failed: %s", self.remote_addr, exc)
-                return False  # cheroot closes the connection
-            self._handshaken = True
-        return bool(super().communicate())  # type: ignore[no-untyped-call]
 
 
 class Server:
@@ -177,13 +72,29 @@ class Server:
         *,
         threads: int = THREADS,
         tls: Callable[[], ssl.SSLContext] | None = None,
+        probe_threads: int = PROBE_THREADS,
+        rejections: RequestCounter | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        max_waiting_per_address: int = MAX_WAITING_PER_ADDRESS,
+        timeouts: Timeouts = DEFAULT_TIMEOUTS,
     ) -> None:
         self.host = host
         self.port = port
         self._app = app
         self._threads = threads
+        self._probe_threads = probe_threads
         self._tls = tls
-        self._server: wsgi.Server | None = None
+        self._rejections = rejections if rejections is not None else RequestCounter()
+        self._max_connections = max_connections
+        self._max_waiting_per_address = max_waiting_per_address
+        self._timeouts = timeouts
+        self._listener: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_future: asyncio.Future[None] | None = None
+        self._stop_requested = False
+        self._stopped = threading.Event()
+        self.site: Site | None = None  # while serving: the connections' shared state
 
     @property
     def address(self) -> str:
@@ -205,28 +116,14 @@ class Server:
         hosts = [self.host] if self.host else ["::", "0.0.0.0"]
         last: OSError | None = None
         for host in hosts:
-            server = wsgi.Server(
-                (host, self.port),
-                self._app,
-                numthreads=self._threads,
-                request_queue_size=LISTEN_BACKLOG,
-            )
-            server.server_name = "gpu-exporter"
-            server.gateway = Gateway
-            server.max_request_header_size = MAX_HEADER_BYTES
-            server.max_request_body_size = MAX_BODY_BYTES
-            if self._tls is not None:
-                server.ssl_adapter = TlsAdapter(self._tls)
-                server.ConnectionClass = TlsConnection
             try:
-                server.prepare()
+                self._listener = _listen(host, self.port, dual_stack=not self.host)
             except OSError as exc:
                 last = exc
                 if _in_use(exc):
                     break
                 continue
-            self._server = server
-            self.port = server.bind_addr[1]  # the real port when 0 was asked for
+            self.port = self._listener.getsockname()[1]  # the real port when 0 was asked for
             return
         where = f"{self.host or ''}:{self.port}"
         if last is not None and _in_use(last):
@@ -238,14 +135,176 @@ class Server:
         raise ListenError(f"cannot listen on {where}: {_why(last)}")
 
     def serve(self) -> None:
-        if self._server is None:
+        """Serve until :meth:`stop`; blocks (the event loop runs on this thread)."""
+        if self._listener is None:
             self.bind()
-        assert self._server is not None
-        self._server.serve()
+        listener = self._listener
+        assert listener is not None
+        loop = asyncio.new_event_loop()
+        with self._lock:
+            if self._stop_requested:
+                loop.close()
+                self._close_listener()
+                return
+            self._loop = loop
+            self._stop_future = loop.create_future()
+        try:
+            loop.run_until_complete(self._run(loop, listener, self._stop_future))
+        finally:
+            with self._lock:
+                self._loop = None
+            loop.close()
+            self._close_listener()
+            self._stopped.set()
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
+        """Stop accepting, answer the requests in hand (up to :data:`SHUTDOWN_SECONDS`),
+        close every connection; returns once :meth:`serve` has (or at once if not serving)."""
+        with self._lock:
+            self._stop_requested = True
+            loop, future = self._loop, self._stop_future
+        if loop is None or future is None:
+            self._close_listener()
+            return
+        try:
+            loop.call_soon_threadsafe(_resolve, future)
+        except RuntimeError:  # the loop closed meanwhile
+            return
+        self._stopped.wait(SHUTDOWN_SECONDS + 2.0)
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    async def _run(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        listener: socket.socket,
+        stop: asyncio.Future[None],
+    ) -> None:
+        room = raise_fd_limit() - FD_RESERVE
+        site = Site(
+            loop=loop,
+            app=self._app,
+            scheme=self.scheme,
+            workers=Workers(self._threads, "http"),
+            probe_workers=Workers(self._probe_threads, "probe"),
+            admission=Admission(
+                max(1, min(self._max_connections, room)), self._max_waiting_per_address
+            ),
+            rejections=self._rejections,
+            timeouts=self._timeouts,
+        )
+        self.site = site
+        loop.add_reader(listener.fileno(), self._accept, listener, site)
+        await stop
+        loop.remove_reader(listener.fileno())
+        self._close_listener()  # new connections are refused from now on
+        site.stopping = True
+        site.admission.evict_waiting()
+        for conn in site.admission.connections():
+            conn.finish()
+        deadline = loop.time() + SHUTDOWN_SECONDS
+        while site.admission.held and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in site.admission.connections():
+            conn.evict()
+        await asyncio.sleep(0)  # the aborted transports' callbacks
+        site.workers.stop()
+        site.probe_workers.stop()
+
+    def _accept(self, listener: socket.socket, site: Site) -> None:
+        for _ in range(ACCEPT_BURST):
+            try:
+                sock, peer = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:  # out of file descriptors or memory: accept later
+                log.warning("cannot accept connections: %s", exc.strerror or exc)
+                fd = listener.fileno()
+                site.loop.remove_reader(fd)
+                site.loop.call_later(0.1, site.loop.add_reader, fd, self._accept, listener, site)
+                return
+            self._open(sock, peer, site)
+
+    def _open(self, sock: socket.socket, peer: Any, site: Site) -> None:
+        sock.setblocking(False)
+        conn = HttpConnection(site, (str(peer[0]), int(peer[1])), sock.getsockname()[:2])
+        if not site.admission.admit(conn):
+            site.rejections.inc(TOO_MANY_CONNECTIONS)
+            if self._tls is None:
+                with contextlib.suppress(OSError):
+                    sock.send(_BUSY)
+            sock.close()
+            return
+        protocol: asyncio.Protocol = conn
+        if self._tls is not None:
+            protocol = conn.layer = TlsLayer(
+                conn,
+                self._tls(),
+                loop=site.loop,
+                handshake_seconds=self._timeouts.handshake_seconds,
+                failed=conn.lost_before_start,
+            )
+        conn.opening = site.loop.create_task(_connect(site, conn, sock, protocol))
+
+
+async def _connect(
+    site: Site, conn: HttpConnection, sock: socket.socket, protocol: asyncio.Protocol
+) -> None:
+    """Give ``sock`` a transport, with ``protocol`` (``conn``, or TLS in front of it)."""
+    try:
+        await site.loop.connect_accepted_socket(lambda: protocol, sock)
+    except (Exception, asyncio.CancelledError) as exc:  # evicted before it started
+        log.debug("connection from %s ended before it started: %r", conn.peer[0], exc)
+        sock.close()
+        conn.lost_before_start()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _listen(host: str, port: int, *, dual_stack: bool) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # Connections just closed (TIME_WAIT) must not keep a restarted server off its port;
+        # on Linux this never lets two servers listen on one port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and dual_stack:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-files limit to the hard one, as Go programs do; the soft limit now.
+
+    systemd and most shells start services with a soft limit of 1024, each connection takes
+    one descriptor, and nothing here opens many files.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 def _in_use(exc: OSError) -> bool:
@@ -253,8 +312,7 @@ def _in_use(exc: OSError) -> bool:
     return cause.errno == errno.EADDRINUSE or "in use" in str(exc).lower()
 
 
-# cheroot folds the socket error into one string: "No socket could be created -- ((host,
-# port): [Errno -2] Name or service not known)". The errno is all that is worth keeping.
+# Some errors fold the errno into one string: "... [Errno -2] Name or service not known".
 _ERRNO = re.compile(r"\[Errno (-?\d+)\] ([^)]*)")
 _ADVICE = {
     errno.EADDRNOTAVAIL: "no interface of this machine has that address "
@@ -264,7 +322,7 @@ _ADVICE = {
 
 
 def _why(exc: OSError | None) -> str:
-    """One line for people instead of cheroot's nested tuple and errno."""
+    """One line for people instead of a nested tuple and an errno."""
     if exc is None:
         return "no usable address"
     code, text = exc.errno, exc.strerror

@@ -1,0 +1,255 @@
+"""From a parsed HTTP request to a WSGI call and back, on a bounded pool of threads; and
+:data:`CONNECTED`, the environ's "is the client still there?" callable (:func:`client_connected`).
+
+The event loop (:mod:`gpu_exporter.web.connection`) hands a request to a worker only once its
+head and body have fully arrived, so a worker never waits on a client: it builds the environ
+(:func:`environ_for`), runs the app to completion (:func:`call_app`: the whole body is
+collected, as :class:`~gpu_exporter.web.limits.RequestLimits` does anyway) and gives the
+:class:`Answer` back to the loop, which writes it.
+
+:class:`Workers` are daemon threads: a request stuck in the app cannot keep the process from
+ending on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import queue
+import select
+import socket
+import ssl
+import sys
+import threading
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Headers = list[tuple[bytes, bytes]]
+_INTERNAL_ERROR = b"error: internal error; see the exporter's log\n"
+# The environ key of the "is the client still connected?" callable.
+CONNECTED = "gpu_exporter.client_connected"
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its sending side
+_GONE = _POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A complete response from the app."""
+
+    status: int
+    reason: bytes
+    headers: Headers
+    body: bytes
+
+
+class Workers:
+    """At most ``size`` jobs run at once, each on a thread of its own (started on demand).
+
+    One client address gets at most :attr:`share` of them (three quarters), so however many
+    requests one address keeps in flight (40 threads sending wrong passwords, each answered
+    429 in a millisecond), another address's scrape still finds a free worker.
+    """
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size = size
+        self.share = max(1, size - size // 4)
+        self._name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._busy = 0  # jobs submitted and not finished: never more than threads
+        self._threads = 0
+        self._by_owner: dict[str, int] = {}
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def submit(
+        self, job: Callable[[], None], *, owner: str = "", queue_when_busy: bool = False
+    ) -> bool:
+        """Run ``job`` on a worker; False (and nothing run) when all are busy or ``owner``
+        (the client address) has its :attr:`share`, unless ``queue_when_busy`` (the probes:
+        each takes well under a millisecond)."""
+        with self._lock:
+            held = self._by_owner.get(owner, 0)
+            full = self._busy >= self.size or held >= self.share
+            if full and not queue_when_busy:
+                return False
+            self._busy += 1
+            self._by_owner[owner] = held + 1
+            if self._threads < min(self._busy, self.size):
+                self._threads += 1
+                number = self._threads
+                start = True
+            else:
+                start = False
+        if start:
+            name = f"{self._name}-{number}"
+            threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._jobs.put(lambda: self._owned(job, owner))
+        return True
+
+    def _owned(self, job: Callable[[], None], owner: str) -> None:
+        try:
+            job()
+        finally:
+            with self._lock:
+                left = self._by_owner[owner] - 1
+                if left:
+                    self._by_owner[owner] = left
+                else:
+                    del self._by_owner[owner]
+
+    def stop(self) -> None:
+        """Let idle threads end (busy ones end after their job)."""
+        for _ in range(self._threads):
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # the job answers its own errors; this is a last resort
+                log.exception("request worker failed")
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+
+def client_connected(sock: Any) -> bool:
+    """False once the client closed or reset the connection (never blocks; never reads).
+
+    Linux says so with ``POLLRDHUP`` even when unread bytes wait (a pipelined request) and on
+    the TCP socket under TLS, whose ``close_notify`` is such a byte. Elsewhere, a readable
+    plain socket is peeked for end-of-file; a TLS one then counts as connected. A client that
+    only half-closes (shuts down writing, still reading) counts as gone, as with Go's
+    ``net/http``: HTTP clients do not do that while awaiting an answer.
+    """
+    try:
+        fd = sock.fileno()
+    except OSError:
+        return False
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | _POLLRDHUP)
+    events = poller.poll(0)
+    if not events:
+        return True
+    revents = events[0][1]
+    if revents & _GONE:
+        return False
+    if _POLLRDHUP or isinstance(sock, ssl.SSLSocket):
+        return True  # readable but not closed: bytes of a pipelined request
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK) != b"")
+    except (BlockingIOError, InterruptedError, TimeoutError):
+        return True
+    except OSError:
+        return False
+
+
+def environ_for(
+    *,
+    method: bytes,
+    target: bytes,
+    headers: Headers,
+    body: bytes,
+    http_version: bytes,
+    scheme: str,
+    server: tuple[str, int],
+    peer: tuple[str, int],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """The WSGI environ (PEP 3333) of one request; ``target`` was checked by the caller."""
+    path, _, query = target.partition(b"?")
+    if not path.startswith(b"/"):  # absolute form: http://host/path?query
+        path = urllib.parse.urlsplit(path).path or b"/"
+    environ: dict[str, Any] = {
+        "REQUEST_METHOD": method.decode("ascii"),
+        "SCRIPT_NAME": "",
+        "PATH_INFO": urllib.parse.unquote_to_bytes(path).decode("latin-1"),
+        "QUERY_STRING": query.decode("latin-1"),
+        "SERVER_NAME": server[0],
+        "SERVER_PORT": str(server[1]),
+        "SERVER_PROTOCOL": f"HTTP/{http_version.decode('ascii')}",
+        "REMOTE_ADDR": peer[0],
+        "REMOTE_PORT": str(peer[1]),
+        "wsgi.version": (1, 0),
+        "wsgi.url_scheme": scheme,
+        "wsgi.input": io.BytesIO(body),
+        "wsgi.input_terminated": True,  # the body was de-chunked and counted here
+        "wsgi.errors": sys.stderr,
+        "wsgi.multithread": True,
+        "wsgi.multiprocess": False,
+        "wsgi.run_once": False,
+        "CONTENT_LENGTH": str(len(body)) if body else "",
+        **extra,
+    }
+    if scheme == "https":
+        environ["HTTPS"] = "on"
+    for name, value in headers:
+        if name == b"content-type":
+            environ["CONTENT_TYPE"] = value.decode("latin-1")
+            continue
+        if name in (b"content-length", b"transfer-encoding"):
+            continue  # the body is complete: CONTENT_LENGTH above says how long
+        key = "HTTP_" + name.decode("ascii").upper().replace("-", "_")
+        text = value.decode("latin-1")
+        environ[key] = f"{environ[key]},{text}" if key in environ else text
+    return environ
+
+
+def call_app(app: Callable[..., Any], environ: dict[str, Any]) -> Answer:
+    """Run ``app`` to completion; an exception is logged and answered 500 in one line."""
+    started: list[Any] = []
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        if exc_info is not None and started:
+            raise exc_info[1].with_traceback(exc_info[2])
+        started[:] = [status, headers]
+        return _no_write
+
+    try:
+        result = app(environ, start_response)
+        try:
+            body = b"".join(result)
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        status, headers = started
+        code = int(status[:3])
+        reason = status[4:].encode("latin-1")
+        encoded = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in headers]
+    except Exception:
+        log.exception(
+            "request failed: %s %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO")
+        )
+        return error_answer(500, _INTERNAL_ERROR)
+    return Answer(code, reason, encoded, body)
+
+
+def error_answer(status: int, body: bytes, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
+    """One plain line (the error contract of :mod:`gpu_exporter.web.errors`)."""
+    return Answer(
+        status,
+        b"",
+        [
+            (b"Content-Type", b"text/plain; charset=utf-8"),
+            (b"Cache-Control", b"no-store"),
+            *headers,
+        ],
+        body,
+    )
+
+
+def _no_write(data: bytes) -> None:
+    raise NotImplementedError("the app must return its body, not write() it")

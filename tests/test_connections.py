@@ -1,0 +1,362 @@
+"""The connection layer through real sockets (issue 14): slow, idle, hostile and unread
+clients cost no worker; deadlines for whole waits; caps; framing errors; HEAD; SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import signal
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from tls_certs import CA
+
+from gpu_exporter.web.connection import Timeouts
+from gpu_exporter.web.server import Server
+from harness import free_port, start, stop, wait_ready
+from served import Served, served
+
+ALL = "max_util=100%25&max_mem_util=100%25"  # busy cards count too
+
+
+@contextlib.contextmanager
+def extra_server(exporter: Served, **options: object) -> Iterator[Server]:
+    """A second server for ``exporter``'s app on loopback, with ``options``."""
+    server = Server(exporter.daemon.app, "127.0.0.1", 0, **options)  # type: ignore[arg-type]
+    server.bind()
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(10)
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def timed_get(port: int, path: str, method: str = "GET") -> tuple[int, bytes, float]:
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        return resp.status, resp.read(), time.monotonic() - started
+    finally:
+        conn.close()
+
+
+def closed_within(sock: socket.socket, seconds: float) -> float:
+    """How long until the server closed ``sock`` (reading and dropping what it sends)."""
+    started = time.monotonic()
+    sock.settimeout(seconds)
+    with contextlib.suppress(ConnectionResetError):
+        while sock.recv(65536):
+            pass
+    return time.monotonic() - started
+
+
+def raw(port: int, data: bytes) -> bytes:
+    """Send ``data``, read until the server closes."""
+    with connect(port) as sock:
+        sock.sendall(data)
+        out = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                out += chunk
+    return out
+
+
+def until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s"
+        time.sleep(0.02)
+
+
+# -- slow and idle clients cost no worker --------------------------------------------------
+
+
+def test_slowloris_and_idle_connections_do_not_starve_anyone() -> None:
+    # 8 workers in all (4 + 4 for probes) held 8 connections for good under cheroot.
+    with served(max_requests_in_flight=4) as exporter:
+        port = exporter.port
+        held = [connect(port) for _ in range(40)]  # idle: never send a byte
+        for sock in held[:20]:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # a head never finished
+        time.sleep(0.2)
+        for path in ("/healthz", "/readyz", "/metrics", f"/choose?n=1&lease=0&{ALL}"):
+            status, _, seconds = timed_get(port, path)
+            assert status == 200 and seconds < 1.0, (path, status, seconds)
+        for sock in held:
+            sock.close()
+
+
+def test_the_request_deadline_is_for_the_whole_head_not_per_byte() -> None:
+    timeouts = Timeouts(request_seconds=1.0)
+    with (
+        served() as exporter,
+        extra_server(exporter, timeouts=timeouts) as s,
+        connect(s.port) as slow,
+        connect(s.port) as idle,
+    ):
+        slow.sendall(b"GET /metrics HTTP/1.1\r\n")
+        started = time.monotonic()
+        slow.settimeout(0.2)
+        gone = False
+        while time.monotonic() - started < 3 and not gone:  # one byte every 0.2 s
+            try:
+                slow.sendall(b"X")
+                gone = slow.recv(1) == b""
+            except TimeoutError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                gone = True
+        assert gone and time.monotonic() - started < 2.0
+        assert closed_within(idle, 2.0) < 2.0  # nothing sent at all: the same deadline
+
+
+def test_an_unread_answer_is_dropped_after_the_write_deadline() -> None:
+    timeouts = Timeouts(write_seconds=1.0)
+    with served() as exporter, extra_server(exporter, timeouts=timeouts) as s:
+        greedy = [socket.socket() for _ in range(5)]
+        for sock in greedy:  # pipelined scrapes, never read: far more than the kernel buffers
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", s.port))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+        for _ in range(5):
+            status, _, seconds = timed_get(s.port, "/metrics")
+            assert status == 200 and seconds < 1.0
+        assert s.site is not None
+        until(lambda: s.site is not None and s.site.admission.held == 0, 5.0)
+        for sock in greedy:
+            sock.close()
+
+
+# -- caps -----------------------------------------------------------------------------------
+
+
+def test_a_new_connection_evicts_its_address_oldest_waiting_one() -> None:
+    with served() as exporter, extra_server(exporter, max_waiting_per_address=5) as s:
+        idle = [connect(s.port) for _ in range(5)]
+        time.sleep(0.1)
+        assert timed_get(s.port, "/healthz")[0] == 200  # the good client gets in
+        assert closed_within(idle[0], 2.0) < 2.0  # … and the oldest idle one went
+        assert s.site is not None and s.site.admission.evicted >= 1
+        for sock in idle:
+            sock.close()
+
+
+def test_beyond_the_global_cap_with_nothing_to_evict_is_503_at_once() -> None:
+    with (
+        served() as exporter,
+        extra_server(exporter, max_connections=2, rejections=exporter.daemon.rejections) as s,
+    ):
+        assert timed_get(exporter.port, f"/choose?n=4&lease=1h&{ALL}")[0] == 200  # all taken
+        waiting = [connect(s.port) for _ in range(2)]
+        for sock in waiting:  # both busy: long polls are never evicted
+            sock.sendall(f"GET /choose?n=1&wait=3s&{ALL} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        until(lambda: exporter.daemon.services.waiters.active == 2)
+        answer = raw(s.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert answer.endswith(b"\r\n\r\nerror: too many connections; retry in a second\n")
+        assert exporter.daemon.rejections.counts()["too_many_connections"] == 1
+        for sock in waiting:
+            sock.close()
+
+
+# -- framing --------------------------------------------------------------------------------
+
+
+def error_line(answer: bytes) -> tuple[int, bytes]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert body.endswith(b"\n") and body.count(b"\n") == 1 and body.startswith(b"error: "), answer
+    assert b"Traceback" not in answer
+    return int(head.split(b" ", 2)[1]), body
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (  # a chunked body over 64 KiB: was 500
+            b"POST /leases HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + (b"4000\r\n" + b"a" * 0x4000 + b"\r\n") * 5
+            + b"0\r\n\r\n",
+            413,
+        ),
+        (  # declared too long: answered before the body is read
+            b"POST /leases HTTP/1.1\r\nHost: x\r\nContent-Length: 70000\r\n\r\n",
+            413,
+        ),
+        (  # both framings: was 200 with the body ignored
+            b"POST /leases HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Length: 5\r\n\r\n0\r\n\r\n",
+            400,
+        ),
+        (  # a chunk size that is not hex
+            b"POST /leases HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n",
+            400,
+        ),
+        (b"POST /leases HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400),
+        (b"GET /healthz\x00 HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+        (b"NOT A REQUEST\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n", 400),
+        (b"GET healthz HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n", 431),
+    ],
+)
+def test_malformed_requests_get_one_4xx_line(request_bytes: bytes, status: int) -> None:
+    with served(sampling=False) as exporter:
+        assert error_line(raw(exporter.port, request_bytes))[0] == status
+
+
+def test_good_framing_still_works() -> None:
+    with served(sampling=False) as exporter:
+        port = exporter.port
+        # Two pipelined requests on one connection, the second closing it.
+        answer = raw(
+            port,
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        assert answer.count(b"HTTP/1.1 200 OK") == 2
+        # A small chunked body reaches the app (an unknown lease: 404, not ignored).
+        answer = raw(
+            port,
+            b"POST /leases/nope/release HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Connection: close\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        )
+        assert answer.startswith(b"HTTP/1.1 404 ")
+        # HTTP/1.0 without a Host header.
+        assert raw(port, b"GET /healthz HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
+
+
+# -- HEAD -----------------------------------------------------------------------------------
+
+
+def test_head_works_wherever_get_does_without_a_body_or_a_claim() -> None:
+    with served() as exporter:
+        paths = ("/", "/metrics", "/gpus", "/leases", "/healthz", "/readyz", "/openapi.json")
+        for path in (*paths, f"/choose?n=1&{ALL}"):
+            get_status = timed_get(exporter.port, path + ("&lease=0" if "?" in path else ""))[0]
+            status, body, _ = timed_get(exporter.port, path, "HEAD")
+            assert (status, body) == (get_status, b""), path
+        assert exporter.leases() == []  # HEAD /choose claimed nothing
+
+
+# -- TLS ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("pki")
+    ca = CA.create(d, "ca")
+    issued = ca.issue(d, "server", server=True)
+    config = d / "web.yml"
+    config.write_text(f"tls_server_config: {{cert_file: {issued.cert}, key_file: {issued.key}}}\n")
+    return config, ca.path
+
+
+def tls_healthz(port: int, ca: Path) -> float:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    started = time.monotonic()
+    conn = http.client.HTTPSConnection("localhost", port, timeout=5, context=ctx)
+    try:
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+    return time.monotonic() - started
+
+
+def test_clients_that_never_handshake_do_not_delay_probes(tls_files: tuple[Path, Path]) -> None:
+    config, ca = tls_files
+    with served(web_config_file=str(config), max_requests_in_flight=4) as exporter:
+        silent = [connect(exporter.port) for _ in range(40)]  # TCP, never a ClientHello
+        time.sleep(0.2)
+        slowest = max(tls_healthz(exporter.port, ca) for _ in range(10))
+        assert slowest < 1.0
+        for sock in silent:
+            sock.close()
+
+
+def test_the_tls_handshake_has_a_deadline(tls_files: tuple[Path, Path]) -> None:
+    config, _ = tls_files
+    timeouts = Timeouts(handshake_seconds=0.5)
+    with served(web_config_file=str(config)) as exporter:
+        watcher = exporter.daemon.watcher
+        assert watcher is not None
+        with (
+            extra_server(exporter, tls=watcher.tls_context, timeouts=timeouts) as s,
+            connect(s.port) as silent,
+        ):
+            silent.sendall(b"\x16\x03\x01")  # the start of a ClientHello, then nothing
+            assert closed_within(silent, 3.0) < 1.5
+
+
+# -- SIGTERM --------------------------------------------------------------------------------
+
+
+def test_sigterm_ends_the_process_within_5_s_whatever_the_clients_do() -> None:
+    port = free_port()
+    proc = start("serve", "--simulate", "1", "--listen-address", f"127.0.0.1:{port}")
+    held: list[socket.socket] = []
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+        assert timed_get(port, f"/choose?n=1&lease=1h&{ALL}")[0] == 200
+        waiter = connect(port)  # waits for the one GPU, leased above
+        waiter.sendall(f"GET /choose?n=1&wait=60s&{ALL} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        for _ in range(40):
+            sock = connect(port)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # slowloris
+            held.append(sock)
+        held.extend(connect(port) for _ in range(40))  # idle
+        time.sleep(0.5)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+        assert time.monotonic() - started < 5.0
+        waiter.settimeout(5)
+        answer = waiter.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert answer.endswith(b"error: the exporter is shutting down\n")
+        waiter.close()
+    finally:
+        for sock in held:
+            sock.close()
+        err = stop(proc)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+def test_one_address_gets_at_most_three_quarters_of_the_workers() -> None:
+    """40 wrong-password threads from one address must leave workers for another's scrape."""
+    from gpu_exporter.web.gateway import Workers
+
+    workers = Workers(8, "test")
+    release = threading.Event()
+    try:
+        taken = 0
+        while workers.submit(release.wait, owner="127.0.0.2"):
+            taken += 1
+            assert taken <= 8
+        assert taken == workers.share == 6
+        assert workers.submit(release.wait, owner="127.0.0.1")  # another address still gets one
+        assert workers.submit(release.wait, owner="127.0.0.1")
+        assert not workers.submit(release.wait, owner="127.0.0.1")  # all 8 busy now
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while workers.busy:  # finished jobs give their owner's share back
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert workers.submit(lambda: None, owner="127.0.0.2")
+    workers.stop()
