@@ -6,7 +6,7 @@ own, never into ``.venv``::
     python3 -m venv bench/.venv-servers
     bench/.venv-servers/bin/pip install -e . waitress uvicorn a2wsgi hypercorn granian cryptography
     bench/.venv-servers/bin/python bench/candidates.py            # plain HTTP, then TLS
-    bench/.venv-servers/bin/python bench/candidates.py --servers cheroot,uvicorn --repeat 1
+    bench/.venv-servers/bin/python bench/candidates.py --servers gpu-exporter,uvicorn --repeat 1
 
 Each server runs the real app as ``bench/servers.py`` runs it (``--serve NAME``: 8 simulated
 GPUs, the sampler, 16 request threads or a pool of 16 for the WSGI app) in a subprocess on a
@@ -16,7 +16,7 @@ never start the handshake — while a scraper fetches ``/metrics`` and ``/health
 100 ms and a job calls ``/choose?lease=0`` every 100 ms. Recorded: the good clients' errors
 and p50/p99/max, a baseline of the same clients without the attack, and how long the server
 takes to exit after SIGTERM with the attack still running (the bench's own SIGTERM handler
-for cheroot and waitress; the server's own for the others). JSON goes to
+for gpu-exporter, cheroot and waitress; the server's own for the others). JSON goes to
 ``bench/results/candidates.json`` and a markdown table to stdout.
 """
 
@@ -45,11 +45,28 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 import hostile  # noqa: E402
 import servers  # noqa: E402
 
-CANDIDATES = ("cheroot", "waitress", "waitress-1024", "uvicorn", "hypercorn", "granian")
+CANDIDATES = (
+    "gpu-exporter",
+    "cheroot",
+    "waitress",
+    "waitress-1024",
+    "uvicorn",
+    "hypercorn",
+    "granian",
+)
 NO_TLS = {"waitress", "waitress-1024"}  # waitress has no TLS at all
 ATTACK = hostile.Attack(slowloris=200, idle=200)
 TLS_ATTACK = hostile.Attack(slowloris=200, idle=200, tls_silent=100)
-VERSIONED = ("cheroot", "waitress", "uvicorn", "a2wsgi", "hypercorn", "granian", "h11")
+VERSIONED = (
+    "gpu-exporter",
+    "cheroot",
+    "waitress",
+    "uvicorn",
+    "a2wsgi",
+    "hypercorn",
+    "granian",
+    "h11",
+)
 
 
 def make_certificate(directory: Path) -> tuple[Path, Path, Path]:

@@ -18,12 +18,13 @@ Each server runs the real app — 8 simulated GPUs, a sampler thread every secon
 table, ``GpuCollector`` and ``ProcessCollector``, wired as ``gpu-exporter serve --simulate 8``
 wires them — in a subprocess of its own on a free 127.0.0.1 port:
 
-* ``cheroot``: ``gpu_exporter.web.server.Server``, the production wrapper (16 threads);
+* ``gpu-exporter``: ``gpu_exporter.web.server.Server``, the production server (the asyncio
+  front end since issue 14; cheroot before), 16 request threads;
 * ``waitress``: ``create_server(app, threads=16)``;
 * ``gunicorn``: one worker, ``-k gthread --threads 16 -w 1``; the app and its sampler are
   built in the worker, after the fork;
-* ``cheroot-backlog`` (not in ``--quick``): cheroot as above but with a listen backlog of
-  1024 instead of cheroot's default of 5;
+* ``cheroot`` (not in ``--quick``; where cheroot is installed): plain cheroot with a listen
+  backlog of 1024 instead of its default of 5;
 * on request (``--servers``), the candidates of issue 14, which ``bench/candidates.py`` puts
   under hostile clients: ``waitress-1024`` (waitress with ``connection_limit=1024``),
   ``uvicorn`` (asyncio + h11, the WSGI app in a2wsgi's pool of 16 threads), ``hypercorn``
@@ -97,11 +98,11 @@ if TYPE_CHECKING:
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 HOST = "127.0.0.1"
-SERVERS = ("cheroot", "waitress", "gunicorn")
-VARIANTS = ("cheroot-backlog",)  # in the default run only
-BACKLOG = 1024  # cheroot-backlog's listen backlog; cheroot's default is 5
-# What must be importable, where not the name:
-MODULE = {"cheroot-backlog": "cheroot", "waitress-1024": "waitress"}
+SERVERS = ("gpu-exporter", "waitress", "gunicorn")
+VARIANTS = ("cheroot",)  # in the default run only
+BACKLOG = 1024  # cheroot's listen backlog here; its own default is 5
+# What must be importable, where not the name (gpu-exporter: the project itself):
+MODULE = {"gpu-exporter": "gpu_exporter", "waitress-1024": "waitress"}
 # /choose claims what it picks for 60 s by default, so 8 GPUs would be gone after 8 requests
 # and every later one would be a 503; lease=0 runs the same selection under the same lock
 # without holding anything.
@@ -195,7 +196,7 @@ def _tls_files() -> tuple[str, str] | None:
     return (cert, key) if cert and key else None
 
 
-def _serve_cheroot(port: int) -> int:
+def _serve_project(port: int) -> int:
     import ssl
 
     from gpu_exporter.web.server import ListenError, Server
@@ -210,12 +211,12 @@ def _serve_cheroot(port: int) -> int:
     try:
         server.bind()
     except ListenError as exc:
-        print(f"cheroot: {exc}", file=sys.stderr)
+        print(f"gpu-exporter: {exc}", file=sys.stderr)
         return 1
     return _serve_until_sigterm(server, daemon)
 
 
-def _serve_cheroot_backlog(port: int) -> int:
+def _serve_cheroot(port: int) -> int:
     from cheroot import wsgi
 
     app, daemon = _build_app()
@@ -370,10 +371,10 @@ def _serve_granian(port: int) -> int:
 
 
 SERVE = {
-    "cheroot": _serve_cheroot,
+    "gpu-exporter": _serve_project,
     "waitress": _serve_waitress,
     "gunicorn": _serve_gunicorn,
-    "cheroot-backlog": _serve_cheroot_backlog,
+    "cheroot": _serve_cheroot,
     # waitress with room for the hostile clients' 400 connections (its default is 100)
     "waitress-1024": lambda port: _serve_waitress(port, connection_limit=1024),
     "uvicorn": _serve_uvicorn,

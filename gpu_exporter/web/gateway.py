@@ -49,14 +49,16 @@ class Answer:
 class Workers:
     """At most ``size`` jobs run at once, each on a thread of its own (started on demand).
 
-    One client address gets at most :attr:`share` of them (three quarters), so however many
-    requests one address keeps in flight (40 threads sending wrong passwords, each answered
-    429 in a millisecond), another address's scrape still finds a free worker.
+    One client address gets at most :attr:`share` of them: all but a reserve of up to 4 (a
+    quarter of a small pool). The server's pool is ``--max-requests-in-flight`` + 4, so 32 job
+    scripts on the host itself still run at once, and however many requests one address keeps
+    in flight (40 threads sending wrong passwords, each answered 429 in a millisecond), another
+    address's scrape still finds a free worker.
     """
 
     def __init__(self, size: int, name: str) -> None:
         self.size = size
-        self.share = max(1, size - size // 4)
+        self.share = max(1, size - max(1, min(4, size // 4)))
         self._name = name
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
