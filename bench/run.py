@@ -625,8 +625,8 @@ def markdown(report: dict[str, Any]) -> str:
         "NVML calls per sample",
         calls,
         peer_s and peer_s["nvml_calls_per_sample"],
-        f"fields × devices + 1 = {expected}",
-        calls == expected,
+        f"fast fields × devices + 1 = {expected}, + health fields every 30 s",
+        expected is not None and expected <= calls <= expected + SLOW_CALLS_PER_SAMPLE + 0.01,
     )
     cpu = ours_s["cpu_percent_of_one_core"]
     peer_cpu = peer_s and peer_s["cpu_percent_of_one_core"]
@@ -789,6 +789,11 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
 def _expected_calls() -> int:
     """One nvmlDeviceGetCount_v2, then per GPU its handle and one call per supported field."""
     return 1 + GPUS * (1 + per_sample_fields())
+
+
+# The 14 health fields of an A100 (collect/groups.py SLOW, less the NOT_SUPPORTED retired
+# pages) read for 8 GPUs every --slow-interval (30 samples): what a window averages at most.
+SLOW_CALLS_PER_SAMPLE = 8 * 14 / 30
 
 
 def per_sample_fields() -> int:

@@ -362,3 +362,25 @@ def test_one_address_leaves_a_reserve_of_workers_to_the_others() -> None:
     workers.stop()
     # The server's pool (--max-requests-in-flight + 4): one address may use all 32 slots.
     assert Workers(36, "test").share == 32
+
+
+def test_one_keep_alive_connection_answers_request_after_request() -> None:
+    """A scraper reuses its connection: each later request, sent after the answer to the one
+    before (not pipelined), is answered on the same connection, and the last one closes it."""
+    with served() as exporter:
+        conn = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=5)
+        try:
+            for path in ("/healthz", "/metrics", "/choose?n=1&lease=0", "/gpus"):
+                conn.request("GET", path)
+                response = conn.getresponse()
+                response.read()
+                assert response.status == 200, path
+                assert response.getheader("Connection") is None, path  # kept alive
+            conn.request("GET", "/healthz", headers={"Connection": "close"})
+            response = conn.getresponse()
+            assert response.read() == b"ok\n"
+            assert response.getheader("Connection") == "close"
+            sock = conn.sock
+            assert sock is None or sock.recv(1) == b""  # and the server closed it
+        finally:
+            conn.close()

@@ -295,29 +295,36 @@ class HttpConnection(asyncio.Protocol):
             headers.append((b"Content-Length", str(len(answer.body)).encode()))
         if self.site.stopping:
             headers.append((b"Connection", b"close"))
-        try:
-            response = h11.Response(
-                status_code=answer.status, headers=headers, reason=answer.reason
-            )
-            parts = [self._h11.send(response) or b""]
-            if answer.body and not head_only:
-                parts += self._h11.send_with_data_passthrough(h11.Data(answer.body)) or ()
-            parts.append(self._h11.send(h11.EndOfMessage()) or b"")
-            self._transport.write(b"".join(parts))  # one send(): head and body in one packet
-        except h11.LocalProtocolError as exc:  # the app's headers are not valid HTTP
-            log.error("cannot send the answer to %s: %s", _path(request), exc)
-            self.evict()
-            return
+        # The head is written here, not by h11: its checks of headers the app already made
+        # valid cost ~30 µs a request (about a third of a keep-alive scrape's server time).
+        # h11 keeps the parsing; a new parser per request takes the bytes already received.
+        keep_alive = self._h11.their_state is h11.DONE and not any(
+            n.lower() == b"connection" and v.lower() == b"close" for n, v in headers
+        )
+        if not keep_alive and not any(n.lower() == b"connection" for n, _ in headers):
+            headers.append((b"Connection", b"close"))
+        reason = answer.reason or _REASONS.get(answer.status, "Unknown").encode()
+        head = b"HTTP/1.1 %d %s\r\n%s\r\n" % (
+            answer.status,
+            reason,
+            b"".join(b"%s: %s\r\n" % (n, v) for n, v in headers),
+        )
+        if answer.body and not head_only:
+            head += answer.body
+        self._transport.write(head)  # one send(): head and body in one packet
         self._busy = False
         self._request = None
-        if self._h11.our_state is not h11.DONE or self._h11.their_state is not h11.DONE:
-            self._close()  # Connection: close, HTTP/1.0, or the client is done
-        elif self.site.stopping:
-            self._close()
-        else:
-            self._h11.start_next_cycle()
-            if not self._write_paused:
-                self._next()
+        if not keep_alive:
+            self._close()  # Connection: close, HTTP/1.0, shutting down, or the client is done
+            return
+        received, closed = self._h11.trailing_data
+        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        if received:  # (b"" would tell h11 the client closed)
+            self._h11.receive_data(bytes(received))
+        if closed:
+            self._h11.receive_data(b"")
+        if not self._write_paused:
+            self._next()
 
     def _next(self) -> None:
         """Wait for the next request, or read one already received (pipelined)."""
