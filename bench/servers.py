@@ -207,7 +207,9 @@ def _serve_project(port: int) -> int:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(*files)
         tls = lambda: context  # noqa: E731
-    server = Server(app, HOST, port, threads=SERVER_THREADS, tls=tls)
+    # As `serve` sizes it (--max-requests-in-flight + 4): one client address, as every load
+    # client here is, may use all but 4 threads, so SERVER_THREADS of them, like the others.
+    server = Server(app, HOST, port, threads=SERVER_THREADS + 4, tls=tls)
     try:
         server.bind()
     except ListenError as exc:

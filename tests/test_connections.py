@@ -343,15 +343,19 @@ def test_one_address_leaves_a_reserve_of_workers_to_the_others() -> None:
 
     workers = Workers(8, "test")
     release = threading.Event()
+
+    def hold() -> None:
+        release.wait()
+
     try:
         taken = 0
-        while workers.submit(release.wait, owner="127.0.0.2"):
+        while workers.submit(hold, owner="127.0.0.2"):
             taken += 1
             assert taken <= 8
         assert taken == workers.share == 6
-        assert workers.submit(release.wait, owner="127.0.0.1")  # another address still gets one
-        assert workers.submit(release.wait, owner="127.0.0.1")
-        assert not workers.submit(release.wait, owner="127.0.0.1")  # all 8 busy now
+        assert workers.submit(hold, owner="127.0.0.1")  # another address still gets one
+        assert workers.submit(hold, owner="127.0.0.1")
+        assert not workers.submit(hold, owner="127.0.0.1")  # all 8 busy now
     finally:
         release.set()
     deadline = time.monotonic() + 5
@@ -384,3 +388,22 @@ def test_one_keep_alive_connection_answers_request_after_request() -> None:
             assert sock is None or sock.recv(1) == b""  # and the server closed it
         finally:
             conn.close()
+
+
+def test_a_worker_slot_is_free_before_its_answer_is_handed_back() -> None:
+    """A client that sends its next request the moment it has the answer finds its slot free
+    (16 keep-alive clients from one address otherwise got 503 now and then)."""
+    from gpu_exporter.web.gateway import Workers
+
+    workers = Workers(1, "test")
+    accepted: list[bool] = []
+    done = threading.Event()
+
+    def next_request() -> None:
+        accepted.append(workers.submit(lambda: None, owner="127.0.0.1"))
+        done.set()
+
+    assert workers.submit(lambda: next_request, owner="127.0.0.1")
+    assert done.wait(5)
+    assert accepted == [True]
+    workers.stop()

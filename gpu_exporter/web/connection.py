@@ -248,7 +248,7 @@ class HttpConnection(asyncio.Protocol):
         loop, app = self.site.loop, self.site.app
         extra = {CONNECTED: self.connected}
 
-        def job() -> None:
+        def job() -> Callable[[], None]:
             try:
                 environ = environ_for(
                     method=request.method,
@@ -265,9 +265,13 @@ class HttpConnection(asyncio.Protocol):
                 answer = error_answer(400, f"error: malformed request target: {exc}\n".encode())
             else:
                 answer = call_app(app, environ)
-            # RuntimeError: the loop is closed, the server stopped meanwhile.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._respond, answer)
+
+            def hand_back() -> None:
+                # RuntimeError: the loop is closed, the server stopped meanwhile.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self._respond, answer)
+
+            return hand_back
 
         workers = self.site.workers
         if workers.submit(job, owner=address_key(self.peer[0])):

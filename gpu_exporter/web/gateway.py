@@ -46,6 +46,11 @@ class Answer:
     body: bytes
 
 
+# A job returns what to do once its worker slot is free again (hand its answer back), or None.
+After = Callable[[], None] | None
+Job = Callable[[], After]
+
+
 class Workers:
     """At most ``size`` jobs run at once, each on a thread of its own (started on demand).
 
@@ -60,7 +65,7 @@ class Workers:
         self.size = size
         self.share = max(1, size - max(1, min(4, size // 4)))
         self._name = name
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._busy = 0  # jobs submitted and not finished: never more than threads
         self._threads = 0
@@ -70,12 +75,14 @@ class Workers:
     def busy(self) -> int:
         return self._busy
 
-    def submit(
-        self, job: Callable[[], None], *, owner: str = "", queue_when_busy: bool = False
-    ) -> bool:
+    def submit(self, job: Job, *, owner: str = "", queue_when_busy: bool = False) -> bool:
         """Run ``job`` on a worker; False (and nothing run) when all are busy or ``owner``
         (the client address) has its :attr:`share`, unless ``queue_when_busy`` (the probes:
-        each takes well under a millisecond)."""
+        each takes well under a millisecond).
+
+        What ``job`` returns (hand the answer back) runs once its slot is free again: a
+        client that sends its next request as soon as it has the answer finds the slot free.
+        """
         with self._lock:
             held = self._by_owner.get(owner, 0)
             full = self._busy >= self.size or held >= self.share
@@ -95,9 +102,9 @@ class Workers:
         self._jobs.put(lambda: self._owned(job, owner))
         return True
 
-    def _owned(self, job: Callable[[], None], owner: str) -> None:
+    def _owned(self, job: Job, owner: str) -> After:
         try:
-            job()
+            return job()
         finally:
             with self._lock:
                 left = self._by_owner[owner] - 1
@@ -116,13 +123,16 @@ class Workers:
             job = self._jobs.get()
             if job is None:
                 return
+            then = None
             try:
-                job()
+                then = job()
             except Exception:  # the job answers its own errors; this is a last resort
                 log.exception("request worker failed")
             finally:
                 with self._lock:
                     self._busy -= 1
+            if then is not None:
+                then()
 
 
 def client_connected(sock: Any) -> bool:
