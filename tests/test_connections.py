@@ -407,3 +407,26 @@ def test_a_worker_slot_is_free_before_its_answer_is_handed_back() -> None:
     assert done.wait(5)
     assert accepted == [True]
     workers.stop()
+
+
+def test_a_header_with_a_line_break_is_never_sent() -> None:
+    """No response splitting: an answer whose header holds CR/LF is dropped, not written."""
+
+    def app(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
+        start_response("200 OK", [("X-Note", "a\r\nSet-Cookie: stolen=1")])
+        return [b"body"]
+
+    server = Server(app, "127.0.0.1", 0)
+    server.bind()
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        with connect(server.port) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = b""
+            while chunk := sock.recv(4096):
+                received += chunk
+        assert b"stolen" not in received and b"body" not in received
+    finally:
+        server.stop()
+        thread.join(10)

@@ -307,6 +307,10 @@ class HttpConnection(asyncio.Protocol):
         )
         if not keep_alive and not any(n.lower() == b"connection" for n, _ in headers):
             headers.append((b"Connection", b"close"))
+        if any(b"\r" in n + v or b"\n" in n + v for n, v in headers):  # as h11 refused them
+            log.error("cannot send the answer to %s: a header holds a line break", _path(request))
+            self.evict()
+            return
         reason = answer.reason or _REASONS.get(answer.status, "Unknown").encode()
         head = b"HTTP/1.1 %d %s\r\n%s\r\n" % (
             answer.status,
