@@ -6,6 +6,7 @@ for :func:`gpu_exporter.daemon.serve`; ``choose``, ``run`` and ``release`` are t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from gpu_exporter.argparsing import Parser, parse, parser_of
 from gpu_exporter.collect.groups import GROUPS
 from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
+    DEFAULT_KUBELET_SOCKET,
     DEFAULT_LISTEN,
     DEFAULT_TELEMETRY_PATH,
     LOG_LEVELS,
@@ -286,6 +288,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="serve the Prometheus metrics at PATH, and only there (default %(default)s)",
     )
+    serve.add_argument(
+        "--kubernetes",
+        nargs="?",
+        const=DEFAULT_KUBELET_SOCKET,
+        default=_env("kubernetes", None) or None,
+        metavar="SOCKET",
+        help="on a Kubernetes node: ask the kubelet's PodResources API at SOCKET (default "
+        f"{DEFAULT_KUBELET_SOCKET}) every 10 s which pod holds which GPU: gpu_pod_info, and "
+        "/choose never hands out a GPU a pod was given. Needs "
+        "pip install 'gpu-exporter[kubernetes]'",
+    )
+    serve.add_argument(  # for tests and benchmarks: the kubelet asked more often
+        "--kubernetes.poll-interval",
+        dest="kubernetes_poll_interval",
+        type=_positive_seconds,
+        default=10.0,
+        help=argparse.SUPPRESS,
+    )
     logs.add_flags(serve, _env("log-level", None) or _env("log.level", "info"), _env)
 
     from gpu_exporter.client.cli import add_choose_parser, add_release_parser, add_run_parser
@@ -370,6 +390,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             load(args.web_config_file)  # refuse to start on a bad file, with one line
         except WebConfigError as exc:
             parser.error(f"--web-config-file {args.web_config_file}: {exc}")
+    if args.kubernetes is not None and importlib.util.find_spec("grpc") is None:
+        parser.error("--kubernetes needs grpcio: pip install 'gpu-exporter[kubernetes]'")
     return ServeConfig(
         host,
         port,
@@ -400,6 +422,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         slow_interval_seconds=max(float(args.slow_interval), interval),
         collect_disabled=tuple(g for g in GROUPS if not getattr(args, f"collect_{g}")),
         fleet_rule_prefix=_fleet_option(args, "fleet_rule_prefix", parser),
+        kubernetes_socket=args.kubernetes,
+        kubernetes_poll_seconds=float(args.kubernetes_poll_interval),
     )
 
 

@@ -18,6 +18,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # 50 % memory). See gpu_exporter.choose.defaults.
 DEFAULT_CHOOSE_DEFAULTS = "max_util=50%&max_mem_util=50%"
 DEFAULT_TELEMETRY_PATH = "/metrics"
+DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"  # --kubernetes
 # The app's own paths (tests/test_logs.py checks them against its routes): the metrics can
 # be served at neither these nor a prefix of them (the dispatcher takes every path below).
 APP_PATHS = (
@@ -60,6 +61,9 @@ class ServeConfig:
     collect_disabled: tuple[str, ...] = ()  # --no-collect.<group>: not read, not exported
     # /cluster/choose reads the recorded fleet view <prefix>:gpu/:host where the store has it
     fleet_rule_prefix: str = ""
+    # --kubernetes: the kubelet's PodResources socket (None: off), asked every poll interval
+    kubernetes_socket: str | None = None
+    kubernetes_poll_seconds: float = 10.0
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:

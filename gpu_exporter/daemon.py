@@ -40,6 +40,7 @@ from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.background import NvmlThread
 from gpu_exporter.collect.cache import HISTORY_LENGTH, SnapshotCache, new_cache
 from gpu_exporter.collect.groups import parse_disabled
+from gpu_exporter.collect.kubelet import PodResourcesPoller, kubelet_poller
 from gpu_exporter.collect.pcie import PcieThroughputSampler
 from gpu_exporter.collect.procinfo import ProcInfoCache, read_cgroup_key
 from gpu_exporter.collect.sampler import Sampler
@@ -48,6 +49,7 @@ from gpu_exporter.config import ServeConfig
 from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
 from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
 from gpu_exporter.export.exposition import Exposition
+from gpu_exporter.export.pods import PodCollector
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.revision import revision
 from gpu_exporter.units import plural
@@ -86,7 +88,7 @@ class Daemon:
     services: Services
     app: Flask  # inside its middleware (web.middleware.install): what the server serves
     watcher: WebConfigWatcher | None = None
-    background: list[NvmlThread] = field(default_factory=list)
+    background: list[NvmlThread | PodResourcesPoller] = field(default_factory=list)
     server: Server | None = None
 
     @property
@@ -203,6 +205,7 @@ def build(
     except ValueError as exc:
         raise BuildError(f"--choose-defaults {config.choose_defaults!r}: {exc}") from None
     nvml = nvml if nvml is not None else open_nvml(config, clock)
+    kubelet = kubelet_poller(config)  # --kubernetes: which pod holds which GPU
 
     cache = new_cache(nvml, clock)
     leases = LeaseTable(
@@ -243,6 +246,9 @@ def build(
     if watcher is not None:
         live.append(WebConfigCollector(watcher))
         registry.register(live[-1])
+    if kubelet is not None:
+        live.append(PodCollector(kubelet.allocations, cache))
+        registry.register(live[-1])
     exposition = Exposition(cache, gpu_collector, live)
 
     cluster = None
@@ -255,7 +261,10 @@ def build(
             defaults=choose_defaults,
             rule_prefix=config.fleet_rule_prefix,
         )
-    claimer = Claimer(cache, leases, waiters, clock=clock, max_age_seconds=config.max_age_seconds)
+    taken = kubelet.allocations.taken if kubelet is not None else None  # pods hold these GPUs
+    claimer = Claimer(
+        cache, leases, waiters, clock=clock, max_age_seconds=config.max_age_seconds, taken=taken
+    )
     services = Services(
         cache=cache,
         registry=registry,
@@ -296,7 +305,7 @@ def build(
         disabled=disabled,
     )
     # Off the main sampling path: each on its own thread, holding its own NVML reference.
-    background: list[NvmlThread] = []
+    background: list[NvmlThread | PodResourcesPoller] = [kubelet] if kubelet else []
     if xids is not None:
         background.append(XidListener(nvml, xids, clock=clock))
     if pcie is not None:

@@ -14,7 +14,9 @@ from prometheus_client import generate_latest
 from conftest import Stack, build_stack, sim_of
 from conftest import without_process_metrics as bare
 from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
+from gpu_exporter.export.pods import PodCollector
 from gpu_exporter.export.spec import METRICS, SAMPLED, markdown_table
+from gpu_exporter.pods import PodAllocations
 from gpu_exporter.revision import revision
 from gpu_exporter.simulate import Fault, Load, SimGpu
 from gpu_exporter.web.webconfig import WebConfigWatcher
@@ -130,7 +132,7 @@ def test_help_text_says_values_are_sampled() -> None:
     # Xid errors arrive as events, and PCIe throughput has its own thread; neither is sampled
     # with the snapshot, and their help says so instead.
     own_timing = {"gpu_xid_errors_total", "gpu_last_xid_timestamp_seconds"}
-    own_timing.add("gpu_pcie_throughput_bytes_per_second")
+    own_timing |= {"gpu_pcie_throughput_bytes_per_second", "gpu_pod_info"}
     for spec in METRICS:
         if spec.name in own_timing:
             assert not spec.help.endswith(SAMPLED), spec.name
@@ -170,7 +172,9 @@ def test_every_emitted_family_is_in_the_spec_and_vice_versa(tmp_path: Path) -> N
         family = name.removesuffix("_total") if name.endswith("_total") else name
         assert re.search(rf"^{family}(_total)?[{{ ]", text, re.M), name
     # … but every family is described, for prometheus_client's ?name[]= filter.
-    described = {f.name for c in (GpuCollector(mixed().cache),) for f in c.describe()}
+    cache = mixed().cache
+    pods = PodCollector(PodAllocations(), cache)  # --kubernetes: a collector of its own
+    described = {f.name for c in (GpuCollector(cache), pods) for f in c.describe()}
     assert described == {m.family_name for m in METRICS if "web_config" not in m.name}
 
 

@@ -23,6 +23,8 @@ one request at a time per thread. What a request does, and what it blocks:
   so long-polling clients can never take every server thread.
 * The injected ``connected`` callable is asked after every pause: a waiter whose client hung
   up (curl ``-m``, Ctrl-C) leaves the queue within a poll and claims nothing.
+* GPUs held outside the lease table (``taken``, injected: on a Kubernetes node the ones the
+  kubelet allocated to pods) are never chosen, for claims and advice alike.
 * ``wait=`` sets a deadline on the injected monotonic clock; past it the last failure is
   raised. Shutdown (:attr:`Waiters.stopping`) ends every wait at once with ``shutting_down``.
 
@@ -49,7 +51,7 @@ from gpu_exporter.choose.tokens import ClaimKey
 from gpu_exporter.choose.waitqueue import Waiter, WaitQueue, reserved_for
 from gpu_exporter.clock import Clock
 from gpu_exporter.counters import TOO_MANY_WAITERS, RequestCounter
-from gpu_exporter.model import Snapshot
+from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import plural
 
 DEFAULT_MAX_WAITERS = 8
@@ -208,8 +210,11 @@ class Claimer:
         max_age_seconds: float = 10.0,
         poll_seconds: float = WAIT_POLL_SECONDS,
         pause: Callable[[float], object] | None = None,
+        taken: Callable[[tuple[GpuSample, ...]], Mapping[str, str]] | None = None,
     ) -> None:
         self._snapshots = snapshots
+        # UUID → why, for GPUs held outside the lease table (--kubernetes: the kubelet's pods)
+        self._taken = taken
         self._table = table
         self._waiters = waiters
         self._clock = clock
@@ -287,9 +292,11 @@ class Claimer:
         if problem is not None:
             return problem
         # Advice claims nothing, so it neither waits its turn nor respects reservations.
-        reserved: Mapping[str, str] = {}
+        reserved: dict[str, str] = {}
         if req.lease_seconds > 0:
-            reserved = reserved_for(snapshot.gpus, self._queue.ahead_of(waiter))
+            reserved.update(reserved_for(snapshot.gpus, self._queue.ahead_of(waiter)))
+        if self._taken is not None:  # advice too: a pod's GPU is never free
+            reserved.update(self._taken(snapshot.gpus))
         window = None
         if req.idle_for_seconds is not None:
             window = history_window(self._snapshots.history(), req.idle_for_seconds, now)

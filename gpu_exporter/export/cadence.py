@@ -13,6 +13,7 @@ from gpu_exporter.model import CLOCKS_EVENT_REASONS
 AT_SCRAPE = "at scrape"
 ON_EVENT = "on event"
 SLOW_AND_ONCE = "current: every --slow-interval; max: once"
+KUBELET = "every 10 s, own thread"  # --kubernetes: collect/kubelet.py
 
 # Metric → (updated, group) for every metric that is not simply "every sample, no group".
 METRICS: dict[str, tuple[str, str]] = {
@@ -57,6 +58,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "gpu_exporter_choose_waiters": (AT_SCRAPE, CORE),
     "gpu_exporter_web_config_reloads_total": (AT_SCRAPE, CORE),
     "gpu_exporter_web_config_last_reload_successful": (AT_SCRAPE, CORE),
+    "gpu_pod_info": (KUBELET, CORE),
+    "gpu_exporter_kubernetes_up": (KUBELET, CORE),
 }
 
 # Series one A100-like GPU has per group (process series: one per process, not counted).

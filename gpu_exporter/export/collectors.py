@@ -32,6 +32,7 @@ from gpu_exporter.export.spec import (
     GPU_MIG_INFO,
     GPU_UP,
     GPU_VALUES,
+    KUBERNETES_METRICS,
     LAST_SAMPLE,
     LAST_XID,
     LEASES_DROPPED,
@@ -268,6 +269,7 @@ def _counts(spec: MetricSpec, counts: Mapping[str, int]) -> Metric:
 
 
 _WEB_CONFIG_METRICS = (WEB_CONFIG_RELOADS, WEB_CONFIG_OK)  # WebConfigCollector's
+_OWN_COLLECTORS = (*_WEB_CONFIG_METRICS, *KUBERNETES_METRICS)  # and export/pods.py's
 
 
 def _with_series(*families: Iterable[Metric]) -> Iterator[Metric]:
@@ -308,7 +310,7 @@ class GpuCollector(Collector):
         """Every family this collector may produce (empty): the registry learns the names,
         which prometheus_client's ``/metrics?name[]=`` filter needs to find the collector."""
         for spec in METRICS:
-            if spec not in _WEB_CONFIG_METRICS:
+            if spec not in _OWN_COLLECTORS:
                 yield _family(spec)
 
     def collect(self) -> Iterator[Metric]:

@@ -466,6 +466,30 @@ WEB_CONFIG_OK = MetricSpec(
     unit="0/1",
     default="with --web-config-file",
 )
+GPU_POD_INFO = MetricSpec(
+    "gpu_pod_info",
+    "gauge",
+    "Always 1 for each GPU or MIG device the kubelet allocated to a Kubernetes container; "
+    "asked of the kubelet every 10 s on its own thread.",
+    (*GPU_LABELS, "namespace", "pod", "container"),
+    "kubelet PodResources v1 List",
+    unit="1 (info)",
+    default="with --kubernetes",
+    details="For joins: `gpu_memory_used_bytes * on(uuid) group_left(namespace, pod) "
+    "gpu_pod_info`. A time-sliced card has one series per container sharing it (replica IDs "
+    '`GPU-…::N` are the card); a device this host does not know has `gpu=""`.',
+)
+KUBERNETES_UP = MetricSpec(
+    "gpu_exporter_kubernetes_up",
+    "gauge",
+    "1 if the kubelet's PodResources API answered the last List, 0 if not (gpu_pod_info then "
+    "shows its last answer).",
+    (),
+    "kubelet PodResources v1 List",
+    unit="0/1",
+    default="with --kubernetes",
+)
+KUBERNETES_METRICS = (GPU_POD_INFO, KUBERNETES_UP)  # export/pods.py's, with --kubernetes
 EXPORTER_METRICS = (
     BUILD_INFO,
     NVML_UP,
@@ -480,6 +504,7 @@ EXPORTER_METRICS = (
     CHOOSE_WAITERS,
     WEB_CONFIG_RELOADS,
     WEB_CONFIG_OK,
+    KUBERNETES_UP,
 )
 METRICS: tuple[MetricSpec, ...] = (
     GPU_INFO,
@@ -493,6 +518,7 @@ METRICS: tuple[MetricSpec, ...] = (
     LAST_XID,
     PCIE_THROUGHPUT,
     GPU_LEASED,
+    GPU_POD_INFO,
     *EXPORTER_METRICS,
 )
 

@@ -1,0 +1,182 @@
+"""The kubelet's PodResources v1 ``List`` answer, decoded from protobuf bytes: pure parsing.
+
+The messages are those of ``k8s.io/kubelet/pkg/apis/podresources/v1/api.proto``; only the
+fields used here are read, every other field (CPU ids, memory, topology, dynamic resources)
+is skipped by its wire type, as protobuf itself does::
+
+    ListPodResourcesResponse { repeated PodResources pod_resources = 1; }
+    PodResources            { string name = 1; string namespace = 2;
+                              repeated ContainerResources containers = 3; }
+    ContainerResources      { string name = 1; repeated ContainerDevices devices = 2; }
+    ContainerDevices        { string resource_name = 1; repeated string device_ids = 2; }
+
+The ``List`` request is the empty message: zero bytes. A hand-written decoder of four
+messages keeps the ``kubernetes`` extra at grpcio alone (no protobuf runtime, no generated
+code whose runtime version must match). :func:`encode_list_response` is its inverse, for the
+tests' and the benchmark's fake kubelet.
+
+Note what the API does not say: a pod's UID. Pods are named (namespace, name) only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from gpu_exporter.pods import PodDevice
+
+LIST_METHOD = "/v1.PodResourcesLister/List"
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a PodResources message."""
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise DecodeError("truncated or overlong varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """(field number, value) of one message: an int for varints, bytes for length-delimited
+    fields; fixed-width fields are skipped.
+
+    >>> list(fields(b"\\x0a\\x02hi\\x10\\x05"))
+    [(1, b'hi'), (2, 5)]
+    """
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        number, wire = key >> 3, key & 7
+        if wire == _VARINT:
+            value, pos = _varint(data, pos)
+            yield number, value
+        elif wire == _LEN:
+            size, pos = _varint(data, pos)
+            if pos + size > len(data):
+                raise DecodeError("truncated length-delimited field")
+            yield number, data[pos : pos + size]
+            pos += size
+        elif wire in (_I64, _I32):
+            pos += 8 if wire == _I64 else 4
+            if pos > len(data):
+                raise DecodeError("truncated fixed-width field")
+        else:
+            raise DecodeError(f"unsupported wire type {wire}")
+
+
+def _text(value: int | bytes) -> str:
+    if not isinstance(value, bytes):
+        raise DecodeError("expected a string, got a number")
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DecodeError("a string that is not UTF-8") from None
+
+
+def _message(value: int | bytes) -> bytes:
+    if not isinstance(value, bytes):
+        raise DecodeError("expected a message, got a number")
+    return value
+
+
+def decode_list_response(data: bytes) -> list[PodDevice]:
+    """Every device allocated to a container, in the kubelet's order; a container without
+    devices (a pod without a GPU limit) contributes nothing."""
+    out: list[PodDevice] = []
+    for number, pod_bytes in fields(data):
+        if number != 1:
+            continue
+        name = namespace = ""
+        containers: list[bytes] = []
+        for n, v in fields(_message(pod_bytes)):
+            if n == 1:
+                name = _text(v)
+            elif n == 2:
+                namespace = _text(v)
+            elif n == 3:
+                containers.append(_message(v))
+        for container in containers:
+            out.extend(_container_devices(container, namespace, name))
+    return out
+
+
+def _container_devices(data: bytes, namespace: str, pod: str) -> Iterator[PodDevice]:
+    name = ""
+    devices: list[bytes] = []
+    for n, v in fields(data):
+        if n == 1:
+            name = _text(v)
+        elif n == 2:
+            devices.append(_message(v))
+    for device in devices:
+        resource, ids = "", []
+        for n, v in fields(device):
+            if n == 1:
+                resource = _text(v)
+            elif n == 2:
+                ids.append(_text(v))
+        for device_id in ids:
+            yield PodDevice(namespace, pod, name, resource, device_id)
+
+
+# -- encoding: the fake kubelet's side ---------------------------------------------------------
+
+
+def _key(number: int, wire: int) -> bytes:
+    return _encode_varint(number << 3 | wire)
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    return _key(number, _LEN) + _encode_varint(len(payload)) + payload
+
+
+def _str_field(number: int, text: str) -> bytes:
+    return _len_field(number, text.encode("utf-8"))
+
+
+Pod = tuple[str, str, Iterable[tuple[str, Iterable[tuple[str, Iterable[str]]]]]]
+
+
+def encode_list_response(pods: Iterable[Pod], *, cpu_ids: Iterable[int] = ()) -> bytes:
+    """The ``List`` answer for ``(namespace, name, [(container, [(resource, [ids])])])``;
+    ``cpu_ids`` adds a field the decoder must skip, as a real kubelet sends.
+
+    >>> encoded = encode_list_response([("ns", "p", [("c", [("nvidia.com/gpu", ["0"])])])])
+    >>> decode_list_response(encoded)
+    [PodDevice(namespace='ns', pod='p', container='c', resource='nvidia.com/gpu', device_id='0')]
+    """
+    out = b""
+    for namespace, name, containers in pods:
+        body = _str_field(1, name) + _str_field(2, namespace)
+        for container, devices in containers:
+            cbody = _str_field(1, container)
+            for resource, ids in devices:
+                dbody = _str_field(1, resource) + b"".join(_str_field(2, i) for i in ids)
+                cbody += _len_field(2, dbody)
+            packed = b"".join(_encode_varint(c) for c in cpu_ids)
+            if packed:
+                cbody += _len_field(3, packed)
+            body += _len_field(3, cbody)
+        out += _len_field(1, body)
+    return out

@@ -1,0 +1,130 @@
+"""Which Kubernetes container the kubelet gave each GPU: :class:`PodDevice` and the
+:class:`PodAllocations` the ``--kubernetes`` poller publishes and the rest reads.
+
+Vocabulary only (no I/O): :mod:`gpu_exporter.collect.kubelet` fills a :class:`PodAllocations`
+from the kubelet's PodResources API every 10 s; ``gpu_pod_info`` (``export/pods.py``) and
+``/choose`` (through a callable :func:`gpu_exporter.daemon.build` injects) read it.
+
+Device IDs are what the NVIDIA device plugin hands the kubelet: a GPU's UUID (``GPU-…``), a
+MIG device's UUID (``MIG-…``), either with a time-slicing replica suffix (``GPU-…::3``), or,
+with the plugin's ``deviceIDStrategy=index``, the GPU's index (``"0"``). :func:`resolve`
+names the device of the snapshot each one means.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from gpu_exporter.model import GpuSample, all_devices
+
+NVIDIA_RESOURCES = "nvidia.com/"  # nvidia.com/gpu, nvidia.com/mig-1g.10gb, nvidia.com/gpu.shared
+REPLICA_SEPARATOR = "::"  # the device plugin's time-slicing replicas: GPU-<uuid>::<n>
+
+
+@dataclass(frozen=True, slots=True)
+class PodDevice:
+    """One device the kubelet allocated to one container (its ID as the kubelet lists it)."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str  # e.g. nvidia.com/gpu, nvidia.com/mig-1g.10gb
+    device_id: str
+
+    @property
+    def pod_ref(self) -> str:
+        """``namespace/pod``, as ``kubectl`` names a pod."""
+        return f"{self.namespace}/{self.pod}"
+
+
+def physical_id(device_id: str) -> str:
+    """The device behind a time-slicing replica ID; other IDs unchanged.
+
+    >>> physical_id("GPU-5a1e0000-0000-4000-8000-c0ffee000000::3")
+    'GPU-5a1e0000-0000-4000-8000-c0ffee000000'
+    >>> physical_id("MIG-abc")
+    'MIG-abc'
+    """
+    return device_id.split(REPLICA_SEPARATOR, 1)[0]
+
+
+def resolve(
+    devices: Iterable[PodDevice], gpus: tuple[GpuSample, ...]
+) -> list[tuple[GpuSample | None, PodDevice]]:
+    """Each allocated GPU device with the snapshot's GPU or MIG device it names (None: an
+    NVIDIA device this host does not show); other devices (NICs, FPGAs …) are left out.
+
+    A UUID (``GPU-…``, ``MIG-…``, replica suffix removed) names that device, whatever the
+    resource is called; a plain number names the whole GPU of that NVML index, for an
+    ``nvidia.com/…`` resource only (``deviceIDStrategy=index``).
+    """
+    by_uuid = {d.uuid: d for d in all_devices(gpus)}
+    by_index = {str(g.index): g for g in gpus}
+    out: list[tuple[GpuSample | None, PodDevice]] = []
+    for device in devices:
+        wanted = physical_id(device.device_id)
+        nvidia = device.resource.startswith(NVIDIA_RESOURCES)
+        gpu = by_uuid.get(wanted) or (by_index.get(wanted) if nvidia else None)
+        if gpu is not None or nvidia:
+            out.append((gpu, device))
+    return out
+
+
+def taken_reasons(devices: Iterable[PodDevice], gpus: tuple[GpuSample, ...]) -> dict[str, str]:
+    """UUID → ``allocated to pod ns/name`` for every device of ``gpus`` a container holds;
+    a time-sliced card several pods share names them all (``pods a/x, b/y``)."""
+    holders: dict[str, list[str]] = {}
+    for gpu, device in resolve(devices, gpus):
+        if gpu is not None:
+            pods = holders.setdefault(gpu.uuid, [])
+            if device.pod_ref not in pods:
+                pods.append(device.pod_ref)
+    return {
+        uuid: f"allocated to pod {pods[0]}"
+        if len(pods) == 1
+        else f"allocated to pods {', '.join(sorted(pods))}"
+        for uuid, pods in holders.items()
+    }
+
+
+class PodAllocations:
+    """The kubelet's last answer, replaced whole (thread-safe), and whether it answers now.
+
+    While the kubelet does not answer (``up`` False) the last answer is kept: a restarting
+    kubelet does not free the GPUs its pods hold, so ``/choose`` keeps treating them as taken.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._devices: tuple[PodDevice, ...] = ()
+        self._up = False
+        self.version = 0  # bumped on every change of devices or up
+
+    def publish(self, devices: Iterable[PodDevice]) -> None:
+        """A successful ``List``: these devices are allocated now."""
+        devices = tuple(devices)
+        with self._lock:
+            if devices != self._devices or not self._up:
+                self._devices, self._up = devices, True
+                self.version += 1
+
+    def fail(self) -> None:
+        """``List`` failed (socket missing, kubelet down, timeout, garbage)."""
+        with self._lock:
+            if self._up:
+                self._up = False
+                self.version += 1
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    @property
+    def devices(self) -> tuple[PodDevice, ...]:
+        return self._devices
+
+    def taken(self, gpus: tuple[GpuSample, ...]) -> Mapping[str, str]:
+        """:func:`taken_reasons` of the last answer (what ``/choose`` must not hand out)."""
+        return taken_reasons(self._devices, gpus)

@@ -1,0 +1,69 @@
+"""A fake kubelet: the PodResources v1 ``List`` served by a real grpcio server on a Unix
+socket, from the test process (also used by bench/run.py's ``--kubernetes`` row).
+
+``pods`` is what ``List`` answers, in :func:`gpu_exporter.collect.podresources.encode_list_response`'s
+shape; a test changes it at any time. :meth:`FakeKubelet.stop` takes the server (and its
+socket) away, :meth:`FakeKubelet.start` brings it back on the same path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from gpu_exporter.collect.podresources import Pod, encode_list_response
+
+
+class FakeKubelet:
+    def __init__(self, socket_path: str, pods: list[Pod] | None = None) -> None:
+        self.socket_path = socket_path
+        self.pods: list[Pod] = list(pods or [])
+        self.calls = 0
+        self._lock = threading.Lock()
+        self._server: grpc.Server | None = None
+
+    def _list(self, request: bytes, context: Any) -> bytes:
+        with self._lock:
+            self.calls += 1
+        return encode_list_response(self.pods, cpu_ids=(0, 1))  # fields the decoder skips
+
+    def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        handler = grpc.method_handlers_generic_handler(
+            "v1.PodResourcesLister",
+            {"List": grpc.unary_unary_rpc_method_handler(self._list)},  # bytes in, bytes out
+        )
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"unix:{self.socket_path}")
+        server.start()
+        self._server = server
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(0).wait(5)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+
+
+@contextlib.contextmanager
+def fake_kubelet(pods: list[Pod] | None = None) -> Iterator[FakeKubelet]:
+    """A running fake kubelet on a short socket path (Unix socket paths are short: 107 bytes)."""
+    directory = tempfile.mkdtemp(prefix="kubelet-", dir="/tmp")
+    kubelet = FakeKubelet(os.path.join(directory, "kubelet.sock"), pods)
+    kubelet.start()
+    try:
+        yield kubelet
+    finally:
+        kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
