@@ -393,6 +393,13 @@ def test_kubernetes_objects_fit_together() -> None:
     assert pod["tolerations"] and pod["nodeSelector"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # --kubernetes: root only for the kubelet's socket, mounted read-only; no capability.
+    assert any(a.startswith("--kubernetes") for a in container["args"])
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    mounts = {v["name"]: v for v in container["volumeMounts"]}
+    assert mounts["pod-resources"]["readOnly"] is True
+    assert pod["hostPID"] is True
     assert {"path": "/readyz", "port": "metrics"}.items() <= container["readinessProbe"][
         "httpGet"
     ].items()

@@ -475,7 +475,7 @@ GPU_POD_INFO = MetricSpec(
     "kubelet PodResources v1 List",
     unit="1 (info)",
     default="with --kubernetes",
-    details="For joins: `gpu_memory_used_bytes * on(uuid) group_left(namespace, pod) "
+    details="For joins: `gpu_memory_used_bytes * on(instance, uuid) group_left(namespace, pod) "
     "gpu_pod_info`. A time-sliced card has one series per container sharing it (replica IDs "
     '`GPU-…::N` are the card); a device this host does not know has `gpu=""`.',
 )
