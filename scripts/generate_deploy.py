@@ -727,6 +727,25 @@ def host_dashboard():  # type: ignore[no-untyped-def]
             span=24,
         )
     )
+    # gpu_pod_info (--kubernetes) on the left: a time-sliced card has one series per pod.
+    dash = dash.with_panel(
+        _timeseries(
+            "GPU memory by namespace/pod",
+            [
+                Q(
+                    'sum by (namespace, pod) (gpu_pod_info{instance=~"$instance", gpu=~"$gpu"}'
+                    " * on(instance, uuid) group_left gpu_memory_used_bytes"
+                    '{instance=~"$instance"})',
+                    "{{namespace}}/{{pod}}",
+                )
+            ],
+            "bytes",
+            "GPU memory in use on the cards and MIG devices each Kubernetes pod was given "
+            "(gpu-exporter --kubernetes). A card time-sliced by several pods counts for each: "
+            "its memory is the card's, not split by pod.",
+            span=24,
+        )
+    )
     return dash
 
 

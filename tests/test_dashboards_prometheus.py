@@ -4,7 +4,9 @@ Both exporters serve gpu_exporter/simulate/scenarios/fleet.toml (a saturated GPU
 that falls off the bus, ECC errors, Xids, idle and changing cards, a failing NVML call);
 Prometheus loads the shipped rules.
 Every panel, annotation and template-variable query must return data, and the alert
-expressions must select exactly the simulated GPUs they are about.
+expressions must select exactly the simulated GPUs they are about. The first exporter runs
+with ``--kubernetes`` against a fake kubelet (tests/fakekubelet.py), whose pods hold a whole
+card, a card time-sliced by two pods and a MIG device, so the pod panels have data.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 import pytest
 
 import promql
+from fakekubelet import fake_kubelet
+from gpu_exporter.simulate import SimulatedNvml
 from harness import Prometheus, exporter, get, prometheus
 
 pytestmark = pytest.mark.slow
@@ -43,8 +47,20 @@ def wait_all(prom: Prometheus, exprs: dict[str, str], timeout: float) -> dict[st
 
 def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -> None:
     scenario = str(promql.FLEET_SCENARIO)
+    sim = SimulatedNvml.from_argument(scenario, clock=time.monotonic).gpus
+    pods = [
+        ("ml", "train", [("trainer", [("nvidia.com/gpu", [sim[1].uuid])])]),
+        ("team-a", "nb1", [("jupyter", [("nvidia.com/gpu", [sim[5].uuid + "::0"])])]),
+        ("team-b", "nb2", [("jupyter", [("nvidia.com/gpu", [sim[5].uuid + "::1"])])]),
+        ("ml", "infer", [("server", [("nvidia.com/mig-2g.20gb", [sim[4].mig_uuid(1)])])]),
+        ("default", "web", [("nginx", [])]),
+    ]
     with (
-        exporter("--simulate", scenario, "--interval", "0.5") as a,
+        fake_kubelet(pods) as kubelet,
+        exporter(
+            *("--simulate", scenario, "--interval", "0.5"),
+            *(f"--kubernetes={kubelet.socket_path}", "--kubernetes.poll-interval", "0.5"),
+        ) as a,
         exporter("--simulate", scenario, "--interval", "0.5") as b,
     ):
         # A lease (gpu_leased 1, /choose counted) on one host; not on GPU 7, which is lost
@@ -79,6 +95,29 @@ def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -
             assert no_data == {}, "queries without data:\n" + "\n".join(
                 f"  {where}: {expr}" for where, expr in no_data.items()
             )
+
+            # -- GPU memory by namespace/pod: each pod of host a, the time-sliced card's two
+            # pods each with the card's memory, the MIG device's pod with the device's --------
+            panel = next(
+                q.expr for q in promql.panel_queries() if "GPU memory by namespace/pod" in q.where
+            )
+            by_pod = {
+                (r["metric"]["namespace"], r["metric"]["pod"]): float(r["value"][1])
+                for r in prom.wait_for(substitute(panel, a.address))
+            }
+            assert set(by_pod) == {
+                ("ml", "train"),
+                ("team-a", "nb1"),
+                ("team-b", "nb2"),
+                ("ml", "infer"),
+            }
+            card = f'instance="{a.address}", uuid="{sim[5].uuid}"'
+            each_the_cards = prom.query(  # one evaluation: both pods have the card's memory
+                f"count(sum by (pod) (gpu_pod_info{{{card}}} * on(instance, uuid) group_left "
+                f"gpu_memory_used_bytes) == scalar(gpu_memory_used_bytes{{{card}}}))"
+            )
+            assert float(each_the_cards[0]["value"][1]) == 2
+            assert prom.query(f'gpu_pod_info{{instance="{b.address}"}}') == []  # no --kubernetes
 
             # -- alert expressions select exactly the GPUs they are about ---------------------
             alerts = promql.alerts()

@@ -475,9 +475,9 @@ GPU_POD_INFO = MetricSpec(
     "kubelet PodResources v1 List",
     unit="1 (info)",
     default="with --kubernetes",
-    details="For joins: `gpu_memory_used_bytes * on(instance, uuid) group_left(namespace, pod) "
-    "gpu_pod_info`. A time-sliced card has one series per container sharing it (replica IDs "
-    '`GPU-…::N` are the card); a device this host does not know has `gpu=""`.',
+    details="For joins, on the left: `gpu_pod_info * on(instance, uuid) group_left "
+    "gpu_memory_used_bytes`. A time-sliced card has one series per container sharing it "
+    '(replica IDs `GPU-…::N` are the card); a device this host does not know has `gpu=""`.',
 )
 KUBERNETES_UP = MetricSpec(
     "gpu_exporter_kubernetes_up",
