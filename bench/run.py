@@ -62,10 +62,11 @@ from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT / "tests")]
+sys.path[:0] = [str(HERE), str(ROOT / "tests"), str(ROOT)]  # this checkout's gpu_exporter
 
 import hostile  # noqa: E402  (bench/hostile.py: the attack of the "hostile clients" row)
 import idle  # noqa: E402  (bench/idle.py: steady-state idle CPU, group 6)
+import kubelet_row  # noqa: E402  (bench/kubelet_row.py: group 1 with --kubernetes)
 import servers  # noqa: E402  (bench/servers.py: load generator and /proc helpers)
 
 import fakenvml  # noqa: E402  (tests/fakenvml, on the path just above)
@@ -167,7 +168,9 @@ def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
 class Exporter:
     """One exporter in its own session, on a free port, over the fake library."""
 
-    def __init__(self, kind: str, lib: Path, gpus: list[FakeGpu], work: Path) -> None:
+    def __init__(
+        self, kind: str, lib: Path, gpus: list[FakeGpu], work: Path, args: tuple[str, ...] = ()
+    ) -> None:
         self.kind = kind
         self.port = servers.free_port()
         self.config = work / f"{kind}-{self.port}.conf"
@@ -178,7 +181,7 @@ class Exporter:
         if kind == "gpu-exporter":
             env["GPU_EXPORTER_STATE_DIR"] = str(work / f"state-{self.port}")
             command = [sys.executable, "-m", "gpu_exporter", "serve"]
-            command += ["--listen-address", f"{HOST}:{self.port}", "--interval", "1"]
+            command += ["--listen-address", f"{HOST}:{self.port}", "--interval", "1", *args]
         else:
             command = [str(PEER_VENV / "bin" / "nvitop-exporter"), "--bind-address", HOST]
             command += ["--port", str(self.port), "--interval", "1"]
@@ -238,8 +241,10 @@ class Exporter:
 
 
 @contextlib.contextmanager
-def running(kind: str, lib: Path, gpus: list[FakeGpu], work: Path) -> Iterator[Exporter]:
-    exporter = Exporter(kind, lib, gpus, work)
+def running(
+    kind: str, lib: Path, gpus: list[FakeGpu], work: Path, args: tuple[str, ...] = ()
+) -> Iterator[Exporter]:
+    exporter = Exporter(kind, lib, gpus, work, args)
     try:
         exporter.wait_ready()
         time.sleep(INTERVAL_SECONDS * 1.5)  # past the first sample's one-off identity calls
@@ -610,6 +615,8 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             None,
         )
+    for what, value, target, met in kubelet_row.rows(report.get("kubernetes")):
+        row("1", what, value, None, target, met)
     row(
         "1",
         "`/metrics`, 16 concurrent scrapers: req/s; p50 / p99 ms; CPU µs/request",
@@ -772,6 +779,12 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
             report["latency"][kind]["sparse"] = result
         report["choose"] = group_choose(exporters["gpu-exporter"], size)
         report["hostile"] = group_hostile(exporters["gpu-exporter"], size)  # last: it may harm
+    _log("1. /metrics latency with --kubernetes (a fake kubelet) and without, side by side")
+    report["kubernetes"] = kubelet_row.measure(
+        lambda args: running("gpu-exporter", lib, lab(), work, args),
+        lambda port: sequential(port, "/metrics", size.sequential, size.phase_seconds * 3, {}),
+        GPUS,
+    )
     report["scaling"] = group_scaling(lib, work, size)
     _log(
         f"6. steady-state idle CPU: {size.idle.warmup_seconds:g} s warm-up, "

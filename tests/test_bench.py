@@ -40,6 +40,11 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
         assert latency[phase]["requests"] > 0 and latency[phase].get("errors", 0) == 0, phase
         assert 0 < latency[phase]["p50_ms"] <= latency[phase]["p99_ms"]
     assert latency["sequential_gzip"]["body_bytes"] < latency["sequential"]["body_bytes"] / 3
+    # 1. with --kubernetes (a fake kubelet) and without, side by side
+    k8s = report["kubernetes"]
+    assert k8s["with"]["requests"] > 0 and k8s["with"]["errors"] == 0
+    assert k8s["pod_info_series"] == 8 + 2 and k8s["kubelet_calls"] > 0
+    assert k8s["without"]["p99_ms"] > 0 and k8s["with"]["p99_ms"] > 0
     # 2. sampling: exactly the supported fast fields of every device, and nothing else. The
     # fake GPUs report every field an A100-SXM4 does: 13 fast ones (no fan), the health
     # fields every --slow-interval (30 s: at most 8 x 14 / 30 more per sample on average).
@@ -84,5 +89,6 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     text = doc.read_text()
     assert "old" not in text and text.endswith("<!-- bench-table:end -->\nrest\n")
     assert "**Preliminary**" in text and "| 64 | 0 |" in text
+    assert "| 1 | `/metrics` p99 ms with / without `--kubernetes`" in text
     assert "| 6 | idle CPU % of one core (s per minute), 64 GPUs, 0 processes |" in text
     assert "| 7 | hostile clients (10 slowloris + 10 idle connections)" in text
