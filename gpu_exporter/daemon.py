@@ -247,7 +247,7 @@ def build(
         live.append(WebConfigCollector(watcher))
         registry.register(live[-1])
     if kubelet is not None:
-        live.append(PodCollector(kubelet.allocations, cache))
+        live.append(PodCollector(kubelet.allocations, cache, config.process_series_limit))
         registry.register(live[-1])
     exposition = Exposition(cache, gpu_collector, live)
 

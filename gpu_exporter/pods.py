@@ -89,6 +89,61 @@ def taken_reasons(devices: Iterable[PodDevice], gpus: tuple[GpuSample, ...]) -> 
     }
 
 
+Owner = tuple[str, ...]  # (namespace, pod) or (namespace, pod, container)
+
+
+def _infer(cards: list[tuple[set[Owner], set[str]]]) -> dict[str, Owner]:
+    """Which owner each key (a cgroup's pod UID or container id) is, from the cards: the
+    owners the kubelet gave each card and the keys of the processes running on it.
+
+    A key is named when a card leaves exactly one unnamed owner and one unnamed key (a card
+    one pod holds, or the last of a shared card's pods), repeated until nothing changes. A
+    name that another card contradicts (its key on a card its owner was not given) is
+    withdrawn and everything inferred again without that key.
+    """
+    excluded: set[str] = set()
+    while True:
+        named: dict[str, Owner] = {}
+        changed = True
+        while changed:
+            changed = False
+            for owners, keys in cards:
+                owners_left = owners - set(named.values())
+                keys_left = keys - named.keys() - excluded
+                if len(owners_left) == 1 and len(keys_left) == 1:
+                    named[keys_left.pop()] = owners_left.pop()
+                    changed = True
+        wrong = {k for owners, keys in cards for k in keys if k in named and named[k] not in owners}
+        if not wrong:
+            return named
+        excluded |= wrong
+
+
+def process_owners(
+    devices: Iterable[PodDevice], gpus: tuple[GpuSample, ...]
+) -> tuple[dict[str, Owner], dict[str, Owner]]:
+    """(pod UID → (namespace, pod), container id → (namespace, pod, container)) for the
+    processes' cgroup keys (``--process-labels=pod,container``), as far as the allocations
+    determine them: the PodResources API names pods, never their UIDs or container ids, so a
+    key is named only where a card's owners and processes pin it down (:func:`_infer`)."""
+    pods: dict[str, set[Owner]] = {}
+    containers: dict[str, set[Owner]] = {}
+    for gpu, d in resolve(devices, gpus):
+        if gpu is not None:
+            pods.setdefault(gpu.uuid, set()).add((d.namespace, d.pod))
+            containers.setdefault(gpu.uuid, set()).add((d.namespace, d.pod, d.container))
+    held = [g for g in all_devices(gpus) if g.uuid in pods]
+    return (
+        _infer([(pods[g.uuid], {p.pod for p in g.processes or () if p.pod}) for g in held]),
+        _infer(
+            [
+                (containers[g.uuid], {p.container for p in g.processes or () if p.container})
+                for g in held
+            ]
+        ),
+    )
+
+
 class PodAllocations:
     """The kubelet's last answer, replaced whole (thread-safe), and whether it answers now.
 

@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import build_stack
+from conftest import build_stack, fake_proc, sim_of
 from fakekubelet import FakeKubelet, fake_kubelet
 from gpu_exporter.cli import _serve_config, build_parser
 from gpu_exporter.collect.podresources import (
@@ -24,7 +25,7 @@ from gpu_exporter.collect.podresources import (
 )
 from gpu_exporter.config import DEFAULT_KUBELET_SOCKET
 from gpu_exporter.pods import PodDevice, physical_id, resolve, taken_reasons
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
 from harness import exporter, get
 from served import Served, served
 
@@ -282,3 +283,84 @@ def test_gpu_exporter_serve_with_kubernetes(kubelet: FakeKubelet, tmp_path: Any)
         assert pod_info(ex.base) == {("2", gpus.gpus[2].uuid, "ml", "train", "trainer")}
         status, body = get(ex.base + f"/choose?n=1&lease=0&include={gpus.gpus[2].uuid}")
         assert status == 503 and "allocated to pod ml/train" in body, body
+
+
+# -- process names: cgroup pod UIDs and container ids named through the allocations ------------
+
+UID = {p: f"{i}0000000-aaaa-bbbb-cccc-dddddddddddd" for i, p in enumerate("ABCD", start=1)}
+CONTAINER = {p: f"{i}" * 64 for i, p in enumerate("ABCD", start=1)}
+
+
+def pod_cgroup(pod: str) -> str:
+    """A cgroup v2 path as the systemd driver writes it, with the pod UID and container id."""
+    uid = UID[pod].replace("-", "_")
+    return (
+        f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{uid}.slice/"
+        f"cri-containerd-{CONTAINER[pod]}.scope\n"
+    )
+
+
+def test_process_pods_are_named_where_the_allocations_pin_them_down(
+    kubelet: FakeKubelet, tmp_path: Any
+) -> None:
+    """Card 0: pod a alone. Card 1: time-sliced by b and c. Card 2: b alone. Card 3: d's card,
+    but the process on it is c's (a misplaced process: c also runs on card 1, so the two
+    contradict each other). Card 4: no pod's, a process of a pod without a GPU limit."""
+    pids = {0: (7000,), 1: (7100, 7101), 2: (7200,), 3: (7300,), 4: (7400,)}
+    owner = {7000: "A", 7100: "B", 7101: "C", 7200: "B", 7300: "C", 7400: "D"}
+    gpus = [
+        SimGpu(
+            i,
+            DEFAULT_MODEL,
+            Load("constant", utilization=0.5, memory_used_ratio=0.5, processes=len(p), pids=p),
+        )
+        for i, p in pids.items()
+    ]
+    for pid, pod in owner.items():
+        fake_proc(tmp_path, pid, cgroup=pod_cgroup(pod))
+    stack = build_stack(
+        sim_of(*gpus),
+        kubernetes_socket=kubelet.socket_path,
+        proc_root=str(tmp_path),
+        process_labels=("container", "pod"),
+    )
+    uuids = [g.uuid for g in stack.sim.gpus]
+    kubelet.pods = [
+        ("ns", "a", [("main", [("nvidia.com/gpu", [uuids[0]])])]),
+        ("ns", "b", [("main", [("nvidia.com/gpu", [uuids[1] + "::0", uuids[2]])])]),
+        ("ns", "c", [("side", [("nvidia.com/gpu", [uuids[1] + "::1"])])]),
+        ("ns", "d", [("main", [("nvidia.com/gpu", [uuids[3]])])]),
+    ]
+    (poller,) = [t for t in stack.daemon.background if hasattr(t, "poll_once")]
+    assert poller.poll_once()
+    stack.sample()
+    text = generate_latest(stack.registry).decode()
+    found = {
+        (s.labels["pid"], s.labels["namespace"], s.labels["pod"], s.labels["container"])
+        for f in text_string_to_metric_families(text)
+        if f.name == "gpu_process_pod_info"
+        for s in f.samples
+    }
+    # A and B from their own cards; C by elimination on the shared card 1 - then contradicted
+    # by its process on D's card 3, so C is named nowhere and D (never seen) neither.
+    assert found == {
+        ("7000", "ns", "a", "main"),
+        ("7100", "ns", "b", "main"),
+        ("7200", "ns", "b", "main"),
+    }
+    # The value series keep their cgroup labels (UID, container id); the join names them.
+    assert stack.value(
+        "gpu_process_memory_used_bytes", 0, pid="7000", pod=UID["A"], container=CONTAINER["A"]
+    )
+
+
+def test_inference_by_elimination_and_withdrawal() -> None:
+    from gpu_exporter.pods import _infer
+
+    a, b, c = ("ns", "a"), ("ns", "b"), ("ns", "c")
+    # b's own card names uid-b; the shared card then leaves c for uid-c.
+    assert _infer([({b, c}, {"ub", "uc"}), ({b}, {"ub"})]) == {"ub": b, "uc": c}
+    # Two unknown processes on a card one pod holds: neither is named.
+    assert _infer([({a}, {"u1", "u2"})]) == {}
+    # A name another card contradicts is withdrawn, and what followed from it too.
+    assert _infer([({a}, {"ua"}), ({b}, {"ua"})]) == {}

@@ -132,7 +132,7 @@ def test_help_text_says_values_are_sampled() -> None:
     # Xid errors arrive as events, and PCIe throughput has its own thread; neither is sampled
     # with the snapshot, and their help says so instead.
     own_timing = {"gpu_xid_errors_total", "gpu_last_xid_timestamp_seconds"}
-    own_timing |= {"gpu_pcie_throughput_bytes_per_second", "gpu_pod_info"}
+    own_timing |= {"gpu_pcie_throughput_bytes_per_second", "gpu_pod_info", "gpu_process_pod_info"}
     for spec in METRICS:
         if spec.name in own_timing:
             assert not spec.help.endswith(SAMPLED), spec.name

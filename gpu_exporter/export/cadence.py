@@ -60,6 +60,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "gpu_exporter_web_config_last_reload_successful": (AT_SCRAPE, CORE),
     "gpu_pod_info": (KUBELET, CORE),
     "gpu_exporter_kubernetes_up": (KUBELET, CORE),
+    "gpu_process_pod_info": (KUBELET + "; processes every sample", "processes"),
 }
 
 # Series one A100-like GPU has per group (process series: one per process, not counted).

@@ -16,9 +16,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpu_exporter.collect.cache import SnapshotCache
-from gpu_exporter.export.spec import GPU_POD_INFO, KUBERNETES_UP, MetricSpec
-from gpu_exporter.model import GpuSample
-from gpu_exporter.pods import PodAllocations, physical_id, resolve
+from gpu_exporter.export.spec import GPU_POD_INFO, GPU_PROCESS_POD_INFO, KUBERNETES_UP, MetricSpec
+from gpu_exporter.model import GpuSample, all_devices
+from gpu_exporter.pods import PodAllocations, physical_id, process_owners, resolve
 
 
 def _family(spec: MetricSpec) -> GaugeMetricFamily:
@@ -29,9 +29,12 @@ class PodCollector(Collector):
     """The allocations of a :class:`~gpu_exporter.pods.PodAllocations`, GPU indexes from the
     snapshot cache's latest sample."""
 
-    def __init__(self, allocations: PodAllocations, cache: SnapshotCache) -> None:
+    def __init__(
+        self, allocations: PodAllocations, cache: SnapshotCache, process_series_limit: int = 64
+    ) -> None:
         self._allocations = allocations
         self._cache = cache
+        self._limit = process_series_limit
         self._lock = threading.Lock()
         self._built: tuple[tuple[int, int], list[Metric]] | None = None
 
@@ -39,6 +42,7 @@ class PodCollector(Collector):
         """The names, for the ``name[]`` filter (see ``GpuCollector.describe``)."""
         yield _family(GPU_POD_INFO)
         yield _family(KUBERNETES_UP)
+        yield _family(GPU_PROCESS_POD_INFO)
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._cache.get()
@@ -61,4 +65,24 @@ class PodCollector(Collector):
                 info.add_metric(list(labels), 1)
         up = _family(KUBERNETES_UP)
         up.add_metric([], 1 if self._allocations.up else 0)
-        return [f for f in (info, up) if f.samples]
+        return [f for f in (info, up, self._processes(gpus)) if f.samples]
+
+    def _processes(self, gpus: tuple[GpuSample, ...]) -> Metric:
+        """``gpu_process_pod_info`` for the processes ``gpu_process_memory_used_bytes`` has
+        (the same ``limit`` largest per device) whose pod the allocations name."""
+        family = _family(GPU_PROCESS_POD_INFO)
+        uids, containers = process_owners(self._allocations.devices, gpus)
+        if not uids and not containers:
+            return family
+        for gpu in all_devices(gpus):
+            if gpu.mig_devices and not gpu.is_mig_device:
+                continue  # a GPU in MIG mode has its processes under its MIG devices
+            known = [p for p in gpu.processes or () if p.used_memory_bytes is not None]
+            known.sort(key=lambda p: (-(p.used_memory_bytes or 0), p.pid))
+            for p in known[: self._limit]:
+                container = containers.get(p.container or "")
+                pod = container[:2] if container else uids.get(p.pod or "")
+                if pod is not None:
+                    name = container[2] if container and container[:2] == pod else ""
+                    family.add_metric([str(gpu.index), gpu.uuid, str(p.pid), *pod, name], 1)
+        return family

@@ -489,7 +489,22 @@ KUBERNETES_UP = MetricSpec(
     unit="0/1",
     default="with --kubernetes",
 )
-KUBERNETES_METRICS = (GPU_POD_INFO, KUBERNETES_UP)  # export/pods.py's, with --kubernetes
+GPU_PROCESS_POD_INFO = MetricSpec(
+    "gpu_process_pod_info",
+    "gauge",
+    "Always 1 for a GPU process whose pod (and container) the kubelet's allocations name; "
+    "asked of the kubelet every 10 s on its own thread.",
+    (*GPU_LABELS, "pid", "namespace", "pod", "container"),
+    "kubelet PodResources v1 List, /proc/<pid>/cgroup",
+    unit="1 (info)",
+    default="with --kubernetes and --process-labels=pod (container names: and container)",
+    details="For `gpu_process_memory_used_bytes * on(instance, uuid, pid) "
+    "group_left(namespace, pod, container) gpu_process_pod_info`. The API names pods, not "
+    "their UIDs: a cgroup's pod UID is named where a card's pods and processes pin it down "
+    '(a card one pod holds, or the last unnamed pod of a shared one); `container` is "" '
+    "where only the pod is known. At most --process-series-limit per device, largest first.",
+)
+KUBERNETES_METRICS = (GPU_POD_INFO, KUBERNETES_UP, GPU_PROCESS_POD_INFO)  # export/pods.py's
 EXPORTER_METRICS = (
     BUILD_INFO,
     NVML_UP,
@@ -519,6 +534,7 @@ METRICS: tuple[MetricSpec, ...] = (
     PCIE_THROUGHPUT,
     GPU_LEASED,
     GPU_POD_INFO,
+    GPU_PROCESS_POD_INFO,
     *EXPORTER_METRICS,
 )
 
