@@ -37,10 +37,10 @@ from gpu_exporter.choose.defaults import parse_defaults
 from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.statefile import StateDirError, StateLock, lock_state_dir, probe_dir
 from gpu_exporter.clock import Clock, SystemClock
-from gpu_exporter.collect.background import NvmlThread
+from gpu_exporter.collect.background import BackgroundThread
 from gpu_exporter.collect.cache import HISTORY_LENGTH, SnapshotCache, new_cache
 from gpu_exporter.collect.groups import parse_disabled
-from gpu_exporter.collect.kubelet import PodResourcesPoller, kubelet_poller
+from gpu_exporter.collect.kubelet import kubelet_poller
 from gpu_exporter.collect.pcie import PcieThroughputSampler
 from gpu_exporter.collect.procinfo import ProcInfoCache, read_cgroup_key
 from gpu_exporter.collect.sampler import Sampler
@@ -88,7 +88,7 @@ class Daemon:
     services: Services
     app: Flask  # inside its middleware (web.middleware.install): what the server serves
     watcher: WebConfigWatcher | None = None
-    background: list[NvmlThread | PodResourcesPoller] = field(default_factory=list)
+    background: list[BackgroundThread] = field(default_factory=list)
     server: Server | None = None
 
     @property
@@ -305,7 +305,7 @@ def build(
         disabled=disabled,
     )
     # Off the main sampling path: each on its own thread, holding its own NVML reference.
-    background: list[NvmlThread | PodResourcesPoller] = [kubelet] if kubelet else []
+    background: list[BackgroundThread] = [kubelet] if kubelet else []
     if xids is not None:
         background.append(XidListener(nvml, xids, clock=clock))
     if pcie is not None:

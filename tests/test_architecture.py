@@ -291,6 +291,8 @@ def test_create_app_is_short() -> None:
         "client.api",
         "client.params",
         "collect.procinfo",
+        "collect.podresources",
+        "pods",
         "model",
     ],
 )

@@ -1,5 +1,5 @@
 """Background threads that call NVML off the main sampling path (Xid events, PCIe
-throughput).
+throughput), and their base :class:`BackgroundThread` (also the kubelet poller's).
 
 Each holds its own reference to NVML (``nvmlInit``/``nvmlShutdown`` are counted by the
 library, so the sampler shutting NVML down after a failure does not pull it from under
@@ -20,33 +20,16 @@ BACKOFF_INITIAL_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 300.0
 
 
-class NvmlThread:
-    """Run :meth:`step` repeatedly on a thread while NVML is initialised.
+class BackgroundThread:
+    """A daemon thread that runs :meth:`_run` until :meth:`stop` (the Xid, PCIe and kubelet
+    threads); :meth:`wait` sleeps and wakes at once on stop."""
 
-    Subclasses implement :meth:`setup` (after each ``nvmlInit``), :meth:`step` (one unit of
-    work, returning within a bounded time) and :meth:`teardown` (before ``nvmlShutdown``).
-    """
+    name = "background"
 
-    name = "nvml-background"
-
-    def __init__(self, nvml: Nvml) -> None:
-        self.nvml = nvml
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._backoff = BACKOFF_INITIAL_SECONDS
 
-    # -- subclass hooks ---------------------------------------------------------------------
-    def setup(self) -> None:
-        """Called on the thread after NVML is initialised."""
-
-    def step(self) -> None:
-        """One unit of work; must return within a bounded time so that stop() is quick."""
-        raise NotImplementedError
-
-    def teardown(self) -> None:
-        """Called on the thread before NVML is shut down (after failures, and at stop)."""
-
-    # -- control ------------------------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
@@ -66,6 +49,35 @@ class NvmlThread:
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class NvmlThread(BackgroundThread):
+    """Run :meth:`step` repeatedly on a thread while NVML is initialised.
+
+    Subclasses implement :meth:`setup` (after each ``nvmlInit``), :meth:`step` (one unit of
+    work, returning within a bounded time) and :meth:`teardown` (before ``nvmlShutdown``).
+    """
+
+    name = "nvml-background"
+
+    def __init__(self, nvml: Nvml) -> None:
+        super().__init__()
+        self.nvml = nvml
+        self._backoff = BACKOFF_INITIAL_SECONDS
+
+    # -- subclass hooks ---------------------------------------------------------------------
+    def setup(self) -> None:
+        """Called on the thread after NVML is initialised."""
+
+    def step(self) -> None:
+        """One unit of work; must return within a bounded time so that stop() is quick."""
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        """Called on the thread before NVML is shut down (after failures, and at stop)."""
 
     def _run(self) -> None:
         while not self._stop.is_set():

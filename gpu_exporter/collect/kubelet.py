@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
 
+from gpu_exporter.collect.background import BackgroundThread
 from gpu_exporter.collect.podresources import LIST_METHOD, DecodeError, decode_list_response
 from gpu_exporter.config import ServeConfig
 from gpu_exporter.pods import PodAllocations
@@ -68,7 +68,7 @@ def kubelet_poller(config: ServeConfig) -> PodResourcesPoller | None:
     )
 
 
-class PodResourcesPoller:
+class PodResourcesPoller(BackgroundThread):
     """Polls ``lister`` (default: :func:`list_pod_resources` on ``socket_path``) every
     ``interval_seconds`` into ``allocations``, on a daemon thread."""
 
@@ -83,30 +83,17 @@ class PodResourcesPoller:
         timeout_seconds: float = TIMEOUT_SECONDS,
         lister: Callable[[], bytes] | None = None,
     ) -> None:
+        super().__init__()
         self.socket_path = socket_path
         self.allocations = allocations
         self.interval_seconds = interval_seconds
         self._list = lister or (lambda: list_pod_resources(socket_path, timeout_seconds))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._problem: str | None = "not asked yet"  # what the log last said was wrong
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_seconds: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_seconds)
-
-    def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self.stopping:
             self.poll_once()
-            self._stop.wait(self.interval_seconds)
+            self.wait(self.interval_seconds)
 
     def poll_once(self) -> bool:
         """One ``List``; whether it worked. Never raises."""

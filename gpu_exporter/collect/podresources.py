@@ -20,11 +20,13 @@ Note what the API does not say: a pod's UID. Pods are named (namespace, name) on
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from gpu_exporter.pods import PodDevice
 
 LIST_METHOD = "/v1.PodResourcesLister/List"
+T = TypeVar("T")
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
@@ -109,21 +111,22 @@ def decode_list_response(data: bytes) -> list[PodDevice]:
     return out
 
 
-def _container_devices(data: bytes, namespace: str, pod: str) -> Iterator[PodDevice]:
-    name = ""
-    devices: list[bytes] = []
+def _named(data: bytes, item: Callable[[int | bytes], T]) -> tuple[str, list[T]]:
+    """A message whose field 1 is its name and field 2 a repeated ``item``: a container
+    (name, devices) or a device entry (resource name, device IDs)."""
+    name, items = "", []
     for n, v in fields(data):
         if n == 1:
             name = _text(v)
         elif n == 2:
-            devices.append(_message(v))
+            items.append(item(v))
+    return name, items
+
+
+def _container_devices(data: bytes, namespace: str, pod: str) -> Iterator[PodDevice]:
+    name, devices = _named(data, _message)
     for device in devices:
-        resource, ids = "", []
-        for n, v in fields(device):
-            if n == 1:
-                resource = _text(v)
-            elif n == 2:
-                ids.append(_text(v))
+        resource, ids = _named(device, _text)
         for device_id in ids:
             yield PodDevice(namespace, pod, name, resource, device_id)
 
