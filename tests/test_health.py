@@ -11,6 +11,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from conftest import CID, Stack, build_stack, fake_proc, sim_of
+from fakekubelet import fake_kubelet
+from gpu_exporter.collect.kubelet import PodResourcesPoller
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.export.spec import METRICS
 from gpu_exporter.model import CLOCKS_EVENT_REASONS
@@ -229,29 +231,41 @@ def test_reinitialising_asks_unsupported_and_static_fields_again() -> None:
     assert s.sim.calls["nvmlDeviceGetEccMode"] == 2 + 2 * 2
 
 
+POD_CGROUP = "0::/kubepods.slice/kubepods-pod0a1b2c3d_0000_4000_8000_000000000001.slice\n"
+
+
 def full_host(tmp_path: Path) -> Stack:
-    """MIG, a GeForce, processes with labels, Xids and PCIe throughput: everything on."""
-    for k in range(3):  # processes of GPU 0 (pids 4000…) visible in /proc, one in a container
-        fake_proc(
+    """MIG, a GeForce, processes with labels, Xids, PCIe throughput and a kubelet whose pod
+    holds GPU 0: everything on."""
+    cgroups = [f"0::/system.slice/docker-{CID}.scope\n", "0::/user.slice\n", POD_CGROUP]
+    for k in range(3):  # processes of GPU 0 (pids 4000…) visible in /proc, in a container,
+        fake_proc(  # a login session and a pod
             tmp_path,
             4000 + k,
             uid=0,
             cmdline=b"/usr/bin/python3\x00train.py\x00",
-            cgroup=f"0::/system.slice/docker-{CID}.scope\n" if k == 0 else "0::/user.slice\n",
+            cgroup=cgroups[k],
             start=10 + k,
         )
     procinfo = ProcInfoCache(("user", "command", "container", "slurm_job", "pod"), str(tmp_path))
-    s = build_stack(
-        sim_of(
-            SimGpu(0, A100, Load("constant", utilization=0.5, memory_used_ratio=0.5, processes=3)),
-            SimGpu(1, GTX, Load("busy")),
-            SimGpu(2, A100, Load("busy"), mig=("3g.40gb", "2g.20gb", "1g.10gb")),
-            SimGpu(3, A100, Load("hidden", memory_used_ratio=0.3), health=SICK),
-        ),
-        process_labels=procinfo.fields,
-        proc_root=str(tmp_path),
-        pcie_throughput=True,
-    )
+    pod = ("ml", "train", [("main", [("nvidia.com/gpu", ["0"])])])  # GPU 0, by index
+    with fake_kubelet([pod]) as kubelet:
+        s = build_stack(
+            sim_of(
+                SimGpu(
+                    0, A100, Load("constant", utilization=0.5, memory_used_ratio=0.5, processes=3)
+                ),
+                SimGpu(1, GTX, Load("busy")),
+                SimGpu(2, A100, Load("busy"), mig=("3g.40gb", "2g.20gb", "1g.10gb")),
+                SimGpu(3, A100, Load("hidden", memory_used_ratio=0.3), health=SICK),
+            ),
+            process_labels=procinfo.fields,
+            proc_root=str(tmp_path),
+            pcie_throughput=True,
+            kubernetes_socket=kubelet.socket_path,
+        )
+        (poller,) = [t for t in s.daemon.background if isinstance(t, PodResourcesPoller)]
+        assert poller.poll_once()  # asked once, by hand: no thread runs here
     s.sample()
     s.xids.record(3, s.sim.gpus[3].uuid, 79, s.clock.time())
     s.xids.record(3, s.sim.gpus[3].uuid, 48, s.clock.time())
