@@ -40,6 +40,14 @@ def _env_bool(flag: str) -> bool:
     return (_env(flag, "") or "").lower() in ("1", "true", "yes", "on")
 
 
+def _kubernetes_env() -> str | None:
+    """``GPU_EXPORTER_KUBERNETES``: a socket path, or true/1/yes/on for the default one."""
+    value = _env("kubernetes", "") or ""
+    if value.lower() in ("1", "true", "yes", "on"):
+        return DEFAULT_KUBELET_SOCKET
+    return None if value.lower() in ("", "0", "false", "no", "off") else value
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -292,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kubernetes",
         nargs="?",
         const=DEFAULT_KUBELET_SOCKET,
-        default=_env("kubernetes", None) or None,
+        default=_kubernetes_env(),
         metavar="SOCKET",
         help="on a Kubernetes node: ask the kubelet's PodResources API at SOCKET (default "
         f"{DEFAULT_KUBELET_SOCKET}) every 10 s which pod holds which GPU: gpu_pod_info, and "

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -27,18 +28,20 @@ class FakeKubelet:
         self.socket_path = socket_path
         self.pods: list[Pod] = list(pods or [])
         self.calls = 0
+        self.delay_seconds = 0.0  # a kubelet that answers this late (past the deadline?)
         self._lock = threading.Lock()
         self._server: grpc.Server | None = None
 
     def _list(self, request: bytes, context: Any) -> bytes:
         with self._lock:
             self.calls += 1
+        time.sleep(self.delay_seconds)
         return encode_list_response(self.pods, cpu_ids=(0, 1))  # fields the decoder skips
 
     def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         handler = grpc.method_handlers_generic_handler(
             "v1.PodResourcesLister",
             {"List": grpc.unary_unary_rpc_method_handler(self._list)},  # bytes in, bytes out

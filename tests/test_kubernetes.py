@@ -242,6 +242,19 @@ def test_the_kubelet_going_away_and_coming_back(
     assert status == 200, body
 
 
+def test_a_kubelet_that_answers_too_late_is_down_until_it_answers_in_time(
+    node: Served, kubelet: FakeKubelet, caplog: pytest.LogCaptureFixture
+) -> None:
+    eventually(lambda: kubernetes_up(node.url) == 1)
+    caplog.set_level(logging.WARNING, "gpu_exporter.collect.kubelet")
+    kubelet.delay_seconds = 5 * POLL  # the deadline is the poll interval here (5 s at most)
+    eventually(lambda: kubernetes_up(node.url) == 0)
+    assert "DEADLINE_EXCEEDED" in caplog.text
+    assert get(node.url + "/readyz")[0] == 200  # a slow kubelet holds up nothing else
+    kubelet.delay_seconds = 0
+    eventually(lambda: kubernetes_up(node.url) == 1)
+
+
 def test_without_the_flag_there_is_no_kubernetes_series() -> None:
     with served(lab()) as s:
         found = metrics(s.url)
@@ -258,6 +271,10 @@ def test_the_flag_takes_the_kubelet_default_or_a_socket() -> None:
     assert config("--kubernetes=/run/k.sock").kubernetes_socket == "/run/k.sock"
     assert config("--kubernetes", "--interval", "2").kubernetes_socket == DEFAULT_KUBELET_SOCKET
     assert config().kubernetes_poll_seconds == 10.0
+    for value, socket in (("true", DEFAULT_KUBELET_SOCKET), ("/k.sock", "/k.sock"), ("0", None)):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("GPU_EXPORTER_KUBERNETES", value)
+            assert config().kubernetes_socket == socket, value
 
 
 @pytest.mark.slow

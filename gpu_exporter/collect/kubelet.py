@@ -63,8 +63,12 @@ def kubelet_poller(config: ServeConfig) -> PodResourcesPoller | None:
     """The poller ``--kubernetes`` asks for (not started), or None without the flag."""
     if config.kubernetes_socket is None:
         return None
+    interval = config.kubernetes_poll_seconds
     return PodResourcesPoller(
-        config.kubernetes_socket, PodAllocations(), interval_seconds=config.kubernetes_poll_seconds
+        config.kubernetes_socket,
+        PodAllocations(),
+        interval_seconds=interval,
+        timeout_seconds=min(TIMEOUT_SECONDS, interval),  # a call never outlives its period
     )
 
 
