@@ -38,6 +38,7 @@ from pathlib import Path
 from gpu_exporter.choose.filters import Filters, Window
 from gpu_exporter.choose.idempotency import ClaimKeys
 from gpu_exporter.choose.lease import Held, Lease, LeaseError
+from gpu_exporter.choose.memory import DEFAULT_HEADROOM_BYTES, admission, never_fits, shared_cards
 from gpu_exporter.choose.persistence import Persistence
 from gpu_exporter.choose.rank import Selection, choose
 from gpu_exporter.choose.settle import settle
@@ -68,8 +69,10 @@ class LeaseTable:
         max_ttl_seconds: float = 3600.0,
         max_gpus_per_requester: int = 0,
         cgroup_of: Callable[[int], str | None] = _no_cgroup,
+        mem_headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
     ) -> None:
         self._clock = clock
+        self.mem_headroom_bytes = mem_headroom_bytes  # kept free on a card memory leases share
         # pid → its cgroup key (procinfo.read_cgroup_key, injected: choose/ reads no /proc)
         self._cgroup_of = cgroup_of
         self._file = Persistence(
@@ -149,9 +152,14 @@ class LeaseTable:
         key: ClaimKey | None = None,
         reserved: Mapping[str, str] | None = None,
         pids: Iterable[int] = (),
+        mem: int | None = None,
     ) -> tuple[Selection, Lease | None]:
         """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them
         for the job whose processes are ``pids`` (see :func:`~gpu_exporter.choose.settle.settle`).
+
+        With ``mem`` (bytes), ``n`` cards that admit that much more each
+        (:mod:`gpu_exporter.choose.memory`: shared with other memory leases, best fit first),
+        reserved in a memory lease.
 
         The lease returned carries its token (:attr:`Lease.token`). With ``key``, a lease an
         earlier claim with that key made is returned instead (see :meth:`again`).
@@ -194,9 +202,28 @@ class LeaseTable:
                         f"exceed the limit of {self.max_gpus_per_requester} per requester",
                         "n",
                     )
+            fit, note = None, ""
+            if mem is None:
+                leased.update(shared_cards(self._leases.values()))
+            else:
+                headroom = self.mem_headroom_bytes
+                never = never_fits(snapshot.gpus, mem, headroom)
+                if never is not None:  # waiting cannot help
+                    raise LeaseError(503, "not_enough_gpus", never, "mem")
+                fits = admission(snapshot.gpus, self._leases.values(), mem, headroom, leased)
+                leased, fit, note = fits.refused, fits.fit, fits.note
             if reserved:
                 leased = {**reserved, **leased}
-            choice = choose(snapshot.gpus, n, filters, sort=sort, window=window, leased=leased)
+            choice = choose(
+                snapshot.gpus,
+                n,
+                filters,
+                sort=sort,
+                window=window,
+                leased=leased,
+                fit=fit,
+                note=note,
+            )
             if ttl_seconds <= 0:
                 return choice, None
             keyed, secret = self._keys.credentials(key)  # keyed: a retry derives the same token
@@ -210,6 +237,7 @@ class LeaseTable:
                     owner=owner,
                     token_hash=sha256_hex(secret),
                     keyed=keyed,
+                    mem_bytes=mem,
                 ),
                 pids,
             )
