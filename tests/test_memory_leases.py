@@ -345,3 +345,24 @@ def test_64_concurrent_claims_get_exactly_what_the_rule_admits() -> None:
         assert code == 503 and body["error"]["code"] == "not_enough_gpus"
         assert "has 7.5 GiB uncommitted" in body["error"]["message"]
         assert "needs 8.0 GiB + 512.0 MiB headroom" in body["error"]["message"]
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+def test_leased_and_overrun_bytes_are_exported_for_cards_with_memory_leases() -> None:
+    s = idle(2)
+    assert s.value("gpu_memory_leased_bytes", 1) is None  # nothing shared: no series
+    s.client.get("/choose?mem=8GiB&pid=4000&include=1")
+    s.client.get("/choose?mem=4GiB&pid=4001&include=1")
+    assert s.value("gpu_memory_leased_bytes", 1) == 12 * GIB
+    assert s.value("gpu_lease_memory_overrun_bytes", 1) == 0
+    assert s.value("gpu_memory_leased_bytes", 0) is None
+    # pid 4000 now uses 0.2 of the usable memory (15.9 GiB): 7.9 GiB over its 8 GiB
+    s.sim.gpus[1].load = Load(
+        "constant", utilization=0.5, memory_used_ratio=0.2, processes=1, pids=(4000,)
+    )
+    s.clock.advance(1)
+    s.sample()
+    assert s.value("gpu_lease_memory_overrun_bytes", 1) == round(USABLE * 0.2) - 8 * GIB
+    assert len(s.leases.active(s.cache.get())) == 2  # nothing is killed or ended

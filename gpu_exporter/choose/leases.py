@@ -38,7 +38,14 @@ from pathlib import Path
 from gpu_exporter.choose.filters import Filters, Window
 from gpu_exporter.choose.idempotency import ClaimKeys
 from gpu_exporter.choose.lease import Held, Lease, LeaseError
-from gpu_exporter.choose.memory import DEFAULT_HEADROOM_BYTES, admission, never_fits, shared_cards
+from gpu_exporter.choose.memory import (
+    DEFAULT_HEADROOM_BYTES,
+    admission,
+    card_memory,
+    memory_leases,
+    never_fits,
+    shared_cards,
+)
 from gpu_exporter.choose.persistence import Persistence
 from gpu_exporter.choose.rank import Selection, choose
 from gpu_exporter.choose.settle import settle
@@ -98,6 +105,13 @@ class LeaseTable:
     def holders(self, snapshot: Snapshot | None = None) -> dict[str, Lease]:
         """UUID → the lease holding it."""
         return {uuid: lease for lease in self.active(snapshot) for uuid in lease.uuids}
+
+    def memory_by_card(self, snapshot: Snapshot) -> dict[str, tuple[int, int]]:
+        """UUID → (bytes reserved by memory leases, bytes their attributed processes use beyond
+        that), for the cards of ``snapshot`` holding memory leases (the metrics)."""
+        shared = memory_leases(self.active(snapshot))
+        cards = (card_memory(g, shared[g.uuid]) for g in snapshot.gpus if g.uuid in shared)
+        return {card.uuid: (card.leased, card.overrun) for card in cards}
 
     @property
     def state_problem(self) -> str | None:
