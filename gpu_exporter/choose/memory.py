@@ -161,13 +161,22 @@ def fraction(mem: int, total: int) -> float:
 def env_caps(mem: int, totals: Iterable[int]) -> dict[str, str]:
     """The environment a job under a memory lease of ``mem`` a card gets, on cards of
     ``totals`` bytes (the smallest decides the fraction)."""
-    least = min(totals, default=0)
-    share = f"{fraction(mem, least):.4f}"
+    return caps_env(mem, fraction(mem, min(totals, default=0)))
+
+
+def caps_env(mem: int, share: float) -> dict[str, str]:
+    """The variables of :data:`MEM_ENV_NAMES` for ``mem`` bytes, ``share`` of the card
+    (the server's ``format=env`` and the client's ``Choice.env()`` both write them here).
+
+    >>> caps_env(8 * 2**30, 0.0938)["XLA_PYTHON_CLIENT_MEM_FRACTION"]
+    '0.0938'
+    """
+    text = f"{share:.4f}"
     return {
         MEM_LIMIT_ENV: str(mem),
-        MEM_FRACTION_ENV: share,
+        MEM_FRACTION_ENV: text,
         TF_GROWTH_ENV: "true",
-        **{name: share for name in JAX_FRACTION_ENVS},
+        **dict.fromkeys(JAX_FRACTION_ENVS, text),
     }
 
 

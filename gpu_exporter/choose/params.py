@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from gpu_exporter.choose.filters import MIG_MODES
-from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES
+from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, MEM_ENV_NAMES
 from gpu_exporter.choose.rank import SORTS
 from gpu_exporter.choose.values import (
     Reader,
@@ -72,6 +72,9 @@ class ApiError(Exception):
 
 def bad(param: str, message: str) -> NoReturn:
     raise ApiError(400, "invalid_parameter", message, param)
+
+
+CONTEXT = f"a {CUDA_CONTEXT_BYTES // 2**20} MiB allowance for the CUDA context"
 
 
 def lease_size(name: str, text: str) -> int:
@@ -286,7 +289,8 @@ PARAMS: tuple[Param, ...] = (
         "memory (in use by others + each memory lease's max(reserved, used)) + mem + the "
         "exporter's --mem-headroom fits its total less the driver's reservation; best fit "
         "first. Whole cards only (MIG devices refused). --choose-defaults do not apply. "
-        "format=env adds GPU_MEM_LIMIT_BYTES, GPU_MEM_FRACTION and the framework caps.",
+        f"format=env adds {', '.join(MEM_ENV_NAMES)} (the share less {CONTEXT}, over the "
+        "card's total: TF_FORCE_GPU_ALLOW_GROWTH is growth, not a cap).",
         _SIZE,
         filter=True,
         flag=("SIZE", "a memory lease: this much of each card, shared with other such jobs"),
