@@ -8,6 +8,7 @@ caps of ``format=env``, and 64 concurrent claims over a real socket.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -366,3 +367,35 @@ def test_leased_and_overrun_bytes_are_exported_for_cards_with_memory_leases() ->
     s.sample()
     assert s.value("gpu_lease_memory_overrun_bytes", 1) == round(USABLE * 0.2) - 8 * GIB
     assert len(s.leases.active(s.cache.get())) == 2  # nothing is killed or ended
+
+
+def test_the_answers_match_their_openapi_schemas() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    from gpu_exporter.web.openapi_schemas import LEASE, MEM
+
+    s = idle(1)
+    body = s.client.get("/choose?mem=8GiB&pid=4000&format=json").get_json()
+    jsonschema.validate(body["mem"], MEM)
+    jsonschema.validate(body["lease"], LEASE)
+    listed = s.client.get("/leases").get_json()["leases"]
+    for lease in listed:
+        jsonschema.validate(lease, LEASE)
+    assert listed[0]["memory"][0]["reserved_bytes"] == 8 * GIB
+    params = s.client.get("/openapi.json").get_json()["paths"]["/choose"]["get"]["parameters"]
+    assert "mem" in {p["name"] for p in params}
+
+
+def test_the_status_page_shows_committed_memory_as_a_bar() -> None:
+    s = idle(2)
+    s.client.get("/choose?mem=8GiB&owner=alice&include=1")
+    s.client.get("/choose?mem=16GiB&owner=bob&include=1")
+    page = s.client.get("/").text
+    row = re.search(rf'<tr class="gpu" data-uuid="{s.sim.gpus[1].uuid}">.*?</tr>', page, re.S)
+    assert row is not None
+    cells = row.group(0)
+    assert 'class="committed"' in cells and "24.0 GiB of 79.5 GiB committed" in cells
+    assert "2 memory leases: alice, bob" in cells
+    assert f'aria-valuenow="{24 * GIB / USABLE * 100:.0f}"' in cells
+    other = re.search(rf'<tr class="gpu" data-uuid="{s.sim.gpus[0].uuid}">.*?</tr>', page, re.S)
+    assert other is not None and "committed" not in other.group(0)
+    assert "1 (8.0 GiB each)" in page  # the lease table
