@@ -22,6 +22,7 @@ import pytest
 
 from gpu_exporter import client, use_gpus
 from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, MEM_ENV_NAMES
+from gpu_exporter.client.fleet import choose_fleet
 from gpu_exporter.client.transport import GpuExporterError, GpuExporterWarning
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
 from harness import ROOT
@@ -163,3 +164,15 @@ def test_choose_with_mem_prints_the_env_line(exporter: Served) -> None:
     assert "TF_FORCE_GPU_ALLOW_GROWTH=true" in result.stdout
     (listed,) = exporter.leases()
     assert listed["mem_bytes"] == 8 * GIB
+
+
+def test_a_cluster_choice_passes_mem_to_the_hosts_claim(exporter: Served) -> None:
+    """/cluster/choose?mem= (here through the client's fleet chooser, which the server's
+    endpoint runs too): the fleet picks the host, the host admits the share."""
+    result = choose_fleet({"n": "1", "mem": "8GiB", "lease": "60s"}, hosts=[exporter.url])
+    (placed,) = result.placements
+    assert placed.mem_bytes == 8 * GIB and placed.mem_fraction == 0.0938
+    assert placed.env()["GPU_MEM_LIMIT_BYTES"] == str(8 * GIB)
+    (listed,) = exporter.leases()
+    assert listed["mem_bytes"] == 8 * GIB and listed["gpus"] == list(placed.uuids)
+    client.release(placed)
