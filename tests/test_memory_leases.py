@@ -399,3 +399,57 @@ def test_the_status_page_shows_committed_memory_as_a_bar() -> None:
     other = re.search(rf'<tr class="gpu" data-uuid="{s.sim.gpus[0].uuid}">.*?</tr>', page, re.S)
     assert other is not None and "committed" not in other.group(0)
     assert "1 (8.0 GiB each)" in page  # the lease table
+
+
+# -- the flag, POST, waiting --------------------------------------------------------------
+
+
+def test_mem_headroom_flag() -> None:
+    from gpu_exporter.cli import _serve_config, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--mem-headroom", "1GiB"])
+    assert _serve_config(args, parser).mem_headroom_bytes == GIB
+    default = parser.parse_args(["serve"])
+    assert _serve_config(default, parser).mem_headroom_bytes == DEFAULT_HEADROOM_BYTES
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--mem-headroom", "lots"])
+
+
+def test_a_larger_headroom_admits_fewer() -> None:
+    s = build_stack(sim_of(SimGpu(0, DEFAULT_MODEL, Load("idle"))), mem_headroom_bytes=8 * GIB)
+    s.sample()
+    # (81,386 - 8,192) // 8,192 = 8 leases of 8 GiB, not 9
+    codes = [s.client.get("/choose?mem=8GiB").status_code for _ in range(9)]
+    assert codes == [200] * 8 + [503]
+
+
+def test_post_takes_mem_in_the_body() -> None:
+    s = idle(1)
+    resp = s.client.post("/choose", data={"mem": "8GiB", "format": "json"})
+    assert resp.status_code == 200 and resp.get_json()["lease"]["mem_bytes"] == 8 * GIB
+    bad = s.client.post("/choose", data={"mem": "nope"}, headers=JSON)
+    assert bad.status_code == 400 and bad.get_json()["error"]["param"] == "mem"
+
+
+def test_a_memory_claim_waits_for_room_and_gets_it_on_release() -> None:
+    sim = SimulatedNvml([SimGpu(0, DEFAULT_MODEL, Load("idle"))], clock=time.monotonic)
+    with served(sim) as ex:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(ex.url + "/choose?mem=70GiB&lease=10m") as resp:
+            token = resp.headers["X-GPU-Lease"]
+        answers: list[int] = []
+
+        def waiter() -> None:
+            with opener.open(ex.url + "/choose?mem=20GiB&wait=20s&lease=1m") as resp:
+                answers.append(resp.status)
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.5)
+        assert answers == []  # 70 + 20 GiB + headroom > 79.5 GiB: waiting
+        release = urllib.request.Request(ex.url + f"/leases/{token}", method="DELETE")
+        opener.open(release).close()
+        thread.join(20)
+        assert answers == [200]
+        assert [x["mem_bytes"] for x in ex.leases()] == [20 * GIB]
