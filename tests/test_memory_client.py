@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import types
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from test_run import run as gpu_exporter_cli
 
 from gpu_exporter import client, use_gpus
 from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, MEM_ENV_NAMES
@@ -137,31 +137,17 @@ def test_every_emitted_name_agrees_across_env_client_openapi_and_readme(exporter
 
 def test_run_with_mem_gives_the_command_the_caps(exporter: Served) -> None:
     script = 'echo "$GPU_MEM_LIMIT_BYTES $GPU_MEM_FRACTION $XLA_PYTHON_CLIENT_MEM_FRACTION"'
-    result = subprocess.run(
-        [sys.executable, "-m", "gpu_exporter", "run", "--mem", "8GiB", "--", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == [str(8 * GIB), "0.0938", "0.0938"]
+    status, out, err = gpu_exporter_cli("run", "--mem", "8GiB", "--", "sh", "-c", script)
+    assert status == 0, err
+    assert out.split() == [str(8 * GIB), "0.0938", "0.0938"]
     assert exporter.leases() == []
 
 
 def test_choose_with_mem_prints_the_env_line(exporter: Served) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "gpu_exporter", "choose", "--mem", "8G", "--format", "env"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "GPU_MEM_LIMIT_BYTES=8589934592" in result.stdout
-    assert "TF_FORCE_GPU_ALLOW_GROWTH=true" in result.stdout
+    status, out, err = gpu_exporter_cli("choose", "--mem", "8G", "--format", "env")
+    assert status == 0, err
+    assert "GPU_MEM_LIMIT_BYTES=8589934592" in out
+    assert "TF_FORCE_GPU_ALLOW_GROWTH=true" in out
     (listed,) = exporter.leases()
     assert listed["mem_bytes"] == 8 * GIB
 
