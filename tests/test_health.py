@@ -253,6 +253,8 @@ def full_host(tmp_path: Path) -> Stack:
         pcie_throughput=True,
     )
     s.sample()
+    # A memory lease (issue 16): gpu_memory_leased_bytes and the overrun have a series.
+    assert s.client.get("/choose?mem=8GiB&include=0").status_code == 200
     s.xids.record(3, s.sim.gpus[3].uuid, 79, s.clock.time())
     s.xids.record(3, s.sim.gpus[3].uuid, 48, s.clock.time())
     from gpu_exporter.counters import PcieRate
