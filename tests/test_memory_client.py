@@ -162,3 +162,14 @@ def test_a_cluster_choice_passes_mem_to_the_hosts_claim(exporter: Served) -> Non
     (listed,) = exporter.leases()
     assert listed["mem_bytes"] == 8 * GIB and listed["gpus"] == list(placed.uuids)
     client.release(placed)
+
+
+def test_without_a_server_a_memory_lease_is_refused_not_chosen_locally(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(client.URL_ENV, "http://127.0.0.1:9")  # nothing listens there
+    session = use_gpus(1, mem="8GiB")
+    with pytest.raises(GpuExporterError, match="cannot lease a share of a card"):
+        session.__enter__()
+    for name in MEM_ENV_NAMES:
+        assert name not in os.environ
