@@ -86,8 +86,9 @@ def test_without_the_drivers_figure_nothing_is_subtracted_for_it() -> None:
 def test_the_fraction_leaves_the_cuda_context_out_and_rounds_down() -> None:
     assert CUDA_CONTEXT_BYTES == 500 * MIB
     assert fraction(8 * GIB, TOTAL) == 0.0938  # (8192 - 500) / 81920 = 0.09389…
-    # the smallest card decides: 7692 / 40960
-    assert env_caps(8 * GIB, [TOTAL, 40 * GIB])["GPU_MEM_FRACTION"] == "0.1877"
+    # cards of different sizes: the largest decides, so the cap fits on each (7692 / 81920;
+    # on the 40 GiB card 0.1877 would let the allocator take 7.5 GiB more than the share)
+    assert env_caps(8 * GIB, [40 * GIB, TOTAL])["GPU_MEM_FRACTION"] == "0.0938"
 
 
 # -- the parameter ---------------------------------------------------------------------------

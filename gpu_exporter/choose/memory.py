@@ -160,8 +160,9 @@ def fraction(mem: int, total: int) -> float:
 
 def env_caps(mem: int, totals: Iterable[int]) -> dict[str, str]:
     """The environment a job under a memory lease of ``mem`` a card gets, on cards of
-    ``totals`` bytes (the smallest decides the fraction)."""
-    return caps_env(mem, fraction(mem, min(totals, default=0)))
+    ``totals`` bytes: the largest decides the fraction, the smallest of the cards', so that
+    fraction × total stays within the share on every one of them."""
+    return caps_env(mem, fraction(mem, max(totals, default=0)))
 
 
 def caps_env(mem: int, share: float) -> dict[str, str]:

@@ -153,7 +153,7 @@ def _mem_json(choice: Selection, mem: int | None) -> dict[str, Any]:
     if mem is None:
         return {}
     totals = [g.memory_total_bytes or 0 for g in choice.chosen]
-    share = fraction(mem, min(totals, default=0))
+    share = fraction(mem, max(totals, default=0))  # as env_caps: the cap fits on each card
     return {"mem": {"bytes": mem, "fraction": share, "env": mem_caps(choice, mem)}}
 
 

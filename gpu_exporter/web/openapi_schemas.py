@@ -91,9 +91,9 @@ LEASE: dict[str, Any] = {
 }
 MEM: dict[str, Any] = {
     "type": "object",
-    "description": "A memory lease's caps (mem= only): the bytes per card, the fraction of the "
-    "smallest chosen card's total after a 500 MiB CUDA context allowance, and the "
-    f"environment format=env adds ({', '.join(MEM_ENV_NAMES)}).",
+    "description": "A memory lease's caps (mem= only): the bytes per card, the share less a "
+    "500 MiB CUDA context allowance as a fraction of the largest chosen card's total (so the "
+    f"cap fits on each), and the environment format=env adds ({', '.join(MEM_ENV_NAMES)}).",
     "required": ["bytes", "fraction", "env"],
     "properties": {
         "bytes": {"type": "integer"},
