@@ -454,3 +454,19 @@ def test_a_memory_claim_waits_for_room_and_gets_it_on_release() -> None:
         thread.join(20)
         assert answers == [200]
         assert [x["mem_bytes"] for x in ex.leases()] == [20 * GIB]
+
+
+def test_a_card_in_mig_mode_takes_no_share_and_is_not_the_best_card() -> None:
+    lab = build_stack(
+        sim_of(
+            SimGpu(0, DEFAULT_MODEL, Load("idle"), mig=("3g.40gb", "3g.40gb")),
+            SimGpu(1, DEFAULT_MODEL, Load("constant", memory_used_ratio=0.9, processes=1)),
+        )
+    )
+    lab.sample()
+    resp = lab.client.get("/choose?mem=16GiB", headers=JSON)
+    assert resp.status_code == 503
+    message = resp.get_json()["error"]["message"]
+    assert "gpu 0: MIG mode is on" in message  # the filters' reason comes first
+    assert f"the best card ({lab.sim.gpus[1].uuid})" in message
+    assert lab.client.get("/choose?mem=4GiB").text.strip() == lab.sim.gpus[1].uuid

@@ -66,6 +66,10 @@ class CardMemory:
         return self.usable - self.committed - headroom
 
 
+def _in_mig_mode(gpu: GpuSample) -> bool:
+    return bool(gpu.mig_mode_enabled or gpu.mig_devices)
+
+
 def memory_leases(leases: Iterable[Lease]) -> dict[str, list[Lease]]:
     """UUID → the memory leases holding a share of that card."""
     found: dict[str, list[Lease]] = {}
@@ -123,6 +127,9 @@ def reasons(
             continue
         if gpu.memory_total_bytes is None:
             refused[gpu.uuid] = "reports no memory total, so no share of it can be leased"
+            continue
+        if _in_mig_mode(gpu):
+            refused[gpu.uuid] = "in MIG mode: memory leases take shares of whole cards"
             continue
         card = card_memory(gpu, shared.get(gpu.uuid, ()))
         room[gpu.uuid] = card.room(headroom)
@@ -218,7 +225,7 @@ def never_fits(gpus: Iterable[GpuSample], mem: int, headroom: int) -> str | None
     usable = [
         (g.memory_total_bytes or 0) - (g.memory_reserved_bytes or 0)
         for g in gpus
-        if g.up and not g.is_mig_device
+        if g.up and not g.is_mig_device and not _in_mig_mode(g)
     ]
     most = max(usable, default=0)
     if mem + headroom <= most:
