@@ -173,3 +173,23 @@ def test_without_a_server_a_memory_lease_is_refused_not_chosen_locally(
         session.__enter__()
     for name in MEM_ENV_NAMES:
         assert name not in os.environ
+
+
+def test_cluster_choose_takes_mem_and_hands_it_to_the_claim() -> None:
+    from gpu_exporter.choose.fleet import Fleet, Host
+    from gpu_exporter.choose.request import parse_cluster_args
+    from gpu_exporter.client.fleet import http_claimer
+
+    args = {"n": "1", "mem": "8GiB", "lease": "10m"}
+    req = parse_cluster_args(args, defaults={"max_util": "50%"})
+    assert req.choose.mem_bytes == 8 * GIB
+    assert req.choose.filters.max_util_ratio is None  # the defaults do not apply to mem=
+    seen: dict[str, Any] = {}
+
+    def fake_choose(n: int, url: str, **kwargs: Any) -> client.Choice:
+        seen.update(kwargs)
+        return client.Choice(kwargs["include"][:n], (0,), "l1", 0.0, url)
+
+    claim = http_claimer(args, req, Fleet((), "prometheus", 0.0), 5.0, choose_on_host=fake_choose)
+    claim(Host("http://h:9400", "h"), 1, ("GPU-a",))
+    assert seen["mem"] == "8GiB"
