@@ -17,7 +17,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 
 from gpu_exporter.choose.lease import Lease, LeaseError
-from gpu_exporter.choose.memory import env_caps, fraction, usage_json
+from gpu_exporter.choose.memory import MEM_FRACTION_ENV, env_caps, usage_json
 from gpu_exporter.choose.params import BY_NAME, DEFAULT_LEASE_SECONDS, ApiError, bad
 from gpu_exporter.choose.rank import Rejected, Selection, score
 from gpu_exporter.choose.request import (
@@ -152,9 +152,8 @@ def _mem_json(choice: Selection, mem: int | None) -> dict[str, Any]:
     """``format=json``'s ``mem`` for a memory lease: its bytes, fraction and environment."""
     if mem is None:
         return {}
-    totals = [g.memory_total_bytes or 0 for g in choice.chosen]
-    share = fraction(mem, max(totals, default=0))  # as env_caps: the cap fits on each card
-    return {"mem": {"bytes": mem, "fraction": share, "env": mem_caps(choice, mem)}}
+    caps = mem_caps(choice, mem)
+    return {"mem": {"bytes": mem, "fraction": float(caps[MEM_FRACTION_ENV]), "env": caps}}
 
 
 @api.get("/cluster/choose")
