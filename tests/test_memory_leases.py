@@ -325,7 +325,8 @@ def test_64_concurrent_claims_get_exactly_what_the_rule_admits() -> None:
     )
     per_card = (USABLE - DEFAULT_HEADROOM_BYTES) // (8 * GIB)
     assert per_card == 9
-    with served(sim, max_waiters=128) as ex:
+    # every claim in flight at once: no request-slot refusal may stand in for the rule
+    with served(sim, max_requests_in_flight=128) as ex:
         first = _burst(ex.url, 64)
         assert [code for code, _ in first].count(200) == 64
         more = _burst(ex.url, 16)
