@@ -67,6 +67,15 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _size(text: str) -> int:
+    from gpu_exporter.units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _bundled_scenarios() -> list[str]:
     """The scenario files shipped in the package, listed without importing the simulator
     (every client command builds this parser too)."""
@@ -151,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("max-gpus-per-requester", "0"),
         metavar="N",
         help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
+    )
+    serve.add_argument(
+        "--mem-headroom",
+        type=_size,
+        default=_env("mem-headroom", "512MiB"),
+        metavar="SIZE",
+        help="memory kept free on a card that memory leases (/choose?mem=) share "
+        "(default %(default)s)",
     )
     serve.add_argument(
         "--process-labels",
@@ -410,6 +427,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or default_state_dir(),
         max_lease_seconds=float(args.max_lease),
         max_gpus_per_requester=int(args.max_gpus_per_requester),
+        mem_headroom_bytes=int(args.mem_headroom),
         process_labels=process_labels,
         process_series_limit=int(args.process_series_limit),
         proc_root=args.proc_root,

@@ -38,6 +38,7 @@ class ServeConfig:
     state_dir: str | None = None  # None: leases are not kept across restarts
     max_lease_seconds: float = 3600.0
     max_gpus_per_requester: int = 0  # 0: no limit
+    mem_headroom_bytes: int = 512 * 2**20  # kept free on a card memory leases share
     process_labels: tuple[str, ...] = ()  # opt-in attribution of GPU processes
     process_series_limit: int = 64
     proc_root: str = "/proc"

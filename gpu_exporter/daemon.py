@@ -213,6 +213,7 @@ def build(
         state_file=state_file(config.state_dir),
         max_ttl_seconds=config.max_lease_seconds,
         max_gpus_per_requester=config.max_gpus_per_requester,
+        mem_headroom_bytes=config.mem_headroom_bytes,
         cgroup_of=functools.partial(read_cgroup_key, proc_root=config.proc_root),
     )
     # Leases are pruned once per sample (expired, GPU gone or down, the job arrived), never

@@ -746,6 +746,21 @@ def host_dashboard():  # type: ignore[no-untyped-def]
             span=24,
         )
     )
+    # Memory leases (issue 16): kept last, so other panels can be added above without churn.
+    dash = dash.with_panel(
+        _timeseries(
+            "Memory leases: reserved and over reservation",
+            [
+                Q(f"gpu_memory_leased_bytes{{{sel}}}", g + " reserved"),
+                Q(f"gpu_lease_memory_overrun_bytes{{{sel}}}", g + " over reservation"),
+            ],
+            "bytes",
+            "Memory reserved on each card by memory leases (/choose?mem=), and what their jobs' "
+            "processes use beyond it (GpuLeaseMemoryOverrun fires above 10 % for 2 minutes). "
+            "Only cards holding memory leases have these series.",
+            span=24,
+        )
+    )
     return dash
 
 

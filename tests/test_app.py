@@ -101,7 +101,7 @@ def test_unknown_parameters_are_rejected(stack: Stack) -> None:
             "code": "unknown_parameter",
             "message": "unknown parameter 'gpus'; /choose takes n, format, lease, owner, wait, "
             "idle_for, sort, min_free, min_total, max_util, max_mem_util, max_procs, model, "
-            "include, exclude, mig, pid",
+            "include, exclude, mig, mem, pid",
             "param": "gpus",
         }
     }

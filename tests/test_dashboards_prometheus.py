@@ -68,6 +68,11 @@ def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -
         status, body = get(a.base + "/choose?n=1&lease=10m&owner=dash&format=index&exclude=7")
         assert status == 200, body
         leased_gpu = body.strip()
+        # A memory lease (issue 16) on another card: the memory-lease panel has data.
+        status, body = get(a.base + "/choose?mem=4GiB&lease=10m&owner=dash&format=index&exclude=7")
+        assert status == 200, body
+        shared_gpu = body.strip()
+        assert shared_gpu != leased_gpu
         with prometheus(
             [a.address, b.address], rule_files=[promql.RULES], job="gpu-exporter"
         ) as prom:
@@ -141,8 +146,14 @@ def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -
 
             # -- recording rules agree with the simulator ----------------------------------------
             leased = prom.wait_for(f'instance:gpu_leased:sum{{instance="{a.address}"}}')
-            assert float(leased[0]["value"][1]) == 1.0
+            assert float(leased[0]["value"][1]) == 2.0  # one card whole, one shared
             assert prom.query(f'gpu_leased{{instance="{a.address}", gpu="{leased_gpu}"}} == 1')
+            assert prom.query(f'gpu_leased{{instance="{a.address}", gpu="{shared_gpu}"}} == 1')
+            reserved = prom.query(f'gpu_memory_leased_bytes{{instance="{a.address}"}}')
+            assert [(r["metric"]["gpu"], float(r["value"][1])) for r in reserved] == [
+                (shared_gpu, 4.0 * 2**30)
+            ]
+            assert prom.query(alerts["GpuLeaseMemoryOverrun"]["expr"]) == []
             counts = prom.query("instance:gpu_count:sum")
             assert {float(r["value"][1]) for r in counts} == {8.0}
             up = prom.query("instance:gpu_up:sum")

@@ -85,6 +85,16 @@ def test_the_standins_keep_the_rules_the_page_describes(exporter: Served) -> Non
         "from gpu_exporter import use_gpus\nwith use_gpus(1):\n import tensorflow as tf\n"
         " tf.distribute.MirroredStrategy()\n"
         " tf.config.experimental.set_memory_growth(tf.config.list_physical_devices('GPU')[0], True)",
+        # memory growth on a device capped with a logical device (apply_tensorflow's rule)
+        "from gpu_exporter import use_gpus\n"
+        "with use_gpus(1, mem='8GiB', framework='tensorflow'):\n import tensorflow as tf\n"
+        " tf.config.experimental.set_memory_growth(tf.config.list_physical_devices('GPU')[0], True)",
+        # capping TensorFlow after its devices were initialised
+        "from gpu_exporter import use_gpus\nimport tensorflow as tf\n"
+        "tf.config.list_logical_devices()\n"
+        "with use_gpus(1, mem='8GiB', framework='tensorflow'):\n pass",
+        # a fraction outside 0-1
+        "import torch\ntorch.cuda.set_per_process_memory_fraction(1.5, 0)",
     ]
     for code in wrong:
         assert _run(code, exporter.url).returncode != 0, code

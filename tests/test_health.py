@@ -267,6 +267,10 @@ def full_host(tmp_path: Path) -> Stack:
         (poller,) = [t for t in s.daemon.background if isinstance(t, PodResourcesPoller)]
         assert poller.poll_once()  # asked once, by hand: no thread runs here
     s.sample()
+    # A memory lease (issue 16): gpu_memory_leased_bytes and the overrun have a series.
+    # GPU 1: GPU 0 is the pod's (/choose passes over a card the kubelet allocated).
+    answer = s.client.get("/choose?mem=512MiB&include=1")
+    assert answer.status_code == 200, answer.text
     s.xids.record(3, s.sim.gpus[3].uuid, 79, s.clock.time())
     s.xids.record(3, s.sim.gpus[3].uuid, 48, s.clock.time())
     from gpu_exporter.counters import PcieRate

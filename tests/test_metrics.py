@@ -137,7 +137,7 @@ def test_help_text_says_values_are_sampled() -> None:
         if spec.name in own_timing:
             assert not spec.help.endswith(SAMPLED), spec.name
         elif spec.name.startswith("gpu_") and not spec.name.startswith(
-            ("gpu_exporter_", "gpu_info", "gpu_leased")
+            ("gpu_exporter_", "gpu_info", "gpu_leased", "gpu_memory_leased", "gpu_lease_memory")
         ):
             assert spec.help.endswith(SAMPLED), spec.name
 

@@ -140,6 +140,9 @@ def test_headless_chromium_shows_the_gpus(tmp_path: Path) -> None:
         with exporter("--simulate", str(FLEET), "--interval", "0.5") as exp:
             status, _ = get(exp.base + "/choose?n=1&lease=10m&owner=chromium-test&exclude=7")
             assert status == 200
+            # a memory lease (issue 16): its card shows its committed memory as a bar
+            status, _ = get(exp.base + "/choose?mem=8GiB&lease=10m&owner=chromium-mem&exclude=7")
+            assert status == 200
             deadline = time.monotonic() + 20  # GPU 7 falls off the bus 2 s after start
             while all(g["up"] for g in json.loads(get(exp.base + "/gpus")[1])["gpus"]):
                 assert time.monotonic() < deadline, "GPU 7 never went down"
@@ -166,6 +169,9 @@ def test_headless_chromium_shows_the_gpus(tmp_path: Path) -> None:
     assert "NVIDIA GeForce RTX 4090" in page
     assert "GPU is lost" in rows[7][1]
     assert sum("chromium-test" in cells for _, cells in rows) == 1
+    shared = [cells for _, cells in rows if "chromium-mem" in cells]
+    assert len(shared) == 1 and 'class="committed"' in shared[0]
+    assert re.search(r'role="meter".*?GiB of [0-9.]+ GiB committed', shared[0], re.S)
     assert re.search(r'id="recommendation"', page)
     assert shot.returncode == 0 and screenshot.exists(), shot.stderr[-2000:]
     data = screenshot.read_bytes()

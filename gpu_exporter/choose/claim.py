@@ -313,6 +313,7 @@ class Claimer:
                 reserved=reserved,
                 key=key,
                 pids=req.pids,
+                mem=req.mem_bytes,
             )
         except NotEnoughGpus as exc:
             never = never_enough(snapshot.gpus, req.n, req.filters)

@@ -68,6 +68,9 @@ class Lease:
     pids: tuple[int, ...] = ()  # registered by the claimant: its job's processes
     cgroups: tuple[str, ...] = ()  # the registered PIDs' cgroup keys (never shown: privacy)
     renewed: bool = False  # renewed at least once: its holder is alive and keeps it
+    # A memory lease (?mem=): the bytes it reserves on each of its cards, which it shares with
+    # other memory leases (choose/memory.py); None: the cards are held whole.
+    mem_bytes: int | None = None
 
     def accepts(self, ref: str) -> bool:
         """Does ``ref`` (a token, or an id for a lease from before tokens) prove the claim?"""
@@ -78,7 +81,7 @@ class Lease:
         return tuple(g.uuid for g in self.gpus)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "id": self.id,
             "gpus": list(self.uuids),
             "indices": [g.index for g in self.gpus],
@@ -89,6 +92,9 @@ class Lease:
             "pids": list(self.pids),
             "renewed": self.renewed,
         }
+        if self.mem_bytes is not None:  # a whole-card lease reads as it always did
+            data["mem_bytes"] = self.mem_bytes
+        return data
 
     def to_state(self) -> dict[str, Any]:
         return {
@@ -140,6 +146,8 @@ class Lease:
             pids=_counts(data.get("pids"), "'pids'", MAX_PID),
             cgroups=_texts(data.get("cgroups"), "'cgroups'"),
             renewed=_flag(data.get("renewed", False), "'renewed'"),
+            # Files written before memory leases have none: every lease then holds whole cards.
+            mem_bytes=_mem(data.get("mem_bytes")),
         )
 
 
@@ -191,6 +199,14 @@ def _texts(value: object, what: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"{what} must be a list of strings")
     return tuple(value)
+
+
+def _mem(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_COUNT:
+        raise ValueError(f"'mem_bytes' must be a positive integer or null, not {value!r:.40}")
+    return value
 
 
 def _flag(value: object, what: str) -> bool:

@@ -35,9 +35,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from gpu_exporter.choose.filters import Filters, Window
+from gpu_exporter.choose.filters import Filters, Window, rejection_reasons
 from gpu_exporter.choose.idempotency import ClaimKeys
 from gpu_exporter.choose.lease import Held, Lease, LeaseError
+from gpu_exporter.choose.memory import (
+    DEFAULT_HEADROOM_BYTES,
+    admission,
+    card_memory,
+    memory_leases,
+    never_fits,
+    shared_cards,
+)
 from gpu_exporter.choose.persistence import Persistence
 from gpu_exporter.choose.rank import Selection, choose
 from gpu_exporter.choose.settle import settle
@@ -68,8 +76,10 @@ class LeaseTable:
         max_ttl_seconds: float = 3600.0,
         max_gpus_per_requester: int = 0,
         cgroup_of: Callable[[int], str | None] = _no_cgroup,
+        mem_headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
     ) -> None:
         self._clock = clock
+        self.mem_headroom_bytes = mem_headroom_bytes  # kept free on a card memory leases share
         # pid → its cgroup key (procinfo.read_cgroup_key, injected: choose/ reads no /proc)
         self._cgroup_of = cgroup_of
         self._file = Persistence(
@@ -95,6 +105,13 @@ class LeaseTable:
     def holders(self, snapshot: Snapshot | None = None) -> dict[str, Lease]:
         """UUID → the lease holding it."""
         return {uuid: lease for lease in self.active(snapshot) for uuid in lease.uuids}
+
+    def memory_by_card(self, snapshot: Snapshot) -> dict[str, tuple[int, int]]:
+        """UUID → (bytes reserved by memory leases, bytes their attributed processes use beyond
+        that), for the cards of ``snapshot`` holding memory leases (the metrics)."""
+        shared = memory_leases(self.active(snapshot))
+        cards = (card_memory(g, shared[g.uuid]) for g in snapshot.gpus if g.uuid in shared)
+        return {card.uuid: (card.leased, card.overrun) for card in cards}
 
     @property
     def state_problem(self) -> str | None:
@@ -149,9 +166,14 @@ class LeaseTable:
         key: ClaimKey | None = None,
         reserved: Mapping[str, str] | None = None,
         pids: Iterable[int] = (),
+        mem: int | None = None,
     ) -> tuple[Selection, Lease | None]:
         """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them
         for the job whose processes are ``pids`` (see :func:`~gpu_exporter.choose.settle.settle`).
+
+        With ``mem`` (bytes), ``n`` cards that admit that much more each
+        (:mod:`gpu_exporter.choose.memory`: shared with other memory leases, best fit first),
+        reserved in a memory lease.
 
         The lease returned carries its token (:attr:`Lease.token`). With ``key``, a lease an
         earlier claim with that key made is returned instead (see :meth:`again`).
@@ -194,9 +216,35 @@ class LeaseTable:
                         f"exceed the limit of {self.max_gpus_per_requester} per requester",
                         "n",
                     )
+            fit, note = None, ""
+            if mem is None:
+                leased.update(shared_cards(self._leases.values()))
+            else:
+                headroom = self.mem_headroom_bytes
+                never = never_fits(snapshot.gpus, mem, headroom)
+                if never is not None:  # waiting cannot help
+                    raise LeaseError(503, "not_enough_gpus", never, "mem")
+                wanted = {  # what the request could have but for memory: a refusal's note
+                    g.uuid
+                    for g in snapshot.gpus
+                    if g.uuid not in (reserved or {}) and not rejection_reasons(g, filters)
+                }
+                fits = admission(
+                    snapshot.gpus, self._leases.values(), mem, headroom, leased, wanted
+                )
+                leased, fit, note = fits.refused, fits.fit, fits.note
             if reserved:
                 leased = {**reserved, **leased}
-            choice = choose(snapshot.gpus, n, filters, sort=sort, window=window, leased=leased)
+            choice = choose(
+                snapshot.gpus,
+                n,
+                filters,
+                sort=sort,
+                window=window,
+                leased=leased,
+                fit=fit,
+                note=note,
+            )
             if ttl_seconds <= 0:
                 return choice, None
             keyed, secret = self._keys.credentials(key)  # keyed: a retry derives the same token
@@ -210,6 +258,7 @@ class LeaseTable:
                     owner=owner,
                     token_hash=sha256_hex(secret),
                     keyed=keyed,
+                    mem_bytes=mem,
                 ),
                 pids,
             )

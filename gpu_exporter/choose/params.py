@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from gpu_exporter.choose.filters import MIG_MODES
+from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, MEM_ENV_NAMES
 from gpu_exporter.choose.rank import SORTS
 from gpu_exporter.choose.values import (
     Reader,
@@ -39,10 +40,11 @@ from gpu_exporter.choose.values import (
     positive,
     process_count,
     selectors,
+    shown,
     units,
     whole_number,
 )
-from gpu_exporter.units import parse_bytes, parse_duration, parse_ratio
+from gpu_exporter.units import format_bytes, parse_bytes, parse_duration, parse_ratio
 
 MAX_N = 1024
 MAX_WAIT_SECONDS = 3600.0
@@ -72,6 +74,21 @@ def bad(param: str, message: str) -> NoReturn:
     raise ApiError(400, "invalid_parameter", message, param)
 
 
+CONTEXT = f"a {CUDA_CONTEXT_BYTES // 2**20} MiB allowance for the CUDA context"
+
+
+def lease_size(name: str, text: str) -> int:
+    """A memory lease's size: more than the CUDA context allowance, which a job spends
+    before it allocates anything."""
+    value: int = units(parse_bytes)(name, text)
+    if value <= CUDA_CONTEXT_BYTES:
+        raise ValueError(
+            f"{name} must be more than {format_bytes(CUDA_CONTEXT_BYTES)} (a CUDA context alone "
+            f"takes about that), got {shown(text)}"
+        )
+    return value
+
+
 # -- the parameters ---------------------------------------------------------------------------
 
 DURATION_SCHEMA: Mapping[str, Any] = {
@@ -99,6 +116,7 @@ class Param:
     choose: bool = True  # /choose takes it
     cluster: bool = True  # /cluster/choose takes it
     cluster_help: str | None = None  # its OpenAPI description there, where it differs
+    defaultable: bool = True  # a filter --choose-defaults may set
 
     @property
     def option(self) -> str:
@@ -264,6 +282,25 @@ PARAMS: tuple[Param, ...] = (
         cluster=False,  # /cluster/choose hands out whole cards only
     ),
     Param(
+        "mem",
+        lease_size,
+        "A memory lease: this much of each card (8GiB, 8G = GiB, 8192MiB), on cards shared with "
+        "other memory leases, never on a card leased whole; admitted while the card's committed "
+        "memory (in use by others + each memory lease's max(reserved, used)) + mem + the "
+        "exporter's --mem-headroom fits its total less the driver's reservation; best fit "
+        "first. Whole cards only (MIG devices refused). --choose-defaults do not apply. "
+        f"format=env adds {', '.join(MEM_ENV_NAMES)} (the share less {CONTEXT}, over the "
+        "card's total: TF_FORCE_GPU_ALLOW_GROWTH is growth, not a cap).",
+        _SIZE,
+        filter=True,
+        flag=("SIZE", "a memory lease: this much of each card, shared with other such jobs"),
+        recheck=True,  # passed on to the host a cluster choice claims on, which admits it
+        defaultable=False,
+        cluster_help="A memory lease of this much of each card, passed on to the chosen host's "
+        "/choose, which admits it by its own committed memory (the fleet's figures do not know "
+        "the hosts' memory leases).",
+    ),
+    Param(
         "pid",
         pid_list(MAX_PIDS),
         "The job's process ids (comma-separated), as this host's /proc shows them: the lease "
@@ -298,4 +335,4 @@ CLUSTER_PARAMS = tuple(p.name for p in PARAMS if p.cluster)
 LOCAL_FILTERS = tuple(p.name for p in PARAMS if p.local)
 POINT_FILTERS = tuple(p.name for p in PARAMS if p.recheck)
 # What --choose-defaults may set: the filters /choose takes.
-DEFAULTABLE = tuple(p.name for p in PARAMS if p.filter and p.choose)
+DEFAULTABLE = tuple(p.name for p in PARAMS if p.filter and p.choose and p.defaultable)

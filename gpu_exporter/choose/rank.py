@@ -65,13 +65,14 @@ class Selection:
 
 
 class NotEnoughGpus(Exception):
-    def __init__(self, requested: int, ranking: Ranking) -> None:
+    def __init__(self, requested: int, ranking: Ranking, note: str = "") -> None:
         self.requested = requested
         self.ranking = ranking
         details = "; ".join(f"gpu {r.gpu.index}: {', '.join(r.reasons)}" for r in ranking.rejected)
         super().__init__(
             f"{how_many_qualify(ranking)}, {requested} requested"
             + (f" ({details})" if details else "")
+            + (f"; {note}" if note else "")
         )
 
 
@@ -144,10 +145,13 @@ def rank(
     sort: str = "free",
     window: Window | None = None,
     leased: Mapping[str, str] | None = None,
+    fit: Mapping[str, int] | None = None,
 ) -> Ranking:
     """Split GPUs into qualified (best first) and rejected (with reasons).
 
     ``leased`` maps the UUIDs of GPUs someone holds to a short description of the lease.
+    ``fit`` (a memory lease's request: UUID → the room left there) orders the least room
+    first, best fit, before ``sort``.
     """
     qualified, rejected = [], []
     for gpu in candidates(gpus, filters.mig):
@@ -160,7 +164,10 @@ def rank(
             rejected.append(Rejected(gpu, reasons))
         else:
             qualified.append(gpu)
-    ordered = sorted(qualified, key=lambda g: sort_key(g, sort))
+    if fit is None:
+        ordered = sorted(qualified, key=lambda g: sort_key(g, sort))
+    else:
+        ordered = sorted(qualified, key=lambda g: ((fit.get(g.uuid, 0),), sort_key(g, sort)))
     return Ranking(tuple(ordered), tuple(rejected))
 
 
@@ -210,13 +217,17 @@ def choose(
     sort: str = "free",
     window: Window | None = None,
     leased: Mapping[str, str] | None = None,
+    fit: Mapping[str, int] | None = None,
+    note: str = "",
 ) -> Selection:
-    """The ``n`` best qualifying GPUs; raises :class:`NotEnoughGpus` if fewer qualify."""
+    """The ``n`` best qualifying GPUs; raises :class:`NotEnoughGpus` (saying ``note`` too)
+    if fewer qualify."""
     if n < 1:
         raise ValueError("n must be at least 1")
-    ranking = one_kind(rank(gpus, filters, sort=sort, window=window, leased=leased), n, filters)
+    ranking = rank(gpus, filters, sort=sort, window=window, leased=leased, fit=fit)
+    ranking = one_kind(ranking, n, filters)
     if len(ranking.qualified) < n:
-        raise NotEnoughGpus(n, ranking)
+        raise NotEnoughGpus(n, ranking, note)
     chosen = ranking.qualified[:n]
     passed_over = tuple(
         Rejected(g, (f"ranked {place} of {len(ranking.qualified)} qualifying; {n} requested",))

@@ -74,6 +74,7 @@ class ChooseRequest:
         }
 
     pids: tuple[int, ...] = ()  # the job's processes, registered with its lease
+    mem_bytes: int | None = None  # a memory lease of this much of each card (choose/memory.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,8 @@ def parse_choose_args(
     ``idle_for`` could never be met, so it is refused.
     """
     check_params(args, allowed, endpoint)
+    # A memory lease shares a card with running jobs: "free" (the defaults) would refuse it.
+    defaults = NO_DEFAULTS if "mem" in args else defaults
     merged: dict[str, str] = {k: t for k, t in defaults.items() if k in allowed and k not in args}
     merged.update((k, args[k]) for k in args)
     v = {p.name: value_of(merged, p) for p in PARAMS if p.choose}
@@ -153,6 +156,12 @@ def parse_choose_args(
             "format=list (one MIG-… UUID per line, to start a process on each) or "
             "format=json, or n=1",
             "n",
+        )
+    if v["mem"] is not None and v["mig"] != "deny":
+        bad(
+            "mig",
+            "mem= leases a share of a whole card; a MIG device's memory is already its own "
+            "partition: ask for mig=deny (the default), or a MIG device without mem=",
         )
     idle_for, most = v["idle_for"], max_idle_for_seconds
     if idle_for is not None and most is not None and idle_for > most:
@@ -193,6 +202,7 @@ def parse_choose_args(
         idle_for_seconds=v["idle_for"],
         applied=applied,
         pids=v["pid"],
+        mem_bytes=v["mem"],
     )
 
 

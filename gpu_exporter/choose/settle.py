@@ -21,6 +21,10 @@ A lease holds GPUs (by UUID) until the first of:
     forking a worker). Wrongly taking the claimant's work for kin only keeps the lease to
     its TTL; the other way round would hand the card out twice.
 
+  A memory lease (``mem=``) never ends this way: the card is shared, so the claimant's work
+  arriving there is what the lease is for; it runs to its TTL (renewed by its holder) or
+  release.
+
   Memory rises alone never end a lease, and neither do processes the exporter cannot see
   (another PID namespace, no ``/proc`` access: ``ancestors`` is None): the lease then runs
   to its TTL or release.
@@ -52,7 +56,7 @@ def attributed(proc: ProcessSample, lease: Lease) -> bool:
 
 
 def _arrived(lease: Lease, held: Held, gpu: GpuSample, others: Iterable[Lease]) -> bool:
-    if lease.renewed or not gpu.processes:
+    if lease.renewed or lease.mem_bytes is not None or not gpu.processes:
         return False
     # Only processes /proc shows: an invisible one may be anybody's.
     visible = [p for p in gpu.processes if p.ancestors is not None]

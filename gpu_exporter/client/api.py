@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gpu_exporter.choose.memory import caps_env
 from gpu_exporter.choose.tokens import IDEMPOTENCY_HEADER, lease_id_of
 from gpu_exporter.client.params import (
     Duration,
@@ -113,6 +114,24 @@ class Choice:
     """Set when chosen across a fleet (``prometheus=``/``hosts=``): the host the GPUs are on."""
     lease_token: str | None = field(default=None, repr=False)
     """The lease's token (an older server sends none: then its id is its token)."""
+    mem_bytes: int | None = None
+    """A memory lease (``mem=``): the bytes reserved on each card; None for whole cards."""
+    mem_fraction: float | None = None
+    """Its cap as a share of the card (after the CUDA context allowance), for the frameworks."""
+
+    def apply_torch(self) -> None:
+        """Cap PyTorch's allocator on every visible card to this memory lease (see
+        :func:`gpu_exporter.client.caps.apply_torch`)."""
+        from gpu_exporter.client.caps import apply_torch
+
+        apply_torch(self)
+
+    def apply_tensorflow(self) -> None:
+        """Cap TensorFlow on every visible card to this memory lease, before TF initialises
+        (see :func:`gpu_exporter.client.caps.apply_tensorflow`)."""
+        from gpu_exporter.client.caps import apply_tensorflow
+
+        apply_tensorflow(self)
 
     @property
     def lease_ref(self) -> str | None:
@@ -140,6 +159,8 @@ class Choice:
         env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         if self.lease_ref is not None:
             env["GPU_LEASE"] = self.lease_ref
+        if self.mem_bytes is not None and self.mem_fraction is not None:
+            env.update(caps_env(self.mem_bytes, self.mem_fraction))
         return env
 
     @classmethod
@@ -154,6 +175,7 @@ class Choice:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise GpuExporterError(f"unexpected answer from {url}/choose: {data!r}") from exc
         lease = Lease.from_json(raw_lease) if raw_lease else None
+        mem = data.get("mem") if isinstance(data, dict) else None
         token = (lease.token if lease is not None else None) or lease_header
         lease_id = lease.id if lease is not None else lease_id_of(token) if token else None
         return cls(
@@ -165,6 +187,8 @@ class Choice:
             lease=lease,
             details=data,
             lease_token=token,
+            mem_bytes=int(mem["bytes"]) if isinstance(mem, dict) else None,
+            mem_fraction=float(mem["fraction"]) if isinstance(mem, dict) else None,
         )
 
 

@@ -64,6 +64,11 @@ def choose_locally(
             "choosing locally cannot apply idle_for: it needs the history only a running "
             "gpu-exporter keeps"
         )
+    if "mem" in given:
+        raise GpuExporterError(
+            "choosing locally cannot lease a share of a card (mem=): only a running "
+            "gpu-exporter admits memory leases, so no server means no share"
+        )
     unknown = sorted(set(given) - set(LOCAL_FILTERS))
     if unknown:
         raise GpuExporterError(f"unknown filter {', '.join(unknown)}")

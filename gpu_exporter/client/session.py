@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Literal
 
+from gpu_exporter.choose.memory import MEM_ENV_NAMES
 from gpu_exporter.client.api import DEFAULT_LEASE, Choice, register_pids, release, renew
+from gpu_exporter.client.caps import FRAMEWORKS, apply
 from gpu_exporter.client.envcheck import near_miss_warning
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
 from gpu_exporter.client.params import Duration, FilterValue, format_duration
@@ -142,7 +144,7 @@ def cuda_initialised_by() -> list[str]:
     return found
 
 
-_ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPU_LEASE")
+_ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPU_LEASE", *MEM_ENV_NAMES)
 
 
 def replaced_visible_devices(choice: Choice) -> str | None:
@@ -176,9 +178,15 @@ class GpuSession:
         filters: Mapping[str, FilterValue],
         open_nvml: OpenNvml | None = None,
         on_unavailable: OnUnavailable = "error",
+        framework: str | None = None,
     ) -> None:
         if on_unavailable not in ("error", "cpu"):
             raise ValueError(f"on_unavailable must be 'error' or 'cpu', not {on_unavailable!r}")
+        if framework is not None and framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)} or None")
+        if framework is not None and filters.get("mem") is None:
+            raise ValueError(f"framework={framework!r} caps memory: give mem= too")
+        self._framework = framework
         self._on_unavailable = on_unavailable
         self._args = (n, url)
         self._kwargs: dict[str, Any] = {
@@ -227,6 +235,8 @@ class GpuSession:
             for key in _ENV_KEYS:
                 os.environ.pop(key, None)
             os.environ.update(choice.env())
+            if self._framework is not None and choice.mem_bytes is not None:
+                apply(choice, self._framework)
         except BaseException:
             self._finish()
             raise
@@ -285,6 +295,7 @@ def use_gpus(
     local_fallback: bool = True,
     open_nvml: OpenNvml | None = None,
     on_unavailable: OnUnavailable = "error",
+    framework: str | None = None,
     **filters: FilterValue,
 ) -> GpuSession:
     """Run a block on ``n`` GPUs that nobody else is handed meanwhile.
@@ -315,6 +326,13 @@ def use_gpus(
     so. A refused request (a bad argument, a lease limit) still raises.
     Environment variables that look like typos of ``CUDA_VISIBLE_DEVICES`` (which CUDA
     silently ignores) are warned about.
+
+    ``mem="8GiB"`` asks for a memory lease: that much of each card, on cards shared with other
+    such jobs; the environment then also carries the caps (``GPU_MEM_LIMIT_BYTES``,
+    ``GPU_MEM_FRACTION``, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` …), and ``framework`` applies the
+    hard cap in this process: ``"torch"`` (:meth:`Choice.apply_torch`), ``"tensorflow"``
+    (:meth:`Choice.apply_tensorflow`, before TensorFlow initialises) or ``"jax"`` (the
+    environment is the cap; warns if jax was imported already).
     """
     return GpuSession(
         n,
@@ -327,4 +345,5 @@ def use_gpus(
         filters=filters,
         open_nvml=open_nvml,
         on_unavailable=on_unavailable,
+        framework=framework,
     )

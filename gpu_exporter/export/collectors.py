@@ -28,7 +28,9 @@ from gpu_exporter.export.spec import (
     GPU_INFO,
     GPU_LABELS,
     GPU_LAST_SEEN,
+    GPU_LEASE_MEMORY_OVERRUN,
     GPU_LEASED,
+    GPU_MEMORY_LEASED,
     GPU_MIG_INFO,
     GPU_UP,
     GPU_VALUES,
@@ -64,6 +66,11 @@ class Leases(Protocol):
     @property
     def dropped(self) -> Mapping[str, int]:
         """GPUs released from leases before expiry, by reason."""
+        ...
+
+    def memory_by_card(self, snapshot: Snapshot) -> Mapping[str, tuple[int, int]]:
+        """UUID → (bytes reserved by memory leases, bytes their processes use beyond that),
+        for the cards holding memory leases."""
         ...
 
     @property
@@ -249,6 +256,16 @@ def lease_families(
     for gpu in all_devices(snapshot.gpus):
         leased.add_metric([str(gpu.index), gpu.uuid], 1 if gpu.uuid in held else 0)
     yield leased
+    shared = leases.memory_by_card(snapshot)
+    if shared:
+        reserved, overrun = _family(GPU_MEMORY_LEASED), _family(GPU_LEASE_MEMORY_OVERRUN)
+        for gpu in snapshot.gpus:
+            if gpu.uuid in shared:
+                labels = [str(gpu.index), gpu.uuid]
+                reserved.add_metric(labels, shared[gpu.uuid][0])
+                overrun.add_metric(labels, shared[gpu.uuid][1])
+        yield reserved
+        yield overrun
     yield _counts(CHOOSE_REQUESTS, requests.counts())
     yield _counts(LEASES_DROPPED, leases.dropped)
     write_errors = _family(STATE_WRITE_ERRORS)

@@ -339,6 +339,29 @@ GPU_LEASED = MetricSpec(
     "the lease table",
     unit="0/1",
 )
+GPU_MEMORY_LEASED = MetricSpec(
+    "gpu_memory_leased_bytes",
+    "gauge",
+    "Memory reserved on the card by memory leases (/choose?mem=).",
+    GPU_LABELS,
+    "the lease table",
+    unit="bytes",
+    default="on cards holding memory leases",
+    details="Absent on cards without memory leases. A card holding memory leases is never "
+    "handed out whole.",
+)
+GPU_LEASE_MEMORY_OVERRUN = MetricSpec(
+    "gpu_lease_memory_overrun_bytes",
+    "gauge",
+    "Memory the card's memory leases' processes use beyond their reservations.",
+    GPU_LABELS,
+    "the lease table, nvmlDeviceGetComputeRunningProcesses",
+    unit="bytes",
+    default="on cards holding memory leases",
+    details="Σ over the card's memory leases of max(0, used by the processes attributed to "
+    "the lease − reserved). The exporter never kills a process: the GpuLeaseMemoryOverrun "
+    "alert tells people instead.",
+)
 BUILD_INFO = MetricSpec(
     "gpu_exporter_build_info",
     "gauge",
@@ -535,6 +558,8 @@ METRICS: tuple[MetricSpec, ...] = (
     GPU_LEASED,
     GPU_POD_INFO,
     GPU_PROCESS_POD_INFO,
+    GPU_MEMORY_LEASED,
+    GPU_LEASE_MEMORY_OVERRUN,
     *EXPORTER_METRICS,
 )
 

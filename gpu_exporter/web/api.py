@@ -17,6 +17,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 
 from gpu_exporter.choose.lease import Lease, LeaseError
+from gpu_exporter.choose.memory import MEM_FRACTION_ENV, env_caps, usage_json
 from gpu_exporter.choose.params import BY_NAME, DEFAULT_LEASE_SECONDS, ApiError, bad
 from gpu_exporter.choose.rank import Rejected, Selection, score
 from gpu_exporter.choose.request import (
@@ -32,6 +33,7 @@ from gpu_exporter.choose.tokens import (
     parse_idempotency_key,
     request_hash,
 )
+from gpu_exporter.model import all_devices
 from gpu_exporter.units import parse_duration
 from gpu_exporter.web.pages import gpu_json
 from gpu_exporter.web.server import CONNECTED
@@ -44,7 +46,14 @@ def _rejected_json(r: Rejected) -> dict[str, Any]:
     return {"index": r.gpu.index, "uuid": r.gpu.uuid, "reasons": list(r.reasons)}
 
 
-def choice_text(choice: Selection, lease: Lease | None, fmt: str) -> str:
+def mem_caps(choice: Selection, mem: int | None) -> dict[str, str]:
+    """The framework caps of a memory lease (``{}`` for whole cards)."""
+    if mem is None:
+        return {}
+    return env_caps(mem, (g.memory_total_bytes or 0 for g in choice.chosen))
+
+
+def choice_text(choice: Selection, lease: Lease | None, fmt: str, mem: int | None = None) -> str:
     """The text formats of a successful ``/choose``, newline-terminated."""
     uuids = ",".join(g.uuid for g in choice.chosen)
     if fmt == "index":
@@ -53,7 +62,9 @@ def choice_text(choice: Selection, lease: Lease | None, fmt: str) -> str:
         return "".join(g.uuid + "\n" for g in choice.chosen)
     if fmt == "env":
         line = f"export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={uuids}"
-        return line + (f" GPU_LEASE={lease.token or lease.id}" if lease else "") + "\n"
+        line += f" GPU_LEASE={lease.token or lease.id}" if lease else ""
+        line += "".join(f" {k}={v}" for k, v in mem_caps(choice, mem).items())
+        return line + "\n"
     return uuids + "\n"
 
 
@@ -124,15 +135,25 @@ def choose_route() -> Response:
                 "sampled_at": snapshot.taken_at_seconds,
                 "snapshot_age_seconds": round(snapshot.age_seconds(claimed.monotonic_now), 3),
                 "waiting": [w.to_json(claimed.monotonic_now) for w in svc.claimer.waiting()],
+                **_mem_json(choice, req.mem_bytes),
             }
         )
     else:
-        resp = Response(choice_text(choice, lease, req.format), mimetype="text/plain")
+        text = choice_text(choice, lease, req.format, req.mem_bytes)
+        resp = Response(text, mimetype="text/plain")
     if lease is not None:
         resp.headers["X-GPU-Lease"] = lease.token or lease.id
         resp.headers["X-GPU-Lease-Expires"] = f"{lease.expires_at:.3f}"
     resp.headers["Cache-Control"] = "no-store"
     return resp
+
+
+def _mem_json(choice: Selection, mem: int | None) -> dict[str, Any]:
+    """``format=json``'s ``mem`` for a memory lease: its bytes, fraction and environment."""
+    if mem is None:
+        return {}
+    caps = mem_caps(choice, mem)
+    return {"mem": {"bytes": mem, "fraction": float(caps[MEM_FRACTION_ENV]), "env": caps}}
 
 
 @api.get("/cluster/choose")
@@ -164,7 +185,19 @@ def cluster_choose_route() -> Response:
 def list_leases() -> Response:
     check_params(request.args, (), "/leases")
     svc = services()
-    return jsonify({"leases": [x.to_json() for x in svc.leases.active(svc.cache.get())]})
+    snapshot = svc.cache.get()
+    active = svc.leases.active(snapshot)
+    devices = all_devices(snapshot.gpus)
+    return jsonify(
+        {
+            "leases": [
+                {**x.to_json(), "memory": usage_json(x, devices, active)}
+                if x.mem_bytes is not None
+                else x.to_json()
+                for x in active
+            ]
+        }
+    )
 
 
 @api.delete("/leases/<lease_id>")  # the lease's token; its id alone only for admins

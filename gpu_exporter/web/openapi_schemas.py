@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpu_exporter.choose.memory import MEM_ENV_NAMES
+
 LEASE_REF = {"$ref": "#/components/schemas/Lease"}
 
 FILTERS: dict[str, Any] = {
@@ -60,6 +62,46 @@ LEASE: dict[str, Any] = {
         "renewed": {
             "type": "boolean",
             "description": "Renewed at least once: it then lasts until released or expired.",
+        },
+        "mem_bytes": {
+            "type": "integer",
+            "description": "A memory lease (mem=): the bytes reserved on each of its cards, "
+            "which it shares with other memory leases. Absent for whole-card leases.",
+        },
+        "memory": {
+            "type": "array",
+            "description": "GET /leases, memory leases only: per card, what is attributed to "
+            "the lease now (its registered PIDs, their descendants, their cgroup) and the "
+            "card's committed and usable memory.",
+            "items": {
+                "type": "object",
+                "required": ["uuid", "index", "reserved_bytes", "attributed_bytes", "pids"],
+                "properties": {
+                    "uuid": {"type": "string"},
+                    "index": {"type": "integer"},
+                    "reserved_bytes": {"type": "integer"},
+                    "attributed_bytes": {"type": "integer"},
+                    "pids": {"type": "array", "items": {"type": "integer"}},
+                    "committed_bytes": {"type": "integer"},
+                    "usable_bytes": {"type": "integer"},
+                },
+            },
+        },
+    },
+}
+MEM: dict[str, Any] = {
+    "type": "object",
+    "description": "A memory lease's caps (mem= only): the bytes per card, the share less a "
+    "500 MiB CUDA context allowance as a fraction of the largest chosen card's total (so the "
+    f"cap fits on each), and the environment format=env adds ({', '.join(MEM_ENV_NAMES)}).",
+    "required": ["bytes", "fraction", "env"],
+    "properties": {
+        "bytes": {"type": "integer"},
+        "fraction": {"type": "number", "minimum": 0, "maximum": 1},
+        "env": {
+            "type": "object",
+            "propertyNames": {"enum": list(MEM_ENV_NAMES)},
+            "additionalProperties": {"type": "string"},
         },
     },
 }
@@ -119,6 +161,7 @@ def schemas() -> dict[str, Any]:
                 "lease": {"oneOf": [LEASE_REF, {"type": "null"}]},
                 "snapshot_age_seconds": {"type": "number"},
                 "filters": FILTERS,
+                "mem": MEM,
             },
         },
         "Placements": {

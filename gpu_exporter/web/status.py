@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.lease import Lease
+from gpu_exporter.choose.memory import card_memory, memory_leases
 from gpu_exporter.choose.rank import rank
 from gpu_exporter.choose.waitqueue import Waiter, reserved_for
 from gpu_exporter.model import GpuSample, Snapshot
-from gpu_exporter.units import format_bytes
+from gpu_exporter.units import format_bytes, plural
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,8 @@ class GpuRow:
     holder: str | None  # "alice, 42 s left", when a lease holds the GPU
     cells: DeviceCells | None = None
     migs: tuple[tuple[GpuSample, DeviceCells], ...] = ()  # shown grouped under the card
+    # A card memory leases share: (committed / usable, "24.0 GiB of 79.5 GiB committed").
+    committed: tuple[float, str] | None = None
 
 
 # Column → (the FieldReader field behind it, what it is called in a tooltip).
@@ -131,6 +134,17 @@ def _holder(lease: Lease) -> str:
     return lease.owner or lease.requester
 
 
+def _shared(gpu: GpuSample, leases: list[Lease]) -> tuple[str, tuple[float, str] | None]:
+    """A card memory leases share: who holds them, and its committed memory as a bar."""
+    holders = ", ".join(dict.fromkeys(_holder(x) for x in leases))
+    who = f"{plural(len(leases), 'memory lease')}: {holders}"
+    card = card_memory(gpu, leases)
+    if card.usable <= 0:
+        return who, None
+    text = f"{format_bytes(card.committed)} of {format_bytes(card.usable)} committed"
+    return who, (min(1.0, card.committed / card.usable), text)
+
+
 def status_view(
     snapshot: Snapshot,
     leases: tuple[Lease, ...],
@@ -145,6 +159,7 @@ def status_view(
     """What ``/`` shows; the recommendation is what ``/choose?n=1`` would give under
     ``filters`` (the server's ``--choose-defaults``)."""
     held = {uuid: lease for lease in leases for uuid in lease.uuids}
+    shared = memory_leases(leases)
     rows = []
     for gpu in snapshot.gpus:
         used, total = gpu.memory_used_bytes, gpu.memory_total_bytes
@@ -157,12 +172,16 @@ def status_view(
             if lease
             else None
         )
+        committed = None
+        if gpu.uuid in shared:
+            holder, committed = _shared(gpu, shared[gpu.uuid])
         migs = tuple((m, device_cells(m)) for m in gpu.mig_devices)
-        rows.append(GpuRow(gpu, ratio, text, holder, device_cells(gpu), migs))
+        rows.append(GpuRow(gpu, ratio, text, holder, device_cells(gpu), migs, committed))
     lease_rows = tuple(
         LeaseRow(
             lease.id,
-            ", ".join(str(g.index) for g in lease.gpus),
+            ", ".join(str(g.index) for g in lease.gpus)
+            + (f" ({format_bytes(lease.mem_bytes)} each)" if lease.mem_bytes else ""),
             _holder(lease),
             lease.requester,
             max(0.0, lease.expires_at - wall_now),

@@ -1,7 +1,9 @@
 """A stand-in for the parts of ``tensorflow`` that docs/frameworks.md uses, with TF's rules:
-physical devices are the CUDA-visible ones; set_visible_devices and set_memory_growth take
-effect only before the logical devices are initialised (RuntimeError after); the visible
-list must be a subset of the physical one; ConfigProto refuses unknown fields."""
+physical devices are the CUDA-visible ones; set_visible_devices, set_memory_growth and
+set_logical_device_configuration take effect only before the logical devices are initialised
+(RuntimeError after); memory growth cannot be set on a device with logical devices configured
+(ValueError); the visible list must be a subset of the physical one; ConfigProto refuses
+unknown fields."""
 
 from __future__ import annotations
 
@@ -26,7 +28,12 @@ class LogicalDevice:
     device_type: str
 
 
-_state: dict[str, Any] = {"visible": None, "growth": {}, "logical": None}
+@dataclass(frozen=True)
+class LogicalDeviceConfiguration:
+    memory_limit: int | None = None  # MB, as TF's
+
+
+_state: dict[str, Any] = {"visible": None, "growth": {}, "logical": None, "configs": {}}
 
 
 def _physical() -> list[PhysicalDevice]:
@@ -62,7 +69,24 @@ def set_memory_growth(device: PhysicalDevice, enable: bool) -> None:
     _not_initialised("Physical devices")
     if device not in _physical():
         raise ValueError(f"Unrecognized device: {device}")
+    if device.name in _state["configs"]:
+        raise ValueError("Cannot set memory growth on device when virtual devices configured")
     _state["growth"][device.name] = enable
+
+
+def set_logical_device_configuration(
+    device: PhysicalDevice, logical_devices: list[LogicalDeviceConfiguration] | None
+) -> None:
+    _not_initialised("Virtual devices")
+    if device not in _physical():
+        raise ValueError(f"Unrecognized device: {device}")
+    _state["configs"][device.name] = list(logical_devices or [])
+
+
+def get_logical_device_configuration(
+    device: PhysicalDevice,
+) -> list[LogicalDeviceConfiguration] | None:
+    return _state["configs"].get(device.name)
 
 
 class MirroredStrategy:
@@ -97,6 +121,9 @@ config = SimpleNamespace(
     list_physical_devices=list_physical_devices,
     list_logical_devices=list_logical_devices,
     set_visible_devices=set_visible_devices,
+    set_logical_device_configuration=set_logical_device_configuration,
+    get_logical_device_configuration=get_logical_device_configuration,
+    LogicalDeviceConfiguration=LogicalDeviceConfiguration,
     experimental=SimpleNamespace(set_memory_growth=set_memory_growth),
 )
 distribute = SimpleNamespace(MirroredStrategy=MirroredStrategy)
