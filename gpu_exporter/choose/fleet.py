@@ -33,6 +33,7 @@ from gpu_exporter.choose.rank import (
     sort_key,
 )
 from gpu_exporter.model import GpuSample
+from gpu_exporter.units import plural
 
 SHORT_REASONS = 3  # a host's shortfall names this many rejected GPUs, then counts the rest
 
@@ -61,6 +62,9 @@ class Fleet:
     source: str  # "prometheus" or "hosts"
     evaluated_at: float  # Unix time the figures describe
     window_checked: bool = False  # idle_for was judged from the fleet's history
+    # The store kept only the GPUs that pass the request's filters (choose.fleetsieve): each
+    # host holds its qualifying GPUs only, so ranking orders them and filters nothing.
+    sieved: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +126,19 @@ def rank_fleet(
     """
     candidates: list[Candidate] = []
     passed: list[tuple[Host, str]] = []
+    held = "leased (at the last scrape)" if fleet.source == "prometheus" else "leased"
+    needed = 1 if spread else n
+    if fleet.sieved:  # the store applied the filters; the figures left are for ordering only
+        filters = Filters(mig=filters.mig)
     for host in fleet.hosts:
         if host.problem is not None:
             passed.append((host, host.problem))
             continue
-        held = "leased (at the last scrape)" if fleet.source == "prometheus" else "leased"
+        if fleet.sieved and len(host.gpus) < needed:  # skip ranking what cannot serve
+            passed.append((host, sieved_shortfall(len(host.gpus), needed)))
+            continue
         leased = {u: held for u in host.leased}
         ranking = rank(host.gpus, filters, sort=sort, window=host.window, leased=leased)
-        needed = 1 if spread else n
         if len(ranking.qualified) < needed:
             passed.append((host, str(NotEnoughGpus(needed, ranking))))
             continue
@@ -138,7 +147,8 @@ def rank_fleet(
             keys = (sort_key(ranking.qualified[0], sort),)
         else:  # the weakest of the n picks decides, then the stronger ones
             keys = tuple(sort_key(g, sort) for g in reversed(ranking.qualified[:n]))
-        candidates.append(Candidate(host, ranking.qualified, (keys, host.url), shortfall(ranking)))
+        why = sieved_shortfall(len(ranking.qualified), 0) if fleet.sieved else shortfall(ranking)
+        candidates.append(Candidate(host, ranking.qualified, (keys, host.url), why))
     candidates.sort(key=lambda c: c.key)
     return FleetRanking(tuple(candidates), tuple(passed))
 
@@ -151,6 +161,19 @@ def shortfall(ranking: Ranking) -> str:
     if len(rejected) > SHORT_REASONS:
         why.append(f"{len(rejected) - SHORT_REASONS} more")
     return how_many_qualify(ranking) + (f" ({'; '.join(why)})" if why else "")
+
+
+def sieved_shortfall(qualifying: int, needed: int) -> str:
+    """What a sieved host had (the store names no rejected GPU).
+
+    >>> sieved_shortfall(0, 2), sieved_shortfall(1, 2)
+    ('no GPU passes the filters there', '1 GPU passes the filters, 2 requested')
+    """
+    if not qualifying:
+        return "no GPU passes the filters there"
+    verb = "passes" if qualifying == 1 else "pass"
+    text = f"{plural(qualifying, 'GPU')} {verb} the filters"
+    return text + (f", {needed} requested" if needed else "")
 
 
 def host_labels(urls: Sequence[str], default_port: int) -> dict[str, str]:
