@@ -267,3 +267,51 @@ def test_the_refusal_counts_read_well() -> None:
         "of 100,000 GPUs (counted in the store; one may fail several filters): "
         "1,000 down, 35,000 with free memory < min_free 40.0 GiB"
     )
+
+
+def test_leaving_out_the_gpus_that_surely_fail_never_changes_a_ranking() -> None:
+    import random
+
+    from gpu_exporter.choose.fleet import Fleet, Host, shortfall
+    from gpu_exporter.choose.rank import NotEnoughGpus, rank
+    from gpu_exporter.model import GpuSample
+
+    rnd = random.Random(19)
+
+    def maybe(value: Any) -> Any:
+        return None if rnd.random() < 0.1 else value
+
+    hosts = []
+    for h in range(60):
+        gpus = tuple(
+            GpuSample(
+                index=i,
+                uuid=f"GPU-{h}-{i}",
+                up=rnd.random() > 0.05,
+                memory_free_bytes=maybe(rnd.choice((8, 40, 41, 79)) * GIB),
+                utilization_ratio=maybe(rnd.choice((0.0, 0.05, 0.1, 0.5, 0.97))),
+                memory_utilization_ratio=maybe(rnd.choice((0.0, 0.5, 0.9))),
+                compute_processes=maybe(rnd.choice((0, 0, 1, 2))),
+            )
+            for i in range(8)
+        )
+        leased = tuple(g.uuid for g in gpus if rnd.random() < 0.05)
+        hosts.append(Host(f"http://h{h}:9400", f"h{h}", gpus, leased))
+    fleet = Fleet(tuple(hosts), "prometheus", NOW)
+    for n, filters in (
+        (1, Filters()),
+        (2, Filters(min_free_bytes=40 * GIB, max_util_ratio=0.1, max_procs=0)),
+        (3, Filters(max_util_ratio=0.5, max_mem_util_ratio=0.5, defaulted=("max_util",))),
+    ):
+        ranking = rank_fleet(fleet, n, filters)
+        for candidate in ranking.candidates:
+            full = rank(
+                candidate.host.gpus,
+                filters,
+                leased=dict.fromkeys(candidate.host.leased, "leased (at the last scrape)"),
+            )
+            assert candidate.qualified == full.qualified
+            assert candidate.shortfall == shortfall(full)
+        for host, why in ranking.passed_over:  # every GPU's reasons, as before
+            held = dict.fromkeys(host.leased, "leased (at the last scrape)")
+            assert why == str(NotEnoughGpus(n, rank(host.gpus, filters, leased=held)))
