@@ -56,6 +56,7 @@ GPU_KEY: Final = "on(instance, job, uuid)"
 # Arithmetic keeps only the labels it matches on: ignoring() keeps the rest (gpu, and
 # gpu_exporter_url where the scrape config sets it), and the view's `field` differs.
 SAME_SERIES: Final = "ignoring(field)"
+_RE2_SPECIAL: Final = re.compile(r"[\\.+*?()|\[\]{}^$]")  # RE2 takes these escaped
 _RAW: Final = {field: name for name, field in FIELDS.items()}
 
 
@@ -115,10 +116,10 @@ def hosts_query(names: Names) -> str:
 def _model_regex(model: str) -> str:
     """``model`` (a case-insensitive substring) as a PromQL string holding an RE2 regex.
 
-    >>> _model_regex('A100 "x"')
-    '"(?i).*A100\\\\ \\\\"x\\\\".*"'
+    >>> print(_model_regex('A100 (80GB) "x"'))
+    "(?i).*A100 \\\\(80GB\\\\) \\"x\\".*"
     """
-    pattern = f"(?i).*{re.escape(model)}.*"
+    pattern = "(?i).*" + _RE2_SPECIAL.sub(r"\\\g<0>", model) + ".*"
     return '"' + pattern.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
