@@ -188,7 +188,7 @@ def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Flee
     view_asked, view_refusal = answers["gpu_fleet"]
     assert view_refusal == answers[""][1]
     assert "gpu_fleet" in view_asked[0]
-    assert len(view_asked) == 2  # one query per choice
+    assert len(view_asked) == 4  # per choice: the view's scrape times, then the view
     # Without the rules (another prefix here) the view is empty: the raw series are read.
     asked_raw: list[str] = []
 
@@ -228,7 +228,7 @@ def test_the_store_filtered_read_gives_the_same_choices(fleet: Fleet) -> None:
                     counted = "counted in the store" in exc.message
                     picks[sieve] = [("refused", exc.code, counted == sieve)]
             assert picks[True] == picks[False], (prefix, args, picks)
-    with pytest.raises(ApiError, match=r"of 12 GPUs \(counted in the store.*: 12 of a model"):
+    with pytest.raises(ApiError, match=r"of 12 GPUs \(counted in the store.*, 12 of a model"):
         choose_fleet({"n": "1", "model": "no such"}, prometheus=fleet.prom.base, sieve=True)
 
 
