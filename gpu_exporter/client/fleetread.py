@@ -242,13 +242,17 @@ def refusal_counts(
     rule_prefix: str = "",
 ) -> str:
     """Why no host could serve a sieved fleet: how many GPUs fail each filter (one query)."""
-    names = Names(rule_prefix, selector)
-    query = {"reasons": reasons_query(names, req.choose.filters)}
-    try:
-        answer = query_prometheus(prometheus, query, now, fetch=fetch, timeout=timeout)
-    except SourceUnavailable as exc:
-        return f"the store did not count the reasons: {exc}"
-    return reasons_text(answer["reasons"], req.choose.filters)
+    answer: list[dict[str, Any]] = []
+    for prefix in dict.fromkeys((rule_prefix, "")):  # the raw series where the view has none
+        query = {"reasons": reasons_query(Names(prefix, selector), req.choose.filters)}
+        try:
+            answers = query_prometheus(prometheus, query, now, fetch=fetch, timeout=timeout)
+            answer = answers["reasons"]
+        except SourceUnavailable as exc:
+            return f"the store did not count the reasons: {exc}"
+        if answer:
+            break
+    return reasons_text(answer, req.choose.filters)
 
 
 def read_hosts(
