@@ -15,15 +15,19 @@ own functions (those :func:`gpu_exporter.client.fleet.choose_fleet` calls, in it
   it), and the chooser's **memory**: the peak of Python allocations during one choice
   (tracemalloc, run apart from the timed runs).
 
-Two paths: **raw** (the three queries of :func:`~gpu_exporter.choose.promql.fleet_queries`)
-and **view** (the one query of :func:`~gpu_exporter.choose.fleetview.view_query`, over the
+Four paths: **raw** (the three queries of :func:`~gpu_exporter.choose.promql.fleet_queries`),
+**view** (the one query of :func:`~gpu_exporter.choose.fleetview.view_query`, over the
 series deploy/prometheus/gpu-exporter.fleet.rules.yml records, loaded here as the rules would
-have written them).
+have written them), and both **sieved** (:mod:`gpu_exporter.choose.fleetsieve`: the
+exporters' scrape times, then only the GPUs that pass the filters and the exporters with a
+problem), as the chooser reads a fleet past 500 exporters. All four must rank the same best
+20 hosts, each with the same GPUs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import statistics
 import subprocess
@@ -40,10 +44,18 @@ import servers
 
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.fleet import rank_fleet
+from gpu_exporter.choose.fleetsieve import (
+    Names,
+    hosts_query,
+    parse_sieve,
+    problems_query,
+    sieve_query,
+)
 from gpu_exporter.choose.fleetview import FIELDS, from_view, view_query
 from gpu_exporter.choose.promql import fleet_queries, parse_fleet
 from gpu_exporter.client.fleetread import gc_paused, http_get_json, query_prometheus
 
+PATHS = ("raw", "view", "raw sieve", "view sieve")  # every series; or only those that pass
 SCRAPES = 4  # samples per series, 15 s apart, the last at the host's scrape time
 BATCH_HOSTS = 500  # hosts per import request
 Answers = Callable[[int, int, float], dict[str, dict[str, Any]]]  # (hosts, first, at) → answers
@@ -155,20 +167,39 @@ def wait_visible(base: str, at: float, gpus: int, timeout: float = 300) -> None:
             time.sleep(1)
 
 
-def choice(base: str, at: float, filters: Filters, n: int, *, view: bool) -> dict[str, Any]:
+def _read(base: str, at: float, filters: Filters, *, view: bool, sieve: bool) -> Any:
+    """The fleet's answers as read_prometheus() asks for them (every series, or the sieve)."""
+
+    def ask(queries: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+        return query_prometheus(base, queries, at, fetch=http_get_json, timeout=600)
+
+    if sieve:
+        names = Names("gpu_fleet" if view else "")
+        hosts = ask({"hosts": hosts_query(names)})
+        return {
+            **hosts,
+            **ask({"sieve": sieve_query(names, filters), "problems": problems_query(names, 60)}),
+        }
+    if view:
+        return ask({"view": view_query("gpu_fleet", filters, "free")})
+    return ask(fleet_queries(filters, "free", None))
+
+
+def choice(
+    base: str, at: float, filters: Filters, n: int, *, view: bool, sieve: bool = False
+) -> dict[str, Any]:
     """One choice's reading and ranking, each step timed (ms)."""
     t0 = time.perf_counter()
-    if view:
-        queries = {"view": view_query("gpu_fleet", filters, "free")}
-    else:
-        queries = fleet_queries(filters, "free", None)
     with gc_paused():  # as choose_fleet() reads and ranks
-        got = query_prometheus(base, queries, at, fetch=http_get_json, timeout=600)
+        got = _read(base, at, filters, view=view, sieve=sieve)
         t1 = time.perf_counter()
-        results = from_view(got["view"]) if view else got
-        fleet = parse_fleet(results, evaluated_at=at, max_age_seconds=60)
+        if sieve:
+            fleet = parse_sieve(got, evaluated_at=at, max_age_seconds=60)
+        else:
+            results = from_view(got["view"]) if view else got
+            fleet = parse_fleet(results, evaluated_at=at, max_age_seconds=60)
         series = sum(len(r) for r in got.values())
-        del got, results  # as read_prometheus() returns only the fleet
+        del got  # as read_prometheus() returns only the fleet
         t2 = time.perf_counter()
         ranking = rank_fleet(fleet, n, filters)
         t3 = time.perf_counter()
@@ -180,13 +211,14 @@ def choice(base: str, at: float, filters: Filters, n: int, *, view: bool) -> dic
         "series": series,
         "candidates": len(ranking.candidates),
         "chosen": ranking.candidates[0].host.url if ranking.candidates else None,
+        "top": [(c.host.url, [g.uuid for g in c.qualified]) for c in ranking.candidates[:20]],
     }
 
 
 def measure(
-    base: str, at: float, filters: Filters, n: int, repeat: int, *, view: bool
+    base: str, at: float, filters: Filters, n: int, repeat: int, *, view: bool, sieve: bool
 ) -> dict[str, Any]:
-    runs = [choice(base, at, filters, n, view=view) for _ in range(repeat)]
+    runs = [choice(base, at, filters, n, view=view, sieve=sieve) for _ in range(repeat)]
     out: dict[str, Any] = {
         step: {
             "median_ms": round(statistics.median(r[step] for r in runs), 1),
@@ -197,8 +229,9 @@ def measure(
     out["series"] = runs[0]["series"]
     out["candidate_hosts"] = runs[0]["candidates"]
     out["chosen"] = runs[0]["chosen"]
+    out["top"] = runs[0]["top"]
     tracemalloc.start()
-    choice(base, at, filters, n, view=view)
+    choice(base, at, filters, n, view=view, sieve=sieve)
     out["peak_python_mib"] = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
     tracemalloc.stop()
     return out
@@ -213,13 +246,21 @@ def measure_victoria_metrics(
     for gpus in sizes:
         hosts = gpus // per_host
         with victoria_metrics() as base:
+            load_before = round(os.getloadavg()[0], 2)  # a shared machine: judge the noise
             loaded = load_victoria_metrics(base, answers, hosts, at)
             # GPUs that are up (1 % are down) on hosts scraped recently enough to be seen
             wait_visible(base, at, int(gpus * 0.97))
-            raw = measure(base, at, filters, n, repeat, view=False)
-            view = measure(base, at, filters, n, repeat, view=True)
-            assert raw["chosen"] == view["chosen"], (raw["chosen"], view["chosen"])
-            by_size[str(gpus)] = {"hosts": hosts, **loaded, "raw": raw, "view": view}
+            paths = {
+                path: measure(
+                    base, at, filters, n, repeat, view="view" in path, sieve="sieve" in path
+                )
+                for path in PATHS
+            }
+            tops = {path: p.pop("top") for path, p in paths.items()}
+            # Every path ranks the same best 20 hosts, each with the same GPUs in order.
+            assert all(t == tops["raw"] for t in tops.values()), {p: t[:2] for p, t in tops.items()}
+            load = {"load_average_1m": [load_before, round(os.getloadavg()[0], 2)]}
+            by_size[str(gpus)] = {"hosts": hosts, **loaded, **load, **paths}
     return by_size
 
 
@@ -230,7 +271,7 @@ def table(by_size: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for gpus, r in by_size.items():
-        for path in ("raw", "view"):
+        for path in PATHS:
             p = r[path]
             cells = [
                 f"{int(gpus):,} ({r['hosts']:,})",

@@ -188,7 +188,7 @@ def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Flee
     view_asked, view_refusal = answers["gpu_fleet"]
     assert view_refusal == answers[""][1]
     assert "gpu_fleet" in view_asked[0]
-    assert len(view_asked) == 2  # one query per choice
+    assert len(view_asked) == 4  # per choice: the view's scrape times, then the view
     # Without the rules (another prefix here) the view is empty: the raw series are read.
     asked_raw: list[str] = []
 
@@ -199,6 +199,37 @@ def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Flee
     args = {"n": "3", "max_util": "10%", "lease": "0"}
     advice = choose_fleet(args, prometheus=fleet.prom.base, rule_prefix="no_such", fetch=counted)
     assert advice.placements[0].url == fleet.b.base and len(asked_raw) == 4
+
+
+def test_the_store_filtered_read_gives_the_same_choices(fleet: Fleet) -> None:
+    """What a fleet past 500 exporters reads (gpu_exporter.choose.fleetsieve): only the GPUs
+    that pass, filtered by the store's PromQL, raw and recorded; the same choices."""
+    fleet.wait_until_no_leases()
+    requests = [
+        {"n": "3", "max_util": "10%"},
+        {"n": "2", "max_util": "10%", "min_free": "70GiB", "max_procs": "0"},
+        {"n": "1", "max_util": "100%", "max_mem_util": "100%", "sort": "util"},
+        {"n": "4", "max_util": "100%", "max_mem_util": "100%", "spread": "1"},
+        {"n": "1", "model": "no such model"},
+    ]
+    for prefix in ("", "gpu_fleet"):
+        for args in requests:
+            picks = {}
+            for sieve in (False, True):
+                try:
+                    advice = choose_fleet(
+                        {**args, "lease": "0"},
+                        prometheus=fleet.prom.base,
+                        rule_prefix=prefix,
+                        sieve=sieve,
+                    )
+                    picks[sieve] = [(p.url, sorted(p.uuids)) for p in advice.placements]
+                except ApiError as exc:  # with sieve, the store counted why
+                    counted = "counted in the store" in exc.message
+                    picks[sieve] = [("refused", exc.code, counted == sieve)]
+            assert picks[True] == picks[False], (prefix, args, picks)
+    with pytest.raises(ApiError, match=r"of 12 GPUs \(counted in the store.*, 12 of a model"):
+        choose_fleet({"n": "1", "model": "no such"}, prometheus=fleet.prom.base, sieve=True)
 
 
 def test_the_cluster_endpoint_of_an_exporter_with_a_prometheus_url(fleet: Fleet) -> None:

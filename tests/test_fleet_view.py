@@ -97,7 +97,9 @@ def view_fetch(view: list[dict[str, Any]], raw: Mapping[str, Any], asked: list[s
     def fetch(url: str, timeout: float) -> Any:
         expr = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["query"][0]
         asked.append(expr)
-        if "gpu_fleet:gpu" in expr:
+        if expr.startswith("gpu_fleet:host{"):  # the first read: the exporters' scrape times
+            result = [s for s in copy.deepcopy(view) if s["metric"]["field"] == "scraped_at"]
+        elif "gpu_fleet:gpu" in expr:
             result = copy.deepcopy(view)
         elif "label_replace" in expr:
             result = []
@@ -123,16 +125,18 @@ def choose(args: dict[str, str], fetch: Any, prefix: str) -> Any:
     )
 
 
-def test_with_the_view_one_choice_is_one_query_and_the_same_choice() -> None:
+def test_with_the_view_one_choice_is_two_small_queries_and_the_same_choice() -> None:
     raw = mixed_fleet()
     asked: list[str] = []
     with_view = choose(
         {"n": "1", "max_util": "10%"}, view_fetch(to_view(raw), raw, asked), "gpu_fleet"
     )
-    assert len(asked) == 1 and "gpu_fleet:gpu" in asked[0]
+    # The scrape times first (they size the fleet: every series, or only the GPUs that pass,
+    # docs/cluster.md), then one query for the rest.
+    assert len(asked) == 2 and "gpu_fleet:host" in asked[0] and "gpu_fleet:gpu" in asked[1]
     without: list[str] = []
     plain = choose({"n": "1", "max_util": "10%"}, view_fetch([], raw, without), "")
-    assert len(without) == 3  # values, scraped, down
+    assert len(without) == 3  # scraped, then values and down
     assert with_view.to_json() == plain.to_json()
     assert with_view.placements[0].url == "http://a:9400"
 
@@ -153,7 +157,7 @@ def test_without_the_rules_the_raw_series_are_read() -> None:
     raw = mixed_fleet()
     asked: list[str] = []
     result = choose({"n": "1", "max_util": "10%"}, view_fetch([], raw, asked), "gpu_fleet")
-    assert "gpu_fleet:gpu" in asked[0] and len(asked) == 4  # the view, then the raw three
+    assert "gpu_fleet:host" in asked[0] and len(asked) == 4  # the view, then the raw three
     assert result.placements[0].url == "http://a:9400"
 
 
@@ -162,7 +166,7 @@ def test_idle_for_reads_the_window_from_the_raw_series_alongside_the_view() -> N
     asked: list[str] = []
     with pytest.raises(ApiError, match="idle_for"):
         choose({"n": "1", "idle_for": "5m"}, view_fetch(to_view(raw), raw, asked), "gpu_fleet")
-    assert len(asked) == 2 and any("min_over_time(gpu_up" in q for q in asked)
+    assert len(asked) == 3 and any("min_over_time(gpu_up" in q for q in asked)
 
 
 def test_a_prefix_that_is_not_a_metric_name_is_refused() -> None:

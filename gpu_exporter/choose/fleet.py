@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import urllib.parse
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
 from gpu_exporter.choose.filters import Filters, Window
@@ -33,6 +34,7 @@ from gpu_exporter.choose.rank import (
     sort_key,
 )
 from gpu_exporter.model import GpuSample
+from gpu_exporter.units import plural
 
 SHORT_REASONS = 3  # a host's shortfall names this many rejected GPUs, then counts the rest
 
@@ -61,6 +63,9 @@ class Fleet:
     source: str  # "prometheus" or "hosts"
     evaluated_at: float  # Unix time the figures describe
     window_checked: bool = False  # idle_for was judged from the fleet's history
+    # The store kept only the GPUs that pass the request's filters (choose.fleetsieve): each
+    # host holds its qualifying GPUs only, so ranking orders them and filters nothing.
+    sieved: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +75,13 @@ class Candidate:
     host: Host
     qualified: tuple[GpuSample, ...]
     key: tuple[Any, ...]
-    shortfall: str = ""  # how many qualify there and why not the others (shortened)
+    # How many qualify there and why not the others (shortened): formatted only when asked
+    # (a spread refusal), not for each of a large fleet's candidates.
+    why_not_others: Callable[[], str] = str
+
+    @property
+    def shortfall(self) -> str:
+        return self.why_not_others()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,25 +133,63 @@ def rank_fleet(
     """
     candidates: list[Candidate] = []
     passed: list[tuple[Host, str]] = []
+    held = "leased (at the last scrape)" if fleet.source == "prometheus" else "leased"
+    needed = 1 if spread else n
+    if fleet.sieved:  # the store applied the filters; the figures left are for ordering only
+        filters = Filters(mig=filters.mig)
     for host in fleet.hosts:
         if host.problem is not None:
             passed.append((host, host.problem))
             continue
-        held = "leased (at the last scrape)" if fleet.source == "prometheus" else "leased"
+        if fleet.sieved and len(host.gpus) < needed:  # skip ranking what cannot serve
+            passed.append((host, sieved_shortfall(len(host.gpus), needed)))
+            continue
         leased = {u: held for u in host.leased}
-        ranking = rank(host.gpus, filters, sort=sort, window=host.window, leased=leased)
-        needed = 1 if spread else n
+        ranked = partial(rank, filters=filters, sort=sort, window=host.window, leased=leased)
+        # The GPUs that surely fail are left out first: formatting why would cost a third of
+        # ranking 100,000 GPUs (bench/cluster.py), and only a host passed over shows it.
+        maybe = (
+            host.gpus if filters.mig != "deny" else [g for g in host.gpus if _may_pass(g, filters)]
+        )
+        ranking = ranked(maybe)
         if len(ranking.qualified) < needed:
-            passed.append((host, str(NotEnoughGpus(needed, ranking))))
+            passed.append((host, str(NotEnoughGpus(needed, ranked(host.gpus)))))
             continue
         keys: tuple[SortKey, ...]
         if spread:
             keys = (sort_key(ranking.qualified[0], sort),)
         else:  # the weakest of the n picks decides, then the stronger ones
             keys = tuple(sort_key(g, sort) for g in reversed(ranking.qualified[:n]))
-        candidates.append(Candidate(host, ranking.qualified, (keys, host.url), shortfall(ranking)))
+        why = (
+            partial(sieved_shortfall, len(ranking.qualified), 0)
+            if fleet.sieved
+            else partial(_shortfall_of, ranked, host.gpus)
+        )
+        candidates.append(Candidate(host, ranking.qualified, (keys, host.url), why))
     candidates.sort(key=lambda c: c.key)
     return FleetRanking(tuple(candidates), tuple(passed))
+
+
+def _may_pass(gpu: GpuSample, filters: Filters) -> bool:
+    """False only where :func:`~gpu_exporter.choose.filters.rejection_reasons` surely rejects
+    the GPU (down, or a known figure past a limit), without formatting why; the GPUs left are
+    ranked as ever."""
+    if not gpu.up:
+        return False
+    free, util, procs = gpu.memory_free_bytes, gpu.utilization_ratio, gpu.compute_processes
+    mem, f = gpu.memory_utilization_ratio, filters
+    return not (
+        (f.min_free_bytes is not None and free is not None and free < f.min_free_bytes)
+        or (f.max_util_ratio is not None and util is not None and util > f.max_util_ratio)
+        or (f.max_procs is not None and procs is not None and procs > f.max_procs)
+        or (f.max_mem_util_ratio is not None and mem is not None and mem > f.max_mem_util_ratio)
+    )
+
+
+def _shortfall_of(
+    ranked: Callable[[Sequence[GpuSample]], Ranking], gpus: Sequence[GpuSample]
+) -> str:
+    return shortfall(ranked(gpus))
 
 
 def shortfall(ranking: Ranking) -> str:
@@ -151,6 +200,19 @@ def shortfall(ranking: Ranking) -> str:
     if len(rejected) > SHORT_REASONS:
         why.append(f"{len(rejected) - SHORT_REASONS} more")
     return how_many_qualify(ranking) + (f" ({'; '.join(why)})" if why else "")
+
+
+def sieved_shortfall(qualifying: int, needed: int) -> str:
+    """What a sieved host had (the store names no rejected GPU).
+
+    >>> sieved_shortfall(0, 2), sieved_shortfall(1, 2)
+    ('no GPU passes the filters there', '1 GPU passes the filters, 2 requested')
+    """
+    if not qualifying:
+        return "no GPU passes the filters there"
+    verb = "passes" if qualifying == 1 else "pass"
+    text = f"{plural(qualifying, 'GPU')} {verb} the filters"
+    return text + (f", {needed} requested" if needed else "")
 
 
 def host_labels(urls: Sequence[str], default_port: int) -> dict[str, str]:

@@ -28,6 +28,7 @@ from gpu_exporter.choose.values import digits
 from gpu_exporter.model import GpuSample
 
 URL_LABEL: Final = "gpu_exporter_url"
+TARGET_DOWN: Final = "target down: Prometheus' last scrape failed (up 0)"
 # Per-GPU series → GpuSample field, and how to read the value.
 VALUE_METRICS: Final[Mapping[str, tuple[str, type]]] = {
     "gpu_memory_free_bytes": ("memory_free_bytes", int),
@@ -154,7 +155,7 @@ def window_query(filters: Filters, seconds: float, selector: str = "") -> str:
     )
 
 
-def _value(sample: Mapping[str, Any]) -> float | None:
+def sample_value(sample: Mapping[str, Any]) -> float | None:
     """An instant vector sample's value; NaN (and anything unreadable) is absent."""
     try:
         value = float(sample["value"][1])
@@ -190,7 +191,7 @@ def parse_fleet(
         url = exporter_url(labels)
         host = per_host.setdefault(url, {"instance": labels.get("instance", url)})
         name = labels.get("__name__")
-        value = _value(sample)
+        value = sample_value(sample)
         if name == "gpu_exporter_nvml_up":
             host["nvml_up"] = value
             continue
@@ -212,7 +213,9 @@ def parse_fleet(
             field_name, kind = VALUE_METRICS[name]
             gpu[field_name] = kind(value)
 
-    scraped = {exporter_url(s.get("metric", {})): _value(s) for s in results.get("scraped", ())}
+    scraped = {
+        exporter_url(s.get("metric", {})): sample_value(s) for s in results.get("scraped", ())
+    }
     window = _parse_window(results.get("window", ())) if idle_for_seconds else {}
 
     hosts: list[Host] = []
@@ -226,7 +229,7 @@ def parse_fleet(
         leased = tuple(u for u, v in per_gpu.get(url, {}).items() if v.get("leased"))
         scraped_at = scraped.get(url)
         age = None if scraped_at is None else max(0.0, evaluated_at - scraped_at)
-        problem = _host_problem(info, scraped_at, age, max_age_seconds, bool(gpus))
+        problem = host_problem(info, scraped_at, age, max_age_seconds, bool(gpus))
         host_window = None
         if idle_for_seconds and problem is None:
             host_window = _host_window(
@@ -246,7 +249,6 @@ def parse_fleet(
     # Targets whose last scrape failed: passed over even if series of theirs are still
     # around (Prometheus stale-marks them, but remote or federated data is not).
     jobs = {s.get("metric", {}).get("job") for s in results.get("values", ())}
-    down = "target down: Prometheus' last scrape failed (up 0)"
     by_url = {h.url: i for i, h in enumerate(hosts)}
     for sample in results.get("down", ()):
         labels = sample.get("metric", {})
@@ -254,10 +256,10 @@ def parse_fleet(
             continue  # not a gpu-exporter target
         url = exporter_url(labels)
         if url in by_url:
-            hosts[by_url[url]] = replace(hosts[by_url[url]], problem=down, window=None)
+            hosts[by_url[url]] = replace(hosts[by_url[url]], problem=TARGET_DOWN, window=None)
             continue
         by_url[url] = len(hosts)
-        hosts.append(Host(url=url, instance=labels.get("instance", url), problem=down))
+        hosts.append(Host(url=url, instance=labels.get("instance", url), problem=TARGET_DOWN))
     return Fleet(tuple(hosts), "prometheus", evaluated_at, window_checked=bool(idle_for_seconds))
 
 
@@ -281,7 +283,7 @@ def _sample(uuid: str, values: Mapping[str, Any]) -> GpuSample:
     )
 
 
-def _host_problem(
+def host_problem(
     info: Mapping[str, Any],
     scraped_at: float | None,
     age: float | None,
@@ -314,7 +316,7 @@ def _parse_window(samples: Sequence[Mapping[str, Any]]) -> dict[str, dict[Any, A
     for sample in samples:
         labels = sample.get("metric", {})
         kind = labels.get("fleet_field")
-        value = _value(sample)
+        value = sample_value(sample)
         host = out.setdefault(exporter_url(labels), {})
         if kind == "oldest":
             if value is not None:

@@ -51,6 +51,7 @@ from gpu_exporter.client.fleetread import (  # re-exported: where callers have f
     http_get_json,
     read_hosts,
     read_prometheus,
+    refusal_counts,
 )
 from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS, GpuExporterError, ServerError
 from gpu_exporter.units import plural
@@ -227,6 +228,7 @@ def choose_fleet(
     monotonic: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     defaults: Mapping[str, str] = SHIPPED_DEFAULTS,
+    sieve: bool | None = None,
 ) -> ClusterChoice:
     """Choose and claim GPUs across the fleet; ``args`` are ``/cluster/choose``'s parameters.
 
@@ -237,7 +239,8 @@ def choose_fleet(
     none (:mod:`gpu_exporter.choose.defaults`); only those ``args`` gives go to the chosen host,
     which applies its own defaults again. Raises :class:`ApiError`: 400 for bad
     parameters, 503 ``not_enough_gpus`` (with every host's reason) or
-    ``prometheus_unavailable``.
+    ``prometheus_unavailable``. ``sieve``: whether the store filters the GPUs
+    (:func:`~gpu_exporter.client.fleetread.read_prometheus`; None: past a fleet size).
     """
     req = parse_cluster_args(args, defaults=defaults)
     if not prometheus and not hosts:
@@ -270,6 +273,7 @@ def choose_fleet(
                         now=now,
                         selector=selector,
                         rule_prefix=rule_prefix,
+                        sieve=sieve,
                     )
                 except SourceUnavailable as exc:
                     if not hosts:
@@ -300,5 +304,10 @@ def choose_fleet(
             gpus = "no GPU qualifies" if c.n == 1 else f"no {c.n} GPUs qualify"
             message = f"{gpus} {where} ({plural(len(fleet.hosts), 'host')}"
             message += f"; {details})" if details else ")"
+            if fleet.sieved and prometheus:  # the store named no GPU's reasons: count them
+                where_from = {"selector": selector, "rule_prefix": rule_prefix}
+                message += "; " + refusal_counts(
+                    prometheus, req, fetch=fetch, timeout=timeout, now=now, **where_from
+                )
             raise ApiError(503, "not_enough_gpus", " ".join([*notes, message]))
         sleep(min(remaining, WAIT_POLL_SECONDS))

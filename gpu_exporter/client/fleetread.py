@@ -21,6 +21,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 from gpu_exporter.choose.fleet import Fleet, Host, base_url, host_from_snapshot
+from gpu_exporter.choose.fleetsieve import (
+    DETAIL_UP_TO_HOSTS,
+    Names,
+    hosts_query,
+    parse_sieve,
+    problems_query,
+    reasons_query,
+    reasons_text,
+    sievable,
+    sieve_query,
+)
 from gpu_exporter.choose.fleetview import from_view, view_query
 from gpu_exporter.choose.promql import fleet_queries, parse_fleet, window_query
 from gpu_exporter.choose.request import ClusterRequest
@@ -122,15 +133,19 @@ def read_prometheus(
     now: float,
     selector: str = "",
     rule_prefix: str = "",
+    sieve: bool | None = None,
 ) -> Fleet:
     """The fleet from Prometheus (or any store with its query API).
 
-    With ``rule_prefix``, from the recorded view (:mod:`gpu_exporter.choose.fleetview`): one
-    query, plus ``idle_for``'s window; when the view is empty (the rules are not loaded
-    there), from the raw series as without it.
+    First every exporter's scrape time (which sizes the fleet); then, for a fleet of more
+    than :data:`~gpu_exporter.choose.fleetsieve.DETAIL_UP_TO_HOSTS` exporters (``sieve``:
+    True always, False never), only the GPUs that pass the request's filters
+    (:mod:`gpu_exporter.choose.fleetsieve`), else every series. With ``rule_prefix``, from
+    the recorded view (:mod:`gpu_exporter.choose.fleetview`); when the view is empty (the
+    rules are not loaded there), from the raw series as without it.
     """
     with gc_paused():
-        return _read_prometheus(prometheus, req, fetch, timeout, now, selector, rule_prefix)
+        return _read_prometheus(prometheus, req, fetch, timeout, now, selector, rule_prefix, sieve)
 
 
 def _read_prometheus(
@@ -141,27 +156,38 @@ def _read_prometheus(
     now: float,
     selector: str,
     rule_prefix: str,
+    sieve: bool | None,
 ) -> Fleet:
     c = req.choose
-    results = None
+
+    def ask(queries: Mapping[str, str]) -> dict[str, list[dict[str, Any]]]:
+        return query_prometheus(prometheus, queries, now, fetch=fetch, timeout=timeout)
+
+    names, hosts = Names("", selector), None
     if rule_prefix:
-        queries = {"view": view_query(rule_prefix, c.filters, c.sort, selector)}
-        if c.idle_for_seconds:
-            queries["window"] = window_query(c.filters, c.idle_for_seconds, selector)
-        answers = query_prometheus(prometheus, queries, now, fetch=fetch, timeout=timeout)
-        if answers["view"]:
-            results = {**from_view(answers["view"]), "window": answers.get("window", [])}
+        view = Names(rule_prefix, selector)
+        hosts = ask({"hosts": hosts_query(view)})["hosts"]
+        if hosts:
+            names = view
         else:
-            log.info("no %s:gpu series at %s: reading the raw series", rule_prefix, prometheus)
-    if results is None:
-        queries = fleet_queries(c.filters, c.sort, c.idle_for_seconds, selector)
-        results = query_prometheus(prometheus, queries, now, fetch=fetch, timeout=timeout)
-    fleet = parse_fleet(
-        results,
-        evaluated_at=now,
-        max_age_seconds=req.max_age_seconds,
-        idle_for_seconds=c.idle_for_seconds,
-    )
+            log.info("no %s:host series at %s: reading the raw series", rule_prefix, prometheus)
+    if not names.prefix:
+        hosts = ask({"hosts": hosts_query(names)})["hosts"]
+    assert hosts is not None
+    if sieve is None:
+        sieve = len(hosts) > DETAIL_UP_TO_HOSTS
+    if sieve and sievable(c.filters, c.sort, c.idle_for_seconds):
+        answers = ask(
+            {
+                "sieve": sieve_query(names, c.filters),
+                "problems": problems_query(names, req.max_age_seconds),
+            }
+        )
+        fleet = parse_sieve(
+            {**answers, "hosts": hosts}, evaluated_at=now, max_age_seconds=req.max_age_seconds
+        )
+    else:
+        fleet = _read_every_series(ask, req, names, hosts, now, selector)
     if not fleet.hosts:
         raise SourceUnavailable(
             f"Prometheus at {base_url(prometheus)} has no gpu-exporter series"
@@ -170,6 +196,63 @@ def _read_prometheus(
             "-search.latencyOffset, 30 s by default)"
         )
     return fleet
+
+
+def _read_every_series(
+    ask: Callable[[Mapping[str, str]], dict[str, list[dict[str, Any]]]],
+    req: ClusterRequest,
+    names: Names,
+    hosts: list[dict[str, Any]],
+    now: float,
+    selector: str,
+) -> Fleet:
+    """Every series this choice needs, per GPU: the detail behind every GPU's reasons."""
+    c = req.choose
+    results = None
+    if names.prefix:
+        queries = {"view": view_query(names.prefix, c.filters, c.sort, selector)}
+        if c.idle_for_seconds:
+            queries["window"] = window_query(c.filters, c.idle_for_seconds, selector)
+        answers = ask(queries)
+        if answers["view"]:
+            results = {**from_view(answers["view"]), "window": answers.get("window", [])}
+        else:
+            log.info("no %s:gpu series: reading the raw series", names.prefix)
+            hosts = ask({"hosts": hosts_query(Names("", selector))})["hosts"]
+    if results is None:
+        queries = fleet_queries(c.filters, c.sort, c.idle_for_seconds, selector)
+        del queries["scraped"]  # read first
+        results = {**ask(queries), "scraped": hosts}
+    return parse_fleet(
+        results,
+        evaluated_at=now,
+        max_age_seconds=req.max_age_seconds,
+        idle_for_seconds=c.idle_for_seconds,
+    )
+
+
+def refusal_counts(
+    prometheus: str,
+    req: ClusterRequest,
+    *,
+    fetch: Fetch = http_get_json,
+    timeout: float,
+    now: float,
+    selector: str = "",
+    rule_prefix: str = "",
+) -> str:
+    """Why no host could serve a sieved fleet: how many GPUs fail each filter (one query)."""
+    answer: list[dict[str, Any]] = []
+    for prefix in dict.fromkeys((rule_prefix, "")):  # the raw series where the view has none
+        query = {"reasons": reasons_query(Names(prefix, selector), req.choose.filters)}
+        try:
+            answers = query_prometheus(prometheus, query, now, fetch=fetch, timeout=timeout)
+            answer = answers["reasons"]
+        except SourceUnavailable as exc:
+            return f"the store did not count the reasons: {exc}"
+        if answer:
+            break
+    return reasons_text(answer, req.choose.filters)
 
 
 def read_hosts(
