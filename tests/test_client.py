@@ -613,6 +613,22 @@ def test_the_local_fallback_can_be_turned_off_and_refuses_idle_for(closed_port: 
         pass
 
 
+def test_an_exporter_that_answers_too_late_is_no_reason_to_choose_locally() -> None:
+    # The kernel accepts the connection and nobody answers: the exporter may be alive, busy,
+    # and holding leases on this host's cards (perhaps one for this very claim).
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with (
+            pytest.raises(GpuExporterError, match="not choosing from this host's NVML") as caught,
+            use_gpus(1, url, timeout=0.3, open_nvml=simulated),
+        ):
+            pytest.fail("the block must not run")
+    assert not isinstance(caught.value, NoGpusAvailable)
+    assert not any(key in os.environ for key in ENV_KEYS)
+
+
 @pytest.mark.parametrize("module", [transport, api])
 def test_doctests(module: ModuleType) -> None:
     result = doctest.testmod(module)

@@ -133,12 +133,26 @@ def choose_or_fallback(
     open_nvml: OpenNvml | None = None,
 ) -> Choice:
     """:func:`~gpu_exporter.client.api.choose_host`; if no server answers and
-    ``local_fallback``, :func:`choose_locally` (with NVML from ``open_nvml``)."""
+    ``local_fallback``, :func:`choose_locally` (with NVML from ``open_nvml``).
+
+    Only when the claim surely never reached a server (nothing listening, no route): an
+    exporter that timed out or dropped the connection may hold leases on these cards, so then
+    :class:`GpuExporterError` says so instead of choosing without them.
+    """
     try:
         return choose_host(n, url, lease=lease, wait=wait, owner=owner, timeout=timeout, **filters)
     except ServerUnreachable as exc:
         if not local_fallback:
             raise
+        if exc.maybe_received:
+            # The exporter is there but answered too late (or dropped the connection): it
+            # may hold leases on this host's cards, even one granted to this very claim, so
+            # an unleased choice here could land on a card a job was just given.
+            raise GpuExporterError(
+                f"{exc}; not choosing from this host's NVML instead, because the exporter "
+                "is running and its leases would be ignored: retry, or give it more time "
+                "(--timeout)"
+            ) from None
         unreachable = exc
     try:
         choice = choose_locally(n, filters, url=unreachable.url, open_nvml=open_nvml)
