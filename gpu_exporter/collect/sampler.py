@@ -198,7 +198,7 @@ class Sampler:
             else:
                 pending.append(index)
         while pending:
-            batch = Batch(pending, functools.partial(self._read_one, now=now))
+            batch = Batch(pending, functools.partial(self._read_one, now=now, wall=wall))
             reader = self._reader or (self._spares.pop() if self._spares else None)
             self._reader = reader or Worker(f"nvml-reader{next(self._names)}")
             stuck_at = batch.wait(self._reader.submit(batch.run, now), self.nvml_timeout_seconds)
@@ -222,12 +222,14 @@ class Sampler:
         out = []
         for index in range(count):
             sample = samples[index]
-            if sample.up:
+            if sample.up:  # read_gpu gave it last_seen_seconds=wall
                 self._last_seen[index] = wall
-            out.append(replace(sample, last_seen_seconds=self._last_seen.get(index)))
+            else:
+                sample = replace(sample, last_seen_seconds=self._last_seen.get(index))
+            out.append(sample)
         return tuple(out)
 
-    def _read_one(self, index: int, now: float) -> Read:
+    def _read_one(self, index: int, now: float, wall: float) -> Read:
         """On the reader thread: one GPU, its slow fields if due."""
         read_at = self._slow_read_at.get(index)
         # Half an interval early rather than one late: jitter must not stretch the period.
@@ -242,6 +244,7 @@ class Sampler:
             procinfo=self.procinfo,
             slow_due=slow_due,
             disabled=self.disabled,
+            seen_at=wall,
         )
         return sample, identity, slow_due
 
