@@ -150,10 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                 stats.add(p)
             stats.sort_stats("tottime").print_stats(30)
         else:
-            cpu = time.process_time()
+            cpu, own = time.process_time(), time.thread_time()
             loop()
-            cpu = time.process_time() - cpu
-            print(f"CPU per sample: {1000 * cpu / args.samples:.3f} ms")
+            cpu, own = time.process_time() - cpu, time.thread_time() - own
+            print(
+                f"CPU per sample: {1000 * cpu / args.samples:.3f} ms "
+                f"(the sampling thread's own: {1000 * own / args.samples:.3f} ms)"
+            )
         calls = (count_calls() - calls_before) / args.samples
         print(f"NVML calls per sample: {calls:.1f}; per minute: {calls * 60 / args.interval:.0f}")
     finally:

@@ -248,33 +248,50 @@ class Nvml:
         self._errors_lock = threading.Lock()
         self._memory_v2 = True
         self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
-        self._in_flight: dict[int, str] = {}  # thread id → NVML function it is inside
+        self._in_flight: dict[int, str | None] = {}  # thread id → NVML function it is inside
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, function: str, *args: Any, **kwargs: Any) -> Any:
-        return self._call_expecting(function, frozenset(), *args, **kwargs)
-
-    def _call_expecting(
-        self, function: str, expected: frozenset[int], *args: Any, **kwargs: Any
-    ) -> Any:
-        """Call ``function``; errors whose code is in ``expected`` are answers, not failures,
-        and are not counted (``NOT_FOUND`` for an empty MIG slot, ``TIMEOUT`` of a wait)."""
+        """Call ``function``, recording which thread is inside it; errors mapped."""
         fn: Callable[..., Any] | None = getattr(self._lib, function, None)
         if fn is None:  # bindings older than this function: same as a driver without it
             raise Unsupported(function, _FUNCTION_NOT_FOUND, "not in these NVML bindings")
-        thread = threading.get_ident()
-        self._in_flight[thread] = function
+        in_flight, thread = self._in_flight, threading.get_ident()
+        in_flight[thread] = function
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
             if not hasattr(exc, "value"):  # not an NVMLError: a bug, let it surface
                 raise
-            error = _classify(function, exc)
-            if not isinstance(error, Unsupported) and error.code not in expected:
-                self._count(function, error.error)
-            raise error from exc
+            raise self._failed(function, exc) from exc
         finally:
-            self._in_flight.pop(thread, None)
+            in_flight[thread] = None
+
+    def _call_or_code(self, function: str, expected: int, *args: Any) -> tuple[Any, bool]:
+        """(result, True); or (None, False) when the call answered ``expected``, an error
+        code that is an answer, not a failure (``NOT_FOUND`` for an empty MIG slot,
+        ``TIMEOUT`` of a wait): neither counted nor raised."""
+        fn: Callable[..., Any] | None = getattr(self._lib, function, None)
+        if fn is None:
+            raise Unsupported(function, _FUNCTION_NOT_FOUND, "not in these NVML bindings")
+        in_flight, thread = self._in_flight, threading.get_ident()
+        in_flight[thread] = function
+        try:
+            return fn(*args), True
+        except Exception as exc:
+            if not hasattr(exc, "value"):
+                raise
+            if exc.value == expected:
+                return None, False
+            raise self._failed(function, exc) from exc
+        finally:
+            in_flight[thread] = None
+
+    def _failed(self, function: str, exc: Exception) -> NvmlError:
+        error = _classify(function, exc)
+        if not isinstance(error, Unsupported):
+            self._count(function, error.error)
+        return error
 
     def _count(self, function: str, error: str) -> None:
         with self._errors_lock:
@@ -509,14 +526,10 @@ class Nvml:
 
     def mig_device_handle(self, handle: Any, index: int) -> Any | None:
         """The MIG device in slot ``index`` of a parent GPU, or None if that slot is empty."""
-        try:
-            return self._call_expecting(
-                "nvmlDeviceGetMigDeviceHandleByIndex", frozenset({_NOT_FOUND}), handle, index
-            )
-        except NvmlError as exc:
-            if exc.code == _NOT_FOUND:
-                return None
-            raise
+        found, ok = self._call_or_code(
+            "nvmlDeviceGetMigDeviceHandleByIndex", _NOT_FOUND, handle, index
+        )
+        return found if ok else None
 
     def gpu_instance_id(self, mig_handle: Any) -> int:
         return int(self._call("nvmlDeviceGetGpuInstanceId", mig_handle))
@@ -539,14 +552,9 @@ class Nvml:
 
     def event_wait(self, event_set: Any, timeout_ms: int) -> Event | None:
         """The next event, or None when ``timeout_ms`` passed without one."""
-        try:
-            data = self._call_expecting(
-                "nvmlEventSetWait_v2", frozenset({_TIMEOUT}), event_set, timeout_ms
-            )
-        except NvmlError as exc:
-            if exc.code == _TIMEOUT:
-                return None
-            raise
+        data, ok = self._call_or_code("nvmlEventSetWait_v2", _TIMEOUT, event_set, timeout_ms)
+        if not ok:
+            return None
         return Event(
             handle_key(data.device),
             int(data.eventType),
