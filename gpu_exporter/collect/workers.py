@@ -1,9 +1,10 @@
 """The threads the sampler's NVML calls run on, and how it waits for them.
 
 :class:`Worker` runs jobs one at a time on a daemon thread; :class:`Batch` is one sample's
-GPUs read in order on one worker, with a deadline per GPU: the sampler waits for the whole
-batch and wakes only when a GPU's reads take longer than the deadline. A driver call cannot
-be interrupted, so a worker stuck in one is left to finish on its own.
+library step and GPUs read in order on one worker, with a deadline for the library step and
+each GPU: the sampler hands it over and waits once, waking only when the batch is done or a
+step takes longer than the deadline. A driver call cannot be interrupted, so a worker stuck
+in one is left to finish on its own.
 """
 
 from __future__ import annotations
@@ -73,23 +74,52 @@ MAX_SPARES = 2  # idle reader threads kept after stuck calls returned
 Read = tuple[GpuSample, "GpuIdentity | None", bool]
 
 
-class Batch:
-    """GPUs for the reader thread to read in order, and how far it got.
+LIBRARY = -1  # Batch.current while the library step runs
 
-    The sampler waits for the whole batch at once, waking only if a GPU's reads take longer
-    than the deadline; a batch it gives up on reads no further GPU (``abandoned``).
+
+class Batch:
+    """GPUs for the reader thread to read in order, and how far it got; optionally the
+    library step first (``library``: initialise or shut down as due, then the GPU count;
+    None when NVML is down), then every GPU below that count but those in ``skip``.
+
+    The sampler waits for the whole batch at once, waking only if the library step or a
+    GPU's reads take longer than the deadline; a batch it gives up on reads no further GPU
+    (``abandoned``).
     """
 
-    def __init__(self, indexes: list[int], read: Callable[[int], Read]) -> None:
-        self.indexes = indexes
+    def __init__(
+        self,
+        read: Callable[[int], Read],
+        indexes: list[int] | None = None,
+        *,
+        library: Callable[[], int | None] | None = None,
+        skip: frozenset[int] = frozenset(),
+    ) -> None:
+        self.indexes = indexes or []
         self.read = read
+        self.library = library
+        self.skip = skip
+        self.count: int | None = None  # what the library step answered
         self.results: dict[int, Read] = {}
-        self.current: int | None = None  # the GPU being read
+        self.current: int | None = None  # the GPU being read, or LIBRARY
         self.started = 0.0  # time.monotonic() when it was started: deadlines are real time
         self.abandoned = False
         self.lock = threading.Lock()
 
     def run(self) -> None:
+        if self.library is not None:
+            with self.lock:
+                if self.abandoned:
+                    return
+                self.current, self.started = LIBRARY, time.monotonic()
+            count = self.library()
+            with self.lock:
+                if self.current != LIBRARY:  # abandoned: NVML was reported down meanwhile
+                    return
+                self.current, self.count = None, count
+                if count is None:
+                    return
+                self.indexes = [i for i in range(count) if i not in self.skip]
         for index in self.indexes:
             with self.lock:
                 if self.abandoned:
@@ -103,8 +133,9 @@ class Batch:
                 self.current = None
 
     def wait(self, future: Future[Any], deadline_seconds: float) -> int | None:
-        """None once every GPU is read, else the GPU whose read overran the deadline (then
-        the batch is abandoned: the thread stuck in it reads nothing more)."""
+        """None once every GPU is read, else the GPU whose read overran the deadline, or
+        :data:`LIBRARY` (then the batch is abandoned: the thread stuck in it reads nothing
+        more)."""
         while True:
             with self.lock:
                 current, started = self.current, self.started
