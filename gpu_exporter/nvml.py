@@ -21,6 +21,7 @@ import ctypes
 import threading
 from collections import Counter
 from collections.abc import Callable
+from ctypes import byref, c_uint, c_ulonglong
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,6 +244,9 @@ class Nvml:
 
     def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:
         self._lib = lib
+        # The real bindings: the hottest getters call the library's functions directly.
+        self._direct = lib is pynvml
+        self._pointers: dict[str, Any] = {}  # C symbol → ctypes function
         self.simulated = simulated
         self._errors: Counter[tuple[str, str]] = Counter()
         self._errors_lock = threading.Lock()
@@ -286,6 +290,36 @@ class Nvml:
             raise self._failed(function, exc) from exc
         finally:
             in_flight[thread] = None
+
+    def _get(
+        self, function: str, ctype: Any, *args: Any, symbol: str = "", whole: bool = False
+    ) -> Any:
+        """``function(*args)`` for a getter whose last C argument points to one ``ctype``.
+
+        Over the real bindings, the C ``symbol`` (``function`` unless it has a version
+        suffix) is called directly: the same call pynvml makes, without its Python frame
+        and with the same error mapping; ``.value`` of the answer unless ``whole``. Over
+        any other library (the simulator), ``function`` through :meth:`_call`.
+        """
+        if not self._direct:
+            return self._call(function, *args)
+        fn = self._pointers.get(symbol or function)
+        if fn is None:
+            try:
+                fn = pynvml._nvmlGetFunctionPointer(symbol or function)
+            except pynvml.NVMLError as exc:
+                raise self._failed(function, exc) from exc
+            self._pointers[symbol or function] = fn
+        out = ctype()
+        in_flight, thread = self._in_flight, threading.get_ident()
+        in_flight[thread] = function
+        try:
+            code = fn(*args, byref(out))
+        finally:
+            in_flight[thread] = None
+        if code != pynvml.NVML_SUCCESS:
+            raise self._failed(function, pynvml.NVMLError(code))
+        return out if whole else out.value
 
     def _failed(self, function: str, exc: Exception) -> NvmlError:
         error = _classify(function, exc)
@@ -338,7 +372,13 @@ class Nvml:
         return int(self._call("nvmlDeviceGetCount"))
 
     def handle(self, index: int) -> Any:
-        return self._call("nvmlDeviceGetHandleByIndex", index)
+        return self._get(
+            "nvmlDeviceGetHandleByIndex",
+            pynvml.c_nvmlDevice_t,
+            c_uint(index),
+            symbol="nvmlDeviceGetHandleByIndex_v2",
+            whole=True,
+        )
 
     # -- identity ------------------------------------------------------------------------
     def uuid(self, handle: Any) -> str:
@@ -371,27 +411,29 @@ class Nvml:
 
     def utilization(self, handle: Any) -> tuple[float, float]:
         """(GPU busy, memory-controller busy), each a ratio 0–1 over the driver's last period."""
-        u = self._call("nvmlDeviceGetUtilizationRates", handle)
+        u = self._get(
+            "nvmlDeviceGetUtilizationRates", pynvml.c_nvmlUtilization_t, handle, whole=True
+        )
         return u.gpu / 100.0, u.memory / 100.0
 
     def power_draw_watts(self, handle: Any) -> float:
-        return int(self._call("nvmlDeviceGetPowerUsage", handle)) / 1000.0
+        return int(self._get("nvmlDeviceGetPowerUsage", c_uint, handle)) / 1000.0
 
     def power_limit_watts(self, handle: Any) -> float:
         return int(self._call("nvmlDeviceGetEnforcedPowerLimit", handle)) / 1000.0
 
     def energy_joules(self, handle: Any) -> float:
         """Energy since the driver was loaded (NVML counts millijoules)."""
-        return int(self._call("nvmlDeviceGetTotalEnergyConsumption", handle)) / 1000.0
+        return int(self._get("nvmlDeviceGetTotalEnergyConsumption", c_ulonglong, handle)) / 1000.0
 
     def temperature_celsius(self, handle: Any) -> float:
-        return float(self._call("nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU))
+        return float(self._get("nvmlDeviceGetTemperature", c_uint, handle, TEMPERATURE_GPU))
 
     def fan_speed_ratio(self, handle: Any) -> float:
         return int(self._call("nvmlDeviceGetFanSpeed", handle)) / 100.0
 
     def clock_hz(self, handle: Any, clock: str) -> float:
-        return int(self._call("nvmlDeviceGetClockInfo", handle, CLOCK_TYPES[clock])) * 1e6
+        return int(self._get("nvmlDeviceGetClockInfo", c_uint, handle, CLOCK_TYPES[clock])) * 1e6
 
     def compute_processes(self, handle: Any) -> tuple[ProcessInfo, ...]:
         """Compute processes with their memory and MIG instance ids (the v3 struct).
@@ -417,7 +459,7 @@ class Nvml:
         """
         if self._clocks_event_reasons_fn == "nvmlDeviceGetCurrentClocksEventReasons":
             try:
-                return int(self._call(self._clocks_event_reasons_fn, handle))
+                return int(self._get(self._clocks_event_reasons_fn, c_ulonglong, handle))
             except Unsupported as exc:
                 if exc.code != _FUNCTION_NOT_FOUND:
                     raise
