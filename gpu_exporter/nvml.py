@@ -375,7 +375,7 @@ class Nvml:
         return self._get(
             "nvmlDeviceGetHandleByIndex",
             pynvml.c_nvmlDevice_t,
-            c_uint(index),
+            index,
             symbol="nvmlDeviceGetHandleByIndex_v2",
             whole=True,
         )

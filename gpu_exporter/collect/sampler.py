@@ -10,8 +10,6 @@ sampling. Requests only ever read the cache; they never call NVML.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import functools
 import itertools
 import logging
@@ -296,9 +294,9 @@ class Sampler:
             self._initialised = False
             if reader is None:  # the last reader is stuck in a GPU's call
                 reader = self._reader = Worker(f"nvml-reader{next(self._names)}")
-            future = reader.submit(self.nvml.shutdown, self.clock.monotonic())
-            with contextlib.suppress(concurrent.futures.TimeoutError):
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            reader.submit(self.nvml.shutdown, self.clock.monotonic()).wait(
+                deadline - time.monotonic()
+            )
         readers = [w for w in (self._reader, self._library_stuck) if w is not None]
         for worker in (*readers, *self._stuck.values(), *self._spares):
             worker.close()

@@ -9,18 +9,50 @@ in one is left to finish on its own.
 
 from __future__ import annotations
 
-import concurrent.futures
+import _thread
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from gpu_exporter.model import GpuSample
 
 if TYPE_CHECKING:
     from gpu_exporter.collect.read import GpuIdentity
+
+
+class Job:
+    """One job handed to a :class:`Worker`: done once its lock is free, then holding the
+    job's result or the exception it raised. A bare lock, not a ``Future``: waiting for it
+    is one C call, which matters on a path that runs every second for the process's life."""
+
+    __slots__ = ("_done", "error", "result")
+
+    def __init__(self) -> None:
+        self._done = _thread.allocate_lock()
+        self._done.acquire()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return not self._done.locked()
+
+    def wait(self, timeout_seconds: float) -> bool:
+        """Whether the job finished within ``timeout_seconds``."""
+        if self._done.acquire(True, max(0.0, timeout_seconds)):
+            self._done.release()
+            return True
+        return False
+
+    def value(self) -> Any:
+        """The job's result (raising its exception); call once :meth:`done`."""
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def finish(self) -> None:
+        self._done.release()
 
 
 class Worker:
@@ -33,10 +65,8 @@ class Worker:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._current: Future[Any] | None = None
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Job] | None] = queue.SimpleQueue()
+        self._current: Job | None = None
         self.submitted_at = 0.0  # monotonic, on the sampler's clock
         self.overran = False  # the current (or last) job ran past its deadline
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -46,26 +76,26 @@ class Worker:
     def busy(self) -> bool:
         return self._current is not None and not self._current.done()
 
-    def submit(self, fn: Callable[[], Any], now: float) -> Future[Any]:
+    def submit(self, fn: Callable[[], Any], now: float) -> Job:
         if self.busy:
             raise RuntimeError(f"{self.name} is still busy")
-        future: Future[Any] = Future()
-        self._current, self.submitted_at = future, now
-        self._jobs.put((fn, future))
-        return future
+        job = Job()
+        self._current, self.submitted_at = job, now
+        self._jobs.put((fn, job))
+        return job
 
     def close(self) -> None:
         self._jobs.put(None)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
+        while (item := self._jobs.get()) is not None:
+            fn, job = item
             try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
+                job.result = fn()
+            except BaseException as exc:  # handed to whoever waits on the job
+                job.error = exc
+            finally:
+                job.finish()
 
 
 MAX_SPARES = 2  # idle reader threads kept after stuck calls returned
@@ -132,7 +162,7 @@ class Batch:
                 self.results[index] = result
                 self.current = None
 
-    def wait(self, future: Future[Any], deadline_seconds: float) -> int | None:
+    def wait(self, job: Job, deadline_seconds: float) -> int | None:
         """None once every GPU is read, else the GPU whose read overran the deadline, or
         :data:`LIBRARY` (then the batch is abandoned: the thread stuck in it reads nothing
         more)."""
@@ -142,9 +172,8 @@ class Batch:
             remaining = deadline_seconds
             if current is not None:
                 remaining = started + deadline_seconds - time.monotonic()
-            done, _ = concurrent.futures.wait([future], timeout=max(0.0, remaining))
-            if done:
-                future.result()  # a bug in the batch surfaces in sample_once's caller
+            if job.wait(remaining):
+                job.value()  # a bug in the batch surfaces in sample_once's caller
                 return None
             with self.lock:
                 if (
