@@ -10,6 +10,8 @@ sampling. Requests only ever read the cache; they never call NVML.
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import functools
 import itertools
 import logging
@@ -87,6 +89,10 @@ class Sampler:
         self._spares: list[Worker] = []  # readers whose stuck call returned
         self._names = itertools.count()
         self._stop = threading.Event()
+        # Held until stop(): the sampling thread sleeps between samples in one timed acquire
+        # of it (a C call; Event.wait runs a Condition's Python code twice a sample).
+        self._asleep = _thread.allocate_lock()
+        self._asleep.acquire()
         self._thread: threading.Thread | None = None
 
     # -- one pass ------------------------------------------------------------------------
@@ -286,6 +292,8 @@ class Sampler:
         """
         deadline = time.monotonic() + timeout_seconds
         self._stop.set()
+        with contextlib.suppress(RuntimeError):  # released already: stop() ran before
+            self._asleep.release()
         if self._thread is not None:
             self._thread.join(timeout_seconds)
         reader = self._reader
@@ -309,4 +317,5 @@ class Sampler:
             except Exception:  # a bug must not kill sampling for good
                 log.exception("sampling failed")
             elapsed = time.monotonic() - started
-            self._stop.wait(max(0.0, self.interval_seconds - elapsed))
+            if self._asleep.acquire(True, max(0.0, self.interval_seconds - elapsed)):
+                break  # stop() released it
