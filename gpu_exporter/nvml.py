@@ -516,20 +516,13 @@ class Nvml:
 
     # -- PCIe ------------------------------------------------------------------------------
     def pcie_link_generation(self, handle: Any, link: str) -> int:
-        fn = (
-            "nvmlDeviceGetCurrPcieLinkGeneration"
-            if link == "current"
-            else ("nvmlDeviceGetMaxPcieLinkGeneration")
-        )
-        return int(self._call(fn, handle))
+        """The link's PCIe generation: ``link`` is ``"current"`` or ``"max"``."""
+        which = "Curr" if link == "current" else "Max"
+        return int(self._call(f"nvmlDeviceGet{which}PcieLinkGeneration", handle))
 
     def pcie_link_width(self, handle: Any, link: str) -> int:
-        fn = (
-            "nvmlDeviceGetCurrPcieLinkWidth"
-            if link == "current"
-            else ("nvmlDeviceGetMaxPcieLinkWidth")
-        )
-        return int(self._call(fn, handle))
+        which = "Curr" if link == "current" else "Max"
+        return int(self._call(f"nvmlDeviceGet{which}PcieLinkWidth", handle))
 
     def pcie_replay_errors(self, handle: Any) -> int:
         return int(self._call("nvmlDeviceGetPcieReplayCounter", handle))

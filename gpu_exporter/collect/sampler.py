@@ -160,7 +160,7 @@ class Sampler:
     def _mark_unavailable(self, exc: NvmlError, now: float) -> None:
         log.error("NVML stopped working: %s; re-initialising with backoff", exc)
         self._initialised = False
-        self._needs_shutdown = True  # done on the library worker, before the next init
+        self._needs_shutdown = True  # done on the reader, before the next init
         self._init_error = str(exc)
         self._schedule_init(now)
 
