@@ -114,10 +114,9 @@ class FieldReader:
     def read_fast(self, nvml: Nvml, procinfo: ProcInfoCache | None) -> None:
         """The fast fields of :attr:`carry`, on top of its carried values. A field that
         turns out unsupported ends the carry (the next sample walks every field again)."""
-        carry = self.carry
+        carry, handle = self.carry, self.handle
         assert carry is not None
         values = self.values = dict(carry.values)
-        handle = self.handle
         for f in carry.fast:
             try:
                 value = f.read(nvml, procinfo, handle)
@@ -133,11 +132,10 @@ class FieldReader:
             except NvmlError as exc:
                 self.last_error = str(exc)
                 continue
-            names = f.names
-            if len(names) == 1:
-                values[names[0]] = value
+            if len(f.names) == 1:
+                values[f.names[0]] = value
             else:
-                values.update(zip(names, value, strict=True))
+                values.update(zip(f.names, value, strict=True))
 
     def fields_supported(self) -> tuple[tuple[str, bool], ...]:
         """(field, supported) for every field asked of this device, in reading order."""
@@ -249,8 +247,7 @@ def _processes(
     return tuple(out)
 
 
-# How one field is read: ``read(nvml, procinfo, handle)``.
-Reader = Callable[[Nvml, "ProcInfoCache | None", Any], Any]
+Reader = Callable[[Nvml, "ProcInfoCache | None", Any], Any]  # read(nvml, procinfo, handle)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -274,6 +271,11 @@ def _f(field: str, names: tuple[str, ...] | str, read: Reader) -> Field:
     return Field(field, (names,) if isinstance(names, str) else names, read)
 
 
+def _m(field: str, name: str) -> Field:
+    """A field read by the Nvml method of the same name as the GpuSample attribute."""
+    return _f(field, name, lambda n, _, h: getattr(n, name)(h))
+
+
 def _memory(whole_gpu: bool) -> Reader:
     def read(nvml: Nvml, _: ProcInfoCache | None, h: Any) -> tuple[Any, ...]:
         m = nvml.memory(h, whole_gpu=whole_gpu)
@@ -282,12 +284,15 @@ def _memory(whole_gpu: bool) -> Reader:
     return read
 
 
+def _utilization(n: Nvml, _: ProcInfoCache | None, h: Any) -> tuple[float, float]:
+    return n.utilization(h)
+
+
 def _clock(clock: str, maximum: bool = False) -> Field:
-    if maximum:
-        return _f(
-            f"clock_max_{clock}", f"clock_max_{clock}_hz", lambda n, _, h: n.max_clock_hz(h, clock)
-        )
-    return _f(f"clock_{clock}", f"clock_{clock}_hz", lambda n, _, h: n.clock_hz(h, clock))
+    name, method = (
+        (f"clock_max_{clock}", "max_clock_hz") if maximum else (f"clock_{clock}", "clock_hz")
+    )
+    return _f(name, f"{name}_hz", lambda n, _, h: getattr(n, method)(h, clock))
 
 
 def _ecc(error: str, counter: str) -> Field:
@@ -296,18 +301,13 @@ def _ecc(error: str, counter: str) -> Field:
 
 
 def _threshold(t: str) -> Field:
-    return _f(
-        f"temperature_threshold_{t}",
-        f"temperature_{t}_celsius",
-        lambda n, _, h: n.temperature_threshold_celsius(h, t),
-    )
+    read: Reader = lambda n, _, h: n.temperature_threshold_celsius(h, t)  # noqa: E731
+    return _f(f"temperature_threshold_{t}", f"temperature_{t}_celsius", read)
 
 
 def _link(what: str, link: str) -> Field:
-    name = f"pcie_link_{what}_{link}"
-    if what == "generation":
-        return _f(name, name, lambda n, _, h: n.pcie_link_generation(h, link))
-    return _f(name, name, lambda n, _, h: n.pcie_link_width(h, link))
+    name = f"pcie_link_{what}_{link}"  # Nvml.pcie_link_generation or pcie_link_width
+    return _f(name, name, lambda n, _, h: getattr(n, f"pcie_link_{what}")(h, link))
 
 
 def _retired(cause: str) -> Field:
@@ -315,18 +315,9 @@ def _retired(cause: str) -> Field:
     return _f(name, name, lambda n, _, h: n.retired_pages(h, cause))
 
 
-_MEMORY_FIELDS = (
-    "memory_total_bytes",
-    "memory_used_bytes",
-    "memory_free_bytes",
-    "memory_reserved_bytes",
-)
+_MEMORY_FIELDS = tuple(f"memory_{x}_bytes" for x in ("total", "used", "free", "reserved"))
 _PROCESSES = _f("processes", "processes", lambda n, p, h: _processes(n, h, p))
-_UTILIZATION = _f(
-    "utilization",
-    ("utilization_ratio", "memory_utilization_ratio"),
-    lambda n, _, h: n.utilization(h),
-)
+_UTILIZATION = _f("utilization", ("utilization_ratio", "memory_utilization_ratio"), _utilization)
 # A MIG device answers only memory, utilization (not at all, in practice) and processes.
 MIG_FIELDS = (_f("memory", _MEMORY_FIELDS, _memory(False)), _UTILIZATION, _PROCESSES)
 # A whole GPU, in the order read (MIG mode before processes: in MIG mode, processes are
@@ -334,12 +325,12 @@ MIG_FIELDS = (_f("memory", _MEMORY_FIELDS, _memory(False)), _UTILIZATION, _PROCE
 GPU_FIELDS = (
     _f("memory", _MEMORY_FIELDS, _memory(True)),
     _UTILIZATION,
-    _f("mig_mode", "mig_mode_enabled", lambda n, _, h: n.mig_mode_enabled(h)),
-    _f("power_draw", "power_draw_watts", lambda n, _, h: n.power_draw_watts(h)),
-    _f("power_limit", "power_limit_watts", lambda n, _, h: n.power_limit_watts(h)),
-    _f("energy", "energy_joules", lambda n, _, h: n.energy_joules(h)),
-    _f("temperature", "temperature_celsius", lambda n, _, h: n.temperature_celsius(h)),
-    _f("fan_speed", "fan_speed_ratio", lambda n, _, h: n.fan_speed_ratio(h)),
+    _m("mig_mode", "mig_mode_enabled"),
+    _m("power_draw", "power_draw_watts"),
+    _m("power_limit", "power_limit_watts"),
+    _m("energy", "energy_joules"),
+    _m("temperature", "temperature_celsius"),
+    _m("fan_speed", "fan_speed_ratio"),
     *(_clock(clock) for clock in CLOCKS),
     _PROCESSES,
     _f(
@@ -347,51 +338,28 @@ GPU_FIELDS = (
         "clocks_event_reasons",
         lambda n, _, h: _reasons(n.clocks_event_reasons(h)),
     ),
-    _f("performance_state", "performance_state", lambda n, _, h: n.performance_state(h)),
-    _f(
-        "persistence_mode",
-        "persistence_mode_enabled",
-        lambda n, _, h: n.persistence_mode_enabled(h),
-    ),
-    _f("compute_mode", "compute_mode", lambda n, _, h: n.compute_mode(h)),
-    _f("ecc_mode", "ecc_mode_enabled", lambda n, _, h: n.ecc_mode_enabled(h)),
+    _m("performance_state", "performance_state"),
+    _m("persistence_mode", "persistence_mode_enabled"),
+    _m("compute_mode", "compute_mode"),
+    _m("ecc_mode", "ecc_mode_enabled"),
     *(_ecc(error, counter) for error in ECC_ERRORS for counter in ECC_COUNTERS),
     _f(
         "remapped_rows",
-        (
-            "remapped_rows_correctable",
-            "remapped_rows_uncorrectable",
-            "remapped_rows_pending",
-            "remapped_rows_failed",
-        ),
+        tuple(f"remapped_rows_{x}" for x in ("correctable", "uncorrectable", "pending", "failed")),
         lambda n, _, h: dataclasses.astuple(n.remapped_rows(h)),
     ),
     *(_retired(cause) for cause in RETIREMENT_CAUSES),
-    _f(
-        "retired_pages_pending", "retired_pages_pending", lambda n, _, h: n.retired_pages_pending(h)
-    ),
+    _m("retired_pages_pending", "retired_pages_pending"),
     _link("generation", "current"),
     _link("width", "current"),
-    _f("pcie_replay_errors", "pcie_replay_errors", lambda n, _, h: n.pcie_replay_errors(h)),
-    _f(
-        "encoder_utilization",
-        "encoder_utilization_ratio",
-        lambda n, _, h: n.encoder_utilization_ratio(h),
-    ),
-    _f(
-        "decoder_utilization",
-        "decoder_utilization_ratio",
-        lambda n, _, h: n.decoder_utilization_ratio(h),
-    ),
+    _m("pcie_replay_errors", "pcie_replay_errors"),
+    _m("encoder_utilization", "encoder_utilization_ratio"),
+    _m("decoder_utilization", "decoder_utilization_ratio"),
     # Read once per GPU and initialisation (groups.ONCE): these do not change while the
     # driver runs.
     *(_clock(clock, maximum=True) for clock in CLOCKS),
     *(_threshold(t) for t in TEMPERATURE_THRESHOLDS),
-    _f(
-        "power_limit_default",
-        "power_limit_default_watts",
-        lambda n, _, h: n.power_limit_default_watts(h),
-    ),
+    _m("power_limit_default", "power_limit_default_watts"),
     _f(
         "power_limit_constraints",
         ("power_limit_min_watts", "power_limit_max_watts"),
