@@ -5,6 +5,8 @@ Run from the repository root::
     .venv/bin/python bench/run.py             # the full run, about 10–13 minutes
     .venv/bin/python bench/run.py --quick     # a smoke run at a small size, under a minute
     .venv/bin/python bench/run.py --report    # only regenerate docs/performance.md's table
+    .venv/bin/python bench/run.py --idle-only # group 6 alone → bench/results/idle.json
+    .venv/bin/python bench/run.py --report --idle bench/results/idle.json  # its rows in the table
 
 Both exporters run as subprocesses on 127.0.0.1 with ``LD_LIBRARY_PATH`` pointing at the fake
 ``libnvidia-ml.so.1`` (``tests/fakenvml``, compiled here with the system C compiler), so
@@ -37,8 +39,9 @@ Measured (the seven groups of docs/performance.md):
 
 Results go to ``bench/results/exporter.json`` (``exporter-quick.json`` for ``--quick``);
 ``--report`` turns a results file into the table in ``docs/performance.md``, which a full
-run also does at the end. Every phase is bounded by a request count and a deadline, and
-every process started here is stopped before the script exits.
+run also does at the end; with ``--idle``, group 6's rows come from an ``--idle-only`` run
+instead (the table's first line says so). Every phase is bounded by a request count and a
+deadline, and every process started here is stopped before the script exits.
 """
 
 from __future__ import annotations
@@ -562,11 +565,17 @@ def markdown(report: dict[str, Any]) -> str:
     peer_l, peer_s = lat.get("nvitop-exporter"), smp.get("nvitop-exporter")
     quick = meta["mode"] == "quick"
     label = "**Preliminary** (`--quick`: small sizes)" if quick else "Full run"
+    idle_note = ""
+    if idle_meta := meta.get("idle_from"):
+        idle_note = (
+            f" Group 6 from a later `--idle-only` run, {idle_meta['date']} "
+            f"(`bench/results/{idle_meta['file']}`, {idle_meta['wall_seconds']} s)."
+        )
     lines = [
         f"{label}, {meta['date']}: {meta['cpu_count']} CPUs ({meta['cpu']}), "
         f"{meta['platform']}, Python {meta['python']}, gpu-exporter "
         f"{meta['gpu_exporter_version']}; peer: {meta['peer']}. "
-        f"Raw figures: `bench/results/{meta['file']}` ({meta['wall_seconds']} s).",
+        f"Raw figures: `bench/results/{meta['file']}` ({meta['wall_seconds']} s).{idle_note}",
         "",
         "| # | Measure (8 GPUs unless said) | gpu-exporter | nvitop-exporter | Target | Met |",
         "|---|---|--:|--:|---|---|",
@@ -821,6 +830,14 @@ def per_sample_fields() -> int:
     return sum(1 for field, (when, _) in FIELDS.items() if when == FAST) - 1
 
 
+def with_idle(report: dict[str, Any], idle_run: dict[str, Any], file: str) -> dict[str, Any]:
+    """``report`` with group 6 taken from an ``--idle-only`` run (``idle_run``, read from
+    ``bench/results/<file>``), which the table's first line then names."""
+    meta = idle_run["meta"]
+    idle_from = {"date": meta["date"], "file": file, "wall_seconds": meta["wall_seconds"]}
+    return {**report, "meta": {**report["meta"], "idle_from": idle_from}, "idle": idle_run["idle"]}
+
+
 def _idle_only(
     size: Size, peer: bool, note: str, work: Path, lib: Path, out: Path | None, started: float
 ) -> int:
@@ -863,6 +880,12 @@ def main(argv: list[str] | None = None) -> int:
         "--doc", type=Path, default=DOC, help="the document whose table --report rewrites"
     )
     parser.add_argument(
+        "--idle",
+        type=Path,
+        metavar="IDLE.json",
+        help="with --report: group 6's rows from this --idle-only results file instead",
+    )
+    parser.add_argument(
         "--idle-only",
         action="store_true",
         help="only group 6 (steady-state idle CPU), into bench/results/idle.json",
@@ -870,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report is not None:
         report = json.loads(args.report.read_text())
+        if args.idle is not None:
+            report = with_idle(report, json.loads(args.idle.read_text()), args.idle.name)
         write_doc_table(report, args.doc)
         print(markdown(report))
         return 0

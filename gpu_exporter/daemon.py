@@ -125,8 +125,11 @@ class Daemon:
         self.exposition.start()
 
     def shutdown(self) -> None:
-        """Make waiters give up and stop the server; :meth:`serve` then returns."""
+        """Make waiters give up and stop the server; :meth:`serve` then returns. The
+        background threads are told now, so their last wait ends while the server stops."""
         self.services.stopping.set()
+        for thread in self.background:
+            thread.request_stop()
         if self.server is not None:
             self.server.stop()
 

@@ -21,6 +21,7 @@ import ctypes
 import threading
 from collections import Counter
 from collections.abc import Callable
+from ctypes import byref, c_uint, c_ulonglong
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,38 +244,88 @@ class Nvml:
 
     def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:
         self._lib = lib
+        # The real bindings: the hottest getters call the library's functions directly.
+        self._direct = lib is pynvml
+        self._pointers: dict[str, Any] = {}  # C symbol → ctypes function
         self.simulated = simulated
         self._errors: Counter[tuple[str, str]] = Counter()
         self._errors_lock = threading.Lock()
         self._memory_v2 = True
         self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
-        self._in_flight: dict[int, str] = {}  # thread id → NVML function it is inside
+        self._in_flight: dict[int, str | None] = {}  # thread id → NVML function it is inside
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, function: str, *args: Any, **kwargs: Any) -> Any:
-        return self._call_expecting(function, frozenset(), *args, **kwargs)
-
-    def _call_expecting(
-        self, function: str, expected: frozenset[int], *args: Any, **kwargs: Any
-    ) -> Any:
-        """Call ``function``; errors whose code is in ``expected`` are answers, not failures,
-        and are not counted (``NOT_FOUND`` for an empty MIG slot, ``TIMEOUT`` of a wait)."""
+        """Call ``function``, recording which thread is inside it; errors mapped."""
         fn: Callable[..., Any] | None = getattr(self._lib, function, None)
         if fn is None:  # bindings older than this function: same as a driver without it
             raise Unsupported(function, _FUNCTION_NOT_FOUND, "not in these NVML bindings")
-        thread = threading.get_ident()
-        self._in_flight[thread] = function
+        in_flight, thread = self._in_flight, threading.get_ident()
+        in_flight[thread] = function
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
             if not hasattr(exc, "value"):  # not an NVMLError: a bug, let it surface
                 raise
-            error = _classify(function, exc)
-            if not isinstance(error, Unsupported) and error.code not in expected:
-                self._count(function, error.error)
-            raise error from exc
+            raise self._failed(function, exc) from exc
         finally:
-            self._in_flight.pop(thread, None)
+            in_flight[thread] = None
+
+    def _call_or_code(self, function: str, expected: int, *args: Any) -> tuple[Any, bool]:
+        """(result, True); or (None, False) when the call answered ``expected``, an error
+        code that is an answer, not a failure (``NOT_FOUND`` for an empty MIG slot,
+        ``TIMEOUT`` of a wait): neither counted nor raised."""
+        fn: Callable[..., Any] | None = getattr(self._lib, function, None)
+        if fn is None:
+            raise Unsupported(function, _FUNCTION_NOT_FOUND, "not in these NVML bindings")
+        in_flight, thread = self._in_flight, threading.get_ident()
+        in_flight[thread] = function
+        try:
+            return fn(*args), True
+        except Exception as exc:
+            if not hasattr(exc, "value"):
+                raise
+            if exc.value == expected:
+                return None, False
+            raise self._failed(function, exc) from exc
+        finally:
+            in_flight[thread] = None
+
+    def _get(
+        self, function: str, ctype: Any, *args: Any, symbol: str = "", whole: bool = False
+    ) -> Any:
+        """``function(*args)`` for a getter whose last C argument points to one ``ctype``.
+
+        Over the real bindings, the C ``symbol`` (``function`` unless it has a version
+        suffix) is called directly: the same call pynvml makes, without its Python frame
+        and with the same error mapping; ``.value`` of the answer unless ``whole``. Over
+        any other library (the simulator), ``function`` through :meth:`_call`.
+        """
+        if not self._direct:
+            return self._call(function, *args)
+        fn = self._pointers.get(symbol or function)
+        if fn is None:
+            try:
+                fn = pynvml._nvmlGetFunctionPointer(symbol or function)
+            except pynvml.NVMLError as exc:
+                raise self._failed(function, exc) from exc
+            self._pointers[symbol or function] = fn
+        out = ctype()
+        in_flight, thread = self._in_flight, threading.get_ident()
+        in_flight[thread] = function
+        try:
+            code = fn(*args, byref(out))
+        finally:
+            in_flight[thread] = None
+        if code != pynvml.NVML_SUCCESS:
+            raise self._failed(function, pynvml.NVMLError(code))
+        return out if whole else out.value
+
+    def _failed(self, function: str, exc: Exception) -> NvmlError:
+        error = _classify(function, exc)
+        if not isinstance(error, Unsupported):
+            self._count(function, error.error)
+        return error
 
     def _count(self, function: str, error: str) -> None:
         with self._errors_lock:
@@ -321,7 +372,13 @@ class Nvml:
         return int(self._call("nvmlDeviceGetCount"))
 
     def handle(self, index: int) -> Any:
-        return self._call("nvmlDeviceGetHandleByIndex", index)
+        return self._get(
+            "nvmlDeviceGetHandleByIndex",
+            pynvml.c_nvmlDevice_t,
+            index,
+            symbol="nvmlDeviceGetHandleByIndex_v2",
+            whole=True,
+        )
 
     # -- identity ------------------------------------------------------------------------
     def uuid(self, handle: Any) -> str:
@@ -354,27 +411,29 @@ class Nvml:
 
     def utilization(self, handle: Any) -> tuple[float, float]:
         """(GPU busy, memory-controller busy), each a ratio 0–1 over the driver's last period."""
-        u = self._call("nvmlDeviceGetUtilizationRates", handle)
+        u = self._get(
+            "nvmlDeviceGetUtilizationRates", pynvml.c_nvmlUtilization_t, handle, whole=True
+        )
         return u.gpu / 100.0, u.memory / 100.0
 
     def power_draw_watts(self, handle: Any) -> float:
-        return int(self._call("nvmlDeviceGetPowerUsage", handle)) / 1000.0
+        return int(self._get("nvmlDeviceGetPowerUsage", c_uint, handle)) / 1000.0
 
     def power_limit_watts(self, handle: Any) -> float:
         return int(self._call("nvmlDeviceGetEnforcedPowerLimit", handle)) / 1000.0
 
     def energy_joules(self, handle: Any) -> float:
         """Energy since the driver was loaded (NVML counts millijoules)."""
-        return int(self._call("nvmlDeviceGetTotalEnergyConsumption", handle)) / 1000.0
+        return int(self._get("nvmlDeviceGetTotalEnergyConsumption", c_ulonglong, handle)) / 1000.0
 
     def temperature_celsius(self, handle: Any) -> float:
-        return float(self._call("nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU))
+        return float(self._get("nvmlDeviceGetTemperature", c_uint, handle, TEMPERATURE_GPU))
 
     def fan_speed_ratio(self, handle: Any) -> float:
         return int(self._call("nvmlDeviceGetFanSpeed", handle)) / 100.0
 
     def clock_hz(self, handle: Any, clock: str) -> float:
-        return int(self._call("nvmlDeviceGetClockInfo", handle, CLOCK_TYPES[clock])) * 1e6
+        return int(self._get("nvmlDeviceGetClockInfo", c_uint, handle, CLOCK_TYPES[clock])) * 1e6
 
     def compute_processes(self, handle: Any) -> tuple[ProcessInfo, ...]:
         """Compute processes with their memory and MIG instance ids (the v3 struct).
@@ -400,7 +459,7 @@ class Nvml:
         """
         if self._clocks_event_reasons_fn == "nvmlDeviceGetCurrentClocksEventReasons":
             try:
-                return int(self._call(self._clocks_event_reasons_fn, handle))
+                return int(self._get(self._clocks_event_reasons_fn, c_ulonglong, handle))
             except Unsupported as exc:
                 if exc.code != _FUNCTION_NOT_FOUND:
                     raise
@@ -457,20 +516,13 @@ class Nvml:
 
     # -- PCIe ------------------------------------------------------------------------------
     def pcie_link_generation(self, handle: Any, link: str) -> int:
-        fn = (
-            "nvmlDeviceGetCurrPcieLinkGeneration"
-            if link == "current"
-            else ("nvmlDeviceGetMaxPcieLinkGeneration")
-        )
-        return int(self._call(fn, handle))
+        """The link's PCIe generation: ``link`` is ``"current"`` or ``"max"``."""
+        which = "Curr" if link == "current" else "Max"
+        return int(self._call(f"nvmlDeviceGet{which}PcieLinkGeneration", handle))
 
     def pcie_link_width(self, handle: Any, link: str) -> int:
-        fn = (
-            "nvmlDeviceGetCurrPcieLinkWidth"
-            if link == "current"
-            else ("nvmlDeviceGetMaxPcieLinkWidth")
-        )
-        return int(self._call(fn, handle))
+        which = "Curr" if link == "current" else "Max"
+        return int(self._call(f"nvmlDeviceGet{which}PcieLinkWidth", handle))
 
     def pcie_replay_errors(self, handle: Any) -> int:
         return int(self._call("nvmlDeviceGetPcieReplayCounter", handle))
@@ -509,14 +561,10 @@ class Nvml:
 
     def mig_device_handle(self, handle: Any, index: int) -> Any | None:
         """The MIG device in slot ``index`` of a parent GPU, or None if that slot is empty."""
-        try:
-            return self._call_expecting(
-                "nvmlDeviceGetMigDeviceHandleByIndex", frozenset({_NOT_FOUND}), handle, index
-            )
-        except NvmlError as exc:
-            if exc.code == _NOT_FOUND:
-                return None
-            raise
+        found, ok = self._call_or_code(
+            "nvmlDeviceGetMigDeviceHandleByIndex", _NOT_FOUND, handle, index
+        )
+        return found if ok else None
 
     def gpu_instance_id(self, mig_handle: Any) -> int:
         return int(self._call("nvmlDeviceGetGpuInstanceId", mig_handle))
@@ -539,14 +587,9 @@ class Nvml:
 
     def event_wait(self, event_set: Any, timeout_ms: int) -> Event | None:
         """The next event, or None when ``timeout_ms`` passed without one."""
-        try:
-            data = self._call_expecting(
-                "nvmlEventSetWait_v2", frozenset({_TIMEOUT}), event_set, timeout_ms
-            )
-        except NvmlError as exc:
-            if exc.code == _TIMEOUT:
-                return None
-            raise
+        data, ok = self._call_or_code("nvmlEventSetWait_v2", _TIMEOUT, event_set, timeout_ms)
+        if not ok:
+            return None
         return Event(
             handle_key(data.device),
             int(data.eventType),

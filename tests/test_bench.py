@@ -92,3 +92,53 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     assert "| 1 | `/metrics` p99 ms with / without `--kubernetes`" in text
     assert "| 6 | idle CPU % of one core (s per minute), 64 GPUs, 0 processes |" in text
     assert "| 7 | hostile clients (10 slowloris + 10 idle connections)" in text
+
+
+def test_report_takes_group_6_from_an_idle_only_run(tmp_path: Path) -> None:
+    """``--report --idle IDLE.json``: the table's group 6 rows come from an ``--idle-only``
+    run, and its first line names that run; everything else from the full run's file."""
+    full = json.loads((ROOT / "bench" / "results" / "exporter.json").read_text())
+    idle_run = {
+        "meta": {"date": "2030-01-02T03:04:05+00:00", "wall_seconds": 271.5},
+        "idle": [
+            {
+                "gpus": 8,
+                "processes": 0,
+                "warmup_seconds": 30.0,
+                "ratio_cpu": 0.25,
+                "gpu-exporter": {
+                    "cpu_percent_of_one_core": 0.123,
+                    "cpu_seconds_per_minute": 0.074,
+                    "nvml_calls_per_minute": 7004,
+                },
+                "nvitop-exporter": {
+                    "cpu_percent_of_one_core": 0.492,
+                    "cpu_seconds_per_minute": 0.295,
+                    "nvml_calls_per_minute": 7680,
+                },
+            }
+        ],
+    }
+    idle_file = tmp_path / "idle.json"
+    idle_file.write_text(json.dumps(idle_run))
+    full_file = tmp_path / "full.json"
+    full_file.write_text(json.dumps(full))
+    doc = tmp_path / "performance.md"
+    doc.write_text("<!-- bench-table:start -->\nold\n<!-- bench-table:end -->\n")
+    command = [sys.executable, "bench/run.py", "--report", str(full_file), "--doc", str(doc)]
+    subprocess.run(
+        [*command, "--idle", str(idle_file)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    text = doc.read_text()
+    assert "Group 6 from a later `--idle-only` run, 2030-01-02T03:04:05+00:00" in text
+    assert "(`bench/results/idle.json`, 271.5 s)" in text
+    row = "| 6 | idle CPU % of one core (s per minute), 8 GPUs, 0 processes | 0.12 (0.07 s) |"
+    assert row in text
+    assert "(is 0.25×) | yes |" in text
+    assert "16 processes" not in text  # only the idle run's cases
+    sequential = full["latency"]["gpu-exporter"]["sequential"]["requests"]
+    assert f"| 1 | `/metrics` p50 ms, {sequential:,} sequential |" in text

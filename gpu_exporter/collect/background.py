@@ -34,6 +34,10 @@ class BackgroundThread:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
+    def request_stop(self) -> None:
+        """Ask the thread to stop without waiting: it ends after its current step."""
+        self._stop.set()
+
     def stop(self, timeout_seconds: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:

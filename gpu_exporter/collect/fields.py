@@ -57,8 +57,10 @@ class FieldReader:
         slow: dict[str, Any] | None = None,
         slow_due: bool = True,
         disabled: frozenset[str] = frozenset(),
+        carry: Carry | None = None,
     ) -> None:
         self.handle = handle
+        self.carry = carry
         self.uuid = uuid
         self.unsupported = unsupported
         self.static: dict[str, Any] = dict(static or {})
@@ -109,6 +111,60 @@ class FieldReader:
             memo[field] = value
         return True
 
+    def read_fast(self, nvml: Nvml, procinfo: ProcInfoCache | None) -> None:
+        """The fast fields of :attr:`carry`, on top of its carried values. A field that
+        turns out unsupported ends the carry (the next sample walks every field again)."""
+        carry, handle = self.carry, self.handle
+        assert carry is not None
+        values = self.values = dict(carry.values)
+        for f in carry.fast:
+            try:
+                value = f.read(nvml, procinfo, handle)
+            except Unsupported:
+                self.unsupported.add((self.uuid, f.field))
+                self.newly_unsupported.append(f.field)
+                if not self.asked:
+                    self.asked = dict(carry.asked)
+                self.asked[f.field] = False
+                continue
+            except (GpuLost, NvmlUnavailable):
+                raise
+            except NvmlError as exc:
+                self.last_error = str(exc)
+                continue
+            if len(f.names) == 1:
+                values[f.names[0]] = value
+            else:
+                values.update(zip(f.names, value, strict=True))
+
+    def fields_supported(self) -> tuple[tuple[str, bool], ...]:
+        """(field, supported) for every field asked of this device, in reading order."""
+        if self.carry is not None and not self.asked:
+            return self.carry.fields_supported
+        return interned(tuple(self.asked.items()))
+
+    def next_carry(self, table: tuple[Field, ...]) -> Carry | None:
+        """What the next samples start from until the next slow read: None while a
+        once-field still has to be read again (it failed), or a fast field turned out
+        unsupported during a fast walk."""
+        if self.carry is not None:
+            return None if self.asked else self.carry
+        fast = []
+        values: dict[str, Any] = {}
+        mig = bool(self.values.get("mig_mode_enabled"))
+        for f in table:
+            if f.group in self.disabled:
+                continue
+            supported = (self.uuid, f.field) not in self.unsupported
+            if f.when == groups.FAST:
+                if supported and not (mig and f.field == "processes"):
+                    fast.append(f)
+            elif f.when == groups.ONCE and supported and f.field not in self.static:
+                return None  # failed: asked again next sample
+            else:
+                values.update((n, self.values[n]) for n in f.names if n in self.values)
+        return Carry(values, dict(self.asked), self.fields_supported(), tuple(fast))
+
     def _store(self, names: tuple[str, ...], value: Any) -> None:
         if len(names) == 1:
             self.values[names[0]] = value
@@ -125,6 +181,18 @@ class FieldReader:
                 ", ".join(self.newly_unsupported),
             )
             self.newly_unsupported.clear()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Carry:
+    """A GPU's sample between two slow reads, less its fast fields: the slow and once
+    values as GpuSample attributes, which fields were asked (and supported), and the fast
+    fields still to call (enabled, supported). Built after a walk over every field."""
+
+    values: dict[str, Any]
+    asked: dict[str, bool]
+    fields_supported: tuple[tuple[str, bool], ...]
+    fast: tuple[Field, ...]
 
 
 def _reasons(mask: int) -> tuple[str, ...]:
@@ -179,121 +247,147 @@ def _processes(
     return tuple(out)
 
 
+Reader = Callable[[Nvml, "ProcInfoCache | None", Any], Any]  # read(nvml, procinfo, handle)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Field:
+    """One field: its :data:`groups.FIELDS` name, the GpuSample attributes its value fills
+    (a tuple value fills several), how it is read, and its cadence and group."""
+
+    field: str
+    names: tuple[str, ...]
+    read: Reader
+    when: str = ""
+    group: str = ""
+
+    def __post_init__(self) -> None:
+        when, group = groups.FIELDS[self.field]
+        object.__setattr__(self, "when", when)
+        object.__setattr__(self, "group", group)
+
+
+def _f(field: str, names: tuple[str, ...] | str, read: Reader) -> Field:
+    return Field(field, (names,) if isinstance(names, str) else names, read)
+
+
+def _m(field: str, name: str) -> Field:
+    """A field read by the Nvml method of the same name as the GpuSample attribute."""
+    return _f(field, name, lambda n, _, h: getattr(n, name)(h))
+
+
+def _memory(whole_gpu: bool) -> Reader:
+    def read(nvml: Nvml, _: ProcInfoCache | None, h: Any) -> tuple[Any, ...]:
+        m = nvml.memory(h, whole_gpu=whole_gpu)
+        return m.total_bytes, m.used_bytes, m.free_bytes, m.reserved_bytes
+
+    return read
+
+
+def _utilization(n: Nvml, _: ProcInfoCache | None, h: Any) -> tuple[float, float]:
+    return n.utilization(h)
+
+
+def _clock(clock: str, maximum: bool = False) -> Field:
+    name, method = (
+        (f"clock_max_{clock}", "max_clock_hz") if maximum else (f"clock_{clock}", "clock_hz")
+    )
+    return _f(name, f"{name}_hz", lambda n, _, h: getattr(n, method)(h, clock))
+
+
+def _ecc(error: str, counter: str) -> Field:
+    name = f"ecc_errors_{error}_{counter}"
+    return _f(name, name, lambda n, _, h: n.ecc_errors(h, error, counter))
+
+
+def _threshold(t: str) -> Field:
+    read: Reader = lambda n, _, h: n.temperature_threshold_celsius(h, t)  # noqa: E731
+    return _f(f"temperature_threshold_{t}", f"temperature_{t}_celsius", read)
+
+
+def _link(what: str, link: str) -> Field:
+    name = f"pcie_link_{what}_{link}"  # Nvml.pcie_link_generation or pcie_link_width
+    return _f(name, name, lambda n, _, h: getattr(n, f"pcie_link_{what}")(h, link))
+
+
+def _retired(cause: str) -> Field:
+    name = f"retired_pages_{cause}"
+    return _f(name, name, lambda n, _, h: n.retired_pages(h, cause))
+
+
+_MEMORY_FIELDS = tuple(f"memory_{x}_bytes" for x in ("total", "used", "free", "reserved"))
+_PROCESSES = _f("processes", "processes", lambda n, p, h: _processes(n, h, p))
+_UTILIZATION = _f("utilization", ("utilization_ratio", "memory_utilization_ratio"), _utilization)
+# A MIG device answers only memory, utilization (not at all, in practice) and processes.
+MIG_FIELDS = (_f("memory", _MEMORY_FIELDS, _memory(False)), _UTILIZATION, _PROCESSES)
+# A whole GPU, in the order read (MIG mode before processes: in MIG mode, processes are
+# read per MIG device instead).
+GPU_FIELDS = (
+    _f("memory", _MEMORY_FIELDS, _memory(True)),
+    _UTILIZATION,
+    _m("mig_mode", "mig_mode_enabled"),
+    _m("power_draw", "power_draw_watts"),
+    _m("power_limit", "power_limit_watts"),
+    _m("energy", "energy_joules"),
+    _m("temperature", "temperature_celsius"),
+    _m("fan_speed", "fan_speed_ratio"),
+    *(_clock(clock) for clock in CLOCKS),
+    _PROCESSES,
+    _f(
+        "clocks_event_reasons",
+        "clocks_event_reasons",
+        lambda n, _, h: _reasons(n.clocks_event_reasons(h)),
+    ),
+    _m("performance_state", "performance_state"),
+    _m("persistence_mode", "persistence_mode_enabled"),
+    _m("compute_mode", "compute_mode"),
+    _m("ecc_mode", "ecc_mode_enabled"),
+    *(_ecc(error, counter) for error in ECC_ERRORS for counter in ECC_COUNTERS),
+    _f(
+        "remapped_rows",
+        tuple(f"remapped_rows_{x}" for x in ("correctable", "uncorrectable", "pending", "failed")),
+        lambda n, _, h: dataclasses.astuple(n.remapped_rows(h)),
+    ),
+    *(_retired(cause) for cause in RETIREMENT_CAUSES),
+    _m("retired_pages_pending", "retired_pages_pending"),
+    _link("generation", "current"),
+    _link("width", "current"),
+    _m("pcie_replay_errors", "pcie_replay_errors"),
+    _m("encoder_utilization", "encoder_utilization_ratio"),
+    _m("decoder_utilization", "decoder_utilization_ratio"),
+    # Read once per GPU and initialisation (groups.ONCE): these do not change while the
+    # driver runs.
+    *(_clock(clock, maximum=True) for clock in CLOCKS),
+    *(_threshold(t) for t in TEMPERATURE_THRESHOLDS),
+    _m("power_limit_default", "power_limit_default_watts"),
+    _f(
+        "power_limit_constraints",
+        ("power_limit_min_watts", "power_limit_max_watts"),
+        lambda n, _, h: n.power_limit_constraints_watts(h),
+    ),
+    _link("generation", "max"),
+    _link("width", "max"),
+)
+
+
 def read_values(
     nvml: Nvml, r: FieldReader, procinfo: ProcInfoCache | None, *, whole_gpu: bool
 ) -> None:
-    """Every field of one device into ``r.values``; ``whole_gpu`` False for a MIG device,
-    which answers only memory, utilization (not at all, in practice) and processes."""
+    """Every field of one device into ``r.values``; ``whole_gpu`` False for a MIG device.
+
+    With ``r.carry`` (a whole GPU between two slow reads, every once-field known), only the
+    fast fields are called and the rest is the carried values: no per-field bookkeeping.
+    """
     try:
-        _read_values(nvml, r, procinfo, whole_gpu=whole_gpu)
+        if r.carry is not None:
+            r.read_fast(nvml, procinfo)
+            return
+        for f in GPU_FIELDS if whole_gpu else MIG_FIELDS:
+            if f.field == "processes" and r.values.get("mig_mode_enabled"):
+                continue  # in MIG mode, processes are read per MIG device
+            r.read(f.field, f.names, functools.partial(f.read, nvml, procinfo))
     finally:
         r.log_unsupported()
-
-
-def _read_values(
-    nvml: Nvml, r: FieldReader, procinfo: ProcInfoCache | None, *, whole_gpu: bool
-) -> None:
-    r.read("memory", _MEMORY_FIELDS, lambda h: _astuple_memory(nvml, h, whole_gpu))
-    r.read("utilization", ("utilization_ratio", "memory_utilization_ratio"), nvml.utilization)
-    if not whole_gpu:
-        r.read("processes", ("processes",), lambda h: _processes(nvml, h, procinfo))
-        return
-    r.read("mig_mode", ("mig_mode_enabled",), nvml.mig_mode_enabled)
-    r.read("power_draw", ("power_draw_watts",), nvml.power_draw_watts)
-    r.read("power_limit", ("power_limit_watts",), nvml.power_limit_watts)
-    r.read("energy", ("energy_joules",), nvml.energy_joules)
-    r.read("temperature", ("temperature_celsius",), nvml.temperature_celsius)
-    r.read("fan_speed", ("fan_speed_ratio",), nvml.fan_speed_ratio)
-    for clock in CLOCKS:
-        r.read(
-            f"clock_{clock}", (f"clock_{clock}_hz",), functools.partial(nvml.clock_hz, clock=clock)
-        )
-    if not r.values.get("mig_mode_enabled"):  # in MIG mode, processes are read per MIG device
-        r.read("processes", ("processes",), lambda h: _processes(nvml, h, procinfo))
-    r.read(
-        "clocks_event_reasons",
-        ("clocks_event_reasons",),
-        lambda h: _reasons(nvml.clocks_event_reasons(h)),
-    )
-    r.read("performance_state", ("performance_state",), nvml.performance_state)
-    r.read("persistence_mode", ("persistence_mode_enabled",), nvml.persistence_mode_enabled)
-    r.read("compute_mode", ("compute_mode",), nvml.compute_mode)
-    r.read("ecc_mode", ("ecc_mode_enabled",), nvml.ecc_mode_enabled)
-    for error in ECC_ERRORS:
-        for counter in ECC_COUNTERS:
-            r.read(
-                f"ecc_errors_{error}_{counter}",
-                (f"ecc_errors_{error}_{counter}",),
-                functools.partial(nvml.ecc_errors, error=error, counter=counter),
-            )
-    r.read(
-        "remapped_rows",
-        (
-            "remapped_rows_correctable",
-            "remapped_rows_uncorrectable",
-            "remapped_rows_pending",
-            "remapped_rows_failed",
-        ),
-        lambda h: dataclasses.astuple(nvml.remapped_rows(h)),
-    )
-    for cause in RETIREMENT_CAUSES:
-        r.read(
-            f"retired_pages_{cause}",
-            (f"retired_pages_{cause}",),
-            functools.partial(nvml.retired_pages, cause=cause),
-        )
-    r.read("retired_pages_pending", ("retired_pages_pending",), nvml.retired_pages_pending)
-    r.read(
-        "pcie_link_generation_current",
-        ("pcie_link_generation_current",),
-        functools.partial(nvml.pcie_link_generation, link="current"),
-    )
-    r.read(
-        "pcie_link_width_current",
-        ("pcie_link_width_current",),
-        functools.partial(nvml.pcie_link_width, link="current"),
-    )
-    r.read("pcie_replay_errors", ("pcie_replay_errors",), nvml.pcie_replay_errors)
-    r.read("encoder_utilization", ("encoder_utilization_ratio",), nvml.encoder_utilization_ratio)
-    r.read("decoder_utilization", ("decoder_utilization_ratio",), nvml.decoder_utilization_ratio)
-    # Read once per GPU and initialisation (groups.ONCE): these do not change while the
-    # driver runs.
-    for clock in CLOCKS:
-        r.read(
-            f"clock_max_{clock}",
-            (f"clock_max_{clock}_hz",),
-            functools.partial(nvml.max_clock_hz, clock=clock),
-        )
-    for threshold in TEMPERATURE_THRESHOLDS:
-        r.read(
-            f"temperature_threshold_{threshold}",
-            (f"temperature_{threshold}_celsius",),
-            functools.partial(nvml.temperature_threshold_celsius, threshold=threshold),
-        )
-    r.read("power_limit_default", ("power_limit_default_watts",), nvml.power_limit_default_watts)
-    r.read(
-        "power_limit_constraints",
-        ("power_limit_min_watts", "power_limit_max_watts"),
-        nvml.power_limit_constraints_watts,
-    )
-    r.read(
-        "pcie_link_generation_max",
-        ("pcie_link_generation_max",),
-        functools.partial(nvml.pcie_link_generation, link="max"),
-    )
-    r.read(
-        "pcie_link_width_max",
-        ("pcie_link_width_max",),
-        functools.partial(nvml.pcie_link_width, link="max"),
-    )
-
-
-_MEMORY_FIELDS = (
-    "memory_total_bytes",
-    "memory_used_bytes",
-    "memory_free_bytes",
-    "memory_reserved_bytes",
-)
 
 
 def with_processes(values: dict[str, Any]) -> dict[str, Any]:
@@ -303,10 +397,3 @@ def with_processes(values: dict[str, Any]) -> dict[str, Any]:
         values["compute_processes"] = len(procs)
     values["process_visibility"] = process_visibility(values.get("memory_used_bytes"), procs)
     return values
-
-
-def _astuple_memory(
-    nvml: Nvml, handle: Any, whole_gpu: bool = True
-) -> tuple[int, int, int, int | None]:
-    m = nvml.memory(handle, whole_gpu=whole_gpu)
-    return m.total_bytes, m.used_bytes, m.free_bytes, m.reserved_bytes

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gpu_exporter.collect.fields import (
+    GPU_FIELDS,
+    Carry,
     FieldReader,
     UnsupportedFields,
-    interned,
     read_values,
     with_processes,
 )
@@ -58,11 +59,13 @@ class GpuIdentity:
     mig: tuple[tuple[str, MigIdentity], ...] = ()  # MIG devices seen, by MIG uuid
     # The slow fields' values at their last read (groups.SLOW), reused until the next one.
     slow: tuple[tuple[str, Any], ...] = ()
+    # Until the next slow read: the sample less its fast fields (see fields.Carry).
+    carry: Carry | None = None
 
     def forget_values(self) -> GpuIdentity:
         """The identity of a GPU that went down: its name stays, its remembered values go,
         so they are read again once it answers (after a reset they may differ)."""
-        return dataclasses.replace(self, static=(), slow=(), mig=())
+        return dataclasses.replace(self, static=(), slow=(), mig=(), carry=None)
 
 
 def _read_mig_devices(
@@ -116,7 +119,7 @@ def _read_mig_devices(
                 gpu_instance_id=ident.gpu_instance_id,
                 compute_instance_id=ident.compute_instance_id,
                 mig_profile=ident.profile,
-                fields_supported=interned(tuple(m.asked.items())),
+                fields_supported=m.fields_supported(),
                 **with_processes(m.values),
             )
         )
@@ -132,13 +135,15 @@ def read_gpu(
     procinfo: ProcInfoCache | None = None,
     slow_due: bool = True,
     disabled: frozenset[str] = frozenset(),
+    seen_at: float | None = None,
 ) -> tuple[GpuSample, GpuIdentity | None]:
     """One GPU's sample (with its MIG devices and processes), and its identity for next
     time. Never raises for GPU-level errors.
 
     ``procinfo`` attributes processes from /proc (``--process-labels``); None reads nothing.
     ``slow_due``: read the slow fields now (else their values of the last slow read are
-    reused); ``disabled``: the ``--collect.<group>`` groups not read at all.
+    reused, and only the fast fields are called); ``disabled``: the ``--collect.<group>``
+    groups not read at all; ``seen_at``: the sample's ``last_seen_seconds`` if it answers.
     """
     known_uuid = identity.uuid if identity else ""
     try:
@@ -166,6 +171,7 @@ def read_gpu(
         slow=dict(identity.slow),
         slow_due=slow_due,
         disabled=disabled,
+        carry=None if slow_due else identity.carry,
     )
     mig_devices: tuple[GpuSample, ...] = ()
     mig_seen = dict(identity.mig)
@@ -189,12 +195,15 @@ def read_gpu(
     except GpuLost as exc:
         # Whatever was read before the GPU went away is dropped: no stale values that look fresh.
         return down_sample(index, identity, DOWN_LOST, str(exc)), identity.forget_values()
-    identity = dataclasses.replace(
-        identity,
-        static=tuple(r.static.items()),
-        slow=tuple(r.slow.items()),
-        mig=tuple(mig_seen.items()),
-    )
+    carry = r.next_carry(GPU_FIELDS)
+    if carry is None or carry is not identity.carry or r.values.get("mig_mode_enabled"):
+        identity = dataclasses.replace(
+            identity,
+            static=tuple(r.static.items()),
+            slow=tuple(r.slow.items()),
+            mig=tuple(mig_seen.items()),
+            carry=carry,
+        )
     sample = GpuSample(
         index=index,
         uuid=identity.uuid,
@@ -202,8 +211,9 @@ def read_gpu(
         name=identity.name,
         pci_bus_id=identity.pci_bus_id,
         error=r.last_error,
+        last_seen_seconds=seen_at,
         mig_devices=mig_devices,
-        fields_supported=interned(tuple(r.asked.items())),
+        fields_supported=r.fields_supported(),
         **with_processes(r.values),
     )
     return sample, identity

@@ -10,7 +10,7 @@ sampling. Requests only ever read the cache; they never call NVML.
 
 from __future__ import annotations
 
-import concurrent.futures
+import _thread
 import contextlib
 import functools
 import itertools
@@ -25,7 +25,7 @@ from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.collect.fields import UnsupportedFields
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.collect.read import DOWN_TIMEOUT, GpuIdentity, down_sample, optional, read_gpu
-from gpu_exporter.collect.workers import MAX_SPARES, Batch, Read, Worker
+from gpu_exporter.collect.workers import LIBRARY, MAX_SPARES, Batch, Read, Worker
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.nvml import Nvml, NvmlError, NvmlUnavailable
 
@@ -40,12 +40,12 @@ DEFAULT_SLOW_INTERVAL_SECONDS = 30.0  # health fields (groups.SLOW)
 class Sampler:
     """Owns NVML: initialises it (with backoff), samples it, publishes snapshots.
 
-    The sampling thread itself never calls NVML. Library calls (init, device count) run on
-    one worker thread and every GPU's reads on one reader thread, one GPU after another,
-    each GPU with a deadline of ``nvml_timeout_seconds``. A GPU whose call overruns keeps
-    that thread and is published as down (``down_reason="timeout"``, no values) until the
-    call returns; a spare thread reads the other GPUs. A stuck library call marks NVML down
-    the same way.
+    The sampling thread itself never calls NVML. Library calls (init, device count) and
+    every GPU's reads run on one reader thread, one after another, in one hand-over per
+    sample, each step with a deadline of ``nvml_timeout_seconds``. A GPU whose call
+    overruns keeps that thread and is published as down (``down_reason="timeout"``, no
+    values) until the call returns; a spare thread reads the other GPUs. A stuck library
+    call marks NVML down the same way.
     """
 
     def __init__(
@@ -82,13 +82,17 @@ class Sampler:
         self._identities: dict[int, GpuIdentity] = {}
         self._last_seen: dict[int, float] = {}  # GPU index → wall clock it last answered
         self._unsupported: UnsupportedFields = set()
-        self._library = Worker("nvml-library")
+        self._library_stuck: Worker | None = None  # a reader stuck in a library call
         self._slow_read_at: dict[int, float] = {}  # GPU index → monotonic, last slow read
         self._reader: Worker | None = None  # reads every GPU that is not stuck
         self._stuck: dict[int, Worker] = {}  # GPU index → the reader stuck in its call
         self._spares: list[Worker] = []  # readers whose stuck call returned
         self._names = itertools.count()
         self._stop = threading.Event()
+        # Held until stop(): the sampling thread sleeps between samples in one timed acquire
+        # of it (a C call; Event.wait runs a Condition's Python code twice a sample).
+        self._asleep = _thread.allocate_lock()
+        self._asleep.acquire()
         self._thread: threading.Thread | None = None
 
     # -- one pass ------------------------------------------------------------------------
@@ -97,14 +101,11 @@ class Sampler:
         wall, start = self.clock.time(), self.clock.monotonic()
         if self.procinfo is not None:  # every sample, read or not: a pid unseen is rechecked
             self.procinfo.next_pass()
-        gpus: tuple[GpuSample, ...] = ()
-        count, problem = self._library_step(start)
-        if count is not None:
-            try:
-                gpus = self._read_all(count, wall)
-            except NvmlUnavailable as exc:
-                self._mark_unavailable(exc, start)
-                problem = self._init_error
+        try:
+            gpus, problem = self._read_all(start, wall)
+        except NvmlUnavailable as exc:
+            self._mark_unavailable(exc, start)
+            gpus, problem = (), self._init_error
         snapshot = Snapshot(
             taken_at_seconds=wall,
             monotonic_seconds=start,
@@ -123,22 +124,8 @@ class Sampler:
         )
         return self.cache.publish(snapshot)
 
-    def _library_step(self, now: float) -> tuple[int | None, str | None]:
-        """(GPU count, None) when NVML is up, else (None, why not). Never blocks for long."""
-        worker = self._library
-        if not worker.busy:
-            self._recovered(worker, "NVML")
-            future = worker.submit(functools.partial(self._library_job, now), now)
-            try:
-                count: int | None = future.result(timeout=self.nvml_timeout_seconds)
-            except concurrent.futures.TimeoutError:
-                pass
-            else:
-                return count, None if count is not None else self._init_error
-        return None, self._overran(worker, "NVML")
-
     def _library_job(self, now: float) -> int | None:
-        """On the library worker: shut down / initialise as due, then count the GPUs."""
+        """On the reader, first: shut down / initialise as due, then count the GPUs."""
         if self._needs_shutdown:
             self._needs_shutdown = False
             self.nvml.shutdown()
@@ -173,7 +160,7 @@ class Sampler:
     def _mark_unavailable(self, exc: NvmlError, now: float) -> None:
         log.error("NVML stopped working: %s; re-initialising with backoff", exc)
         self._initialised = False
-        self._needs_shutdown = True  # done on the library worker, before the next init
+        self._needs_shutdown = True  # done on the reader, before the next init
         self._init_error = str(exc)
         self._schedule_init(now)
 
@@ -181,27 +168,33 @@ class Sampler:
         self._next_init_at = now + self._init_delay
         self._init_delay = min(self._init_delay * 2, INIT_BACKOFF_MAX_SECONDS)
 
-    def _read_all(self, count: int, wall: float) -> tuple[GpuSample, ...]:
-        """Every GPU, read one after another by one reader thread. A GPU whose call overruns
-        the deadline keeps that thread (it is stuck in the driver) and a spare one reads the
-        rest; until the stuck call returns, that GPU is down and not asked again."""
-        now = self.clock.monotonic()
-        samples: dict[int, GpuSample] = {}
-        pending = []
-        for index in range(count):
-            worker = self._stuck.get(index)
-            if worker is not None and not worker.busy:
+    def _read_all(self, start: float, wall: float) -> tuple[tuple[GpuSample, ...], str | None]:
+        """The library step and every GPU, one after another on one reader thread: (GPUs,
+        None), or ((), why not) when NVML is down. A GPU whose call overruns the deadline
+        keeps that thread (it is stuck in the driver) and a spare one reads the rest; until
+        the stuck call returns, that GPU is down and not asked again. A stuck library call
+        keeps its thread the same way, and NVML is down until it returns."""
+        if self._library_stuck is not None:
+            if self._library_stuck.busy:
+                return (), self._overran(self._library_stuck, "NVML")
+            self._recovered(self._library_stuck, "NVML")
+            self._spares.append(self._library_stuck)
+            self._library_stuck = None
+        for index, worker in list(self._stuck.items()):
+            if not worker.busy:
                 self._recovered(worker, f"GPU {index}")
                 self._spares.append(self._stuck.pop(index))
-            if index in self._stuck:
-                samples[index] = self._timed_out(index)
-            else:
-                pending.append(index)
-        while pending:
-            batch = Batch(pending, functools.partial(self._read_one, now=now))
+        read = functools.partial(self._read_one, now=start, wall=wall)
+        library = functools.partial(self._library_job, start)
+        batch = first = Batch(read, library=library, skip=frozenset(self._stuck))
+        samples: dict[int, GpuSample] = {}
+        while True:
             reader = self._reader or (self._spares.pop() if self._spares else None)
             self._reader = reader or Worker(f"nvml-reader{next(self._names)}")
-            stuck_at = batch.wait(self._reader.submit(batch.run, now), self.nvml_timeout_seconds)
+            stuck_at = batch.wait(self._reader.submit(batch.run, start), self.nvml_timeout_seconds)
+            if stuck_at == LIBRARY:
+                self._library_stuck, self._reader = self._reader, None
+                return (), self._overran(self._library_stuck, "NVML")
             for index, (sample, identity, slow_read) in batch.results.items():
                 samples[index] = sample
                 if identity is not None:
@@ -209,25 +202,32 @@ class Sampler:
                 if not sample.up:
                     self._slow_read_at.pop(index, None)
                 elif slow_read:
-                    self._slow_read_at[index] = now
+                    self._slow_read_at[index] = start
             if stuck_at is None:
                 break
             self._stuck[stuck_at], self._reader = self._reader, None
             self._slow_read_at.pop(stuck_at, None)
             if stuck_at in self._identities:
                 self._identities[stuck_at] = self._identities[stuck_at].forget_values()
-            samples[stuck_at] = self._timed_out(stuck_at)
-            pending = pending[pending.index(stuck_at) + 1 :]
+            rest = batch.indexes[batch.indexes.index(stuck_at) + 1 :]
+            if not rest:
+                break
+            batch = Batch(read, rest)
         del self._spares[MAX_SPARES:]  # more stuck calls returned than will be needed
+        count = first.count
+        if count is None:
+            return (), self._init_error
         out = []
         for index in range(count):
-            sample = samples[index]
-            if sample.up:
+            sample = samples.get(index) or self._timed_out(index)
+            if sample.up:  # read_gpu gave it last_seen_seconds=wall
                 self._last_seen[index] = wall
-            out.append(replace(sample, last_seen_seconds=self._last_seen.get(index)))
-        return tuple(out)
+            else:
+                sample = replace(sample, last_seen_seconds=self._last_seen.get(index))
+            out.append(sample)
+        return tuple(out), None
 
-    def _read_one(self, index: int, now: float) -> Read:
+    def _read_one(self, index: int, now: float, wall: float) -> Read:
         """On the reader thread: one GPU, its slow fields if due."""
         read_at = self._slow_read_at.get(index)
         # Half an interval early rather than one late: jitter must not stretch the period.
@@ -242,6 +242,7 @@ class Sampler:
             procinfo=self.procinfo,
             slow_due=slow_due,
             disabled=self.disabled,
+            seen_at=wall,
         )
         return sample, identity, slow_due
 
@@ -276,12 +277,12 @@ class Sampler:
         self._thread.start()
 
     def stuck(self) -> tuple[str, ...]:
-        """What has an NVML call running: ``"library"`` (past its deadline or in flight now)
-        and ``"gpu<index>"`` for each GPU whose call overran and has not returned yet. A stuck
-        one takes no new call until it returns."""
-        workers = {"library": self._library}
+        """What has an NVML call running past its deadline: ``"library"`` and ``"gpu<index>"``
+        for each GPU whose call overran and has not returned yet. A stuck one takes no new
+        call until it returns."""
+        workers = {"library": self._library_stuck}
         workers.update((f"gpu{index}", w) for index, w in sorted(self._stuck.items()))
-        return tuple(name for name, worker in workers.items() if worker.busy)
+        return tuple(name for name, worker in workers.items() if worker and worker.busy)
 
     def stop(self, timeout_seconds: float = 5.0) -> None:
         """Stop sampling and shut NVML down, within about ``timeout_seconds`` in all.
@@ -291,15 +292,21 @@ class Sampler:
         """
         deadline = time.monotonic() + timeout_seconds
         self._stop.set()
+        with contextlib.suppress(RuntimeError):  # released already: stop() ran before
+            self._asleep.release()
         if self._thread is not None:
             self._thread.join(timeout_seconds)
-        if self._initialised and not self._library.busy:
+        reader = self._reader
+        idle = reader is None or not reader.busy
+        if self._initialised and self._library_stuck is None and idle:
             self._initialised = False
-            future = self._library.submit(self.nvml.shutdown, self.clock.monotonic())
-            with contextlib.suppress(concurrent.futures.TimeoutError):
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
-        readers = [self._reader] if self._reader is not None else []
-        for worker in (self._library, *readers, *self._stuck.values(), *self._spares):
+            if reader is None:  # the last reader is stuck in a GPU's call
+                reader = self._reader = Worker(f"nvml-reader{next(self._names)}")
+            reader.submit(self.nvml.shutdown, self.clock.monotonic()).wait(
+                deadline - time.monotonic()
+            )
+        readers = [w for w in (self._reader, self._library_stuck) if w is not None]
+        for worker in (*readers, *self._stuck.values(), *self._spares):
             worker.close()
 
     def _run(self) -> None:
@@ -310,4 +317,5 @@ class Sampler:
             except Exception:  # a bug must not kill sampling for good
                 log.exception("sampling failed")
             elapsed = time.monotonic() - started
-            self._stop.wait(max(0.0, self.interval_seconds - elapsed))
+            if self._asleep.acquire(True, max(0.0, self.interval_seconds - elapsed)):
+                break  # stop() released it

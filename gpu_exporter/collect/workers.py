@@ -1,25 +1,58 @@
 """The threads the sampler's NVML calls run on, and how it waits for them.
 
 :class:`Worker` runs jobs one at a time on a daemon thread; :class:`Batch` is one sample's
-GPUs read in order on one worker, with a deadline per GPU: the sampler waits for the whole
-batch and wakes only when a GPU's reads take longer than the deadline. A driver call cannot
-be interrupted, so a worker stuck in one is left to finish on its own.
+library step and GPUs read in order on one worker, with a deadline for the library step and
+each GPU: the sampler hands it over and waits once, waking only when the batch is done or a
+step takes longer than the deadline. A driver call cannot be interrupted, so a worker stuck
+in one is left to finish on its own.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import _thread
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from gpu_exporter.model import GpuSample
 
 if TYPE_CHECKING:
     from gpu_exporter.collect.read import GpuIdentity
+
+
+class Job:
+    """One job handed to a :class:`Worker`: done once its lock is free, then holding the
+    job's result or the exception it raised. A bare lock, not a ``Future``: waiting for it
+    is one C call, which matters on a path that runs every second for the process's life."""
+
+    __slots__ = ("_done", "error", "result")
+
+    def __init__(self) -> None:
+        self._done = _thread.allocate_lock()
+        self._done.acquire()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return not self._done.locked()
+
+    def wait(self, timeout_seconds: float) -> bool:
+        """Whether the job finished within ``timeout_seconds``."""
+        if self._done.acquire(True, max(0.0, timeout_seconds)):
+            self._done.release()
+            return True
+        return False
+
+    def value(self) -> Any:
+        """The job's result (raising its exception); call once :meth:`done`."""
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def finish(self) -> None:
+        self._done.release()
 
 
 class Worker:
@@ -32,10 +65,8 @@ class Worker:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._current: Future[Any] | None = None
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Job] | None] = queue.SimpleQueue()
+        self._current: Job | None = None
         self.submitted_at = 0.0  # monotonic, on the sampler's clock
         self.overran = False  # the current (or last) job ran past its deadline
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -45,26 +76,26 @@ class Worker:
     def busy(self) -> bool:
         return self._current is not None and not self._current.done()
 
-    def submit(self, fn: Callable[[], Any], now: float) -> Future[Any]:
+    def submit(self, fn: Callable[[], Any], now: float) -> Job:
         if self.busy:
             raise RuntimeError(f"{self.name} is still busy")
-        future: Future[Any] = Future()
-        self._current, self.submitted_at = future, now
-        self._jobs.put((fn, future))
-        return future
+        job = Job()
+        self._current, self.submitted_at = job, now
+        self._jobs.put((fn, job))
+        return job
 
     def close(self) -> None:
         self._jobs.put(None)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
+        while (item := self._jobs.get()) is not None:
+            fn, job = item
             try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
+                job.result = fn()
+            except BaseException as exc:  # handed to whoever waits on the job
+                job.error = exc
+            finally:
+                job.finish()
 
 
 MAX_SPARES = 2  # idle reader threads kept after stuck calls returned
@@ -73,23 +104,52 @@ MAX_SPARES = 2  # idle reader threads kept after stuck calls returned
 Read = tuple[GpuSample, "GpuIdentity | None", bool]
 
 
-class Batch:
-    """GPUs for the reader thread to read in order, and how far it got.
+LIBRARY = -1  # Batch.current while the library step runs
 
-    The sampler waits for the whole batch at once, waking only if a GPU's reads take longer
-    than the deadline; a batch it gives up on reads no further GPU (``abandoned``).
+
+class Batch:
+    """GPUs for the reader thread to read in order, and how far it got; optionally the
+    library step first (``library``: initialise or shut down as due, then the GPU count;
+    None when NVML is down), then every GPU below that count but those in ``skip``.
+
+    The sampler waits for the whole batch at once, waking only if the library step or a
+    GPU's reads take longer than the deadline; a batch it gives up on reads no further GPU
+    (``abandoned``).
     """
 
-    def __init__(self, indexes: list[int], read: Callable[[int], Read]) -> None:
-        self.indexes = indexes
+    def __init__(
+        self,
+        read: Callable[[int], Read],
+        indexes: list[int] | None = None,
+        *,
+        library: Callable[[], int | None] | None = None,
+        skip: frozenset[int] = frozenset(),
+    ) -> None:
+        self.indexes = indexes or []
         self.read = read
+        self.library = library
+        self.skip = skip
+        self.count: int | None = None  # what the library step answered
         self.results: dict[int, Read] = {}
-        self.current: int | None = None  # the GPU being read
+        self.current: int | None = None  # the GPU being read, or LIBRARY
         self.started = 0.0  # time.monotonic() when it was started: deadlines are real time
         self.abandoned = False
         self.lock = threading.Lock()
 
     def run(self) -> None:
+        if self.library is not None:
+            with self.lock:
+                if self.abandoned:
+                    return
+                self.current, self.started = LIBRARY, time.monotonic()
+            count = self.library()
+            with self.lock:
+                if self.current != LIBRARY:  # abandoned: NVML was reported down meanwhile
+                    return
+                self.current, self.count = None, count
+                if count is None:
+                    return
+                self.indexes = [i for i in range(count) if i not in self.skip]
         for index in self.indexes:
             with self.lock:
                 if self.abandoned:
@@ -102,18 +162,18 @@ class Batch:
                 self.results[index] = result
                 self.current = None
 
-    def wait(self, future: Future[Any], deadline_seconds: float) -> int | None:
-        """None once every GPU is read, else the GPU whose read overran the deadline (then
-        the batch is abandoned: the thread stuck in it reads nothing more)."""
+    def wait(self, job: Job, deadline_seconds: float) -> int | None:
+        """None once every GPU is read, else the GPU whose read overran the deadline, or
+        :data:`LIBRARY` (then the batch is abandoned: the thread stuck in it reads nothing
+        more)."""
         while True:
             with self.lock:
                 current, started = self.current, self.started
             remaining = deadline_seconds
             if current is not None:
                 remaining = started + deadline_seconds - time.monotonic()
-            done, _ = concurrent.futures.wait([future], timeout=max(0.0, remaining))
-            if done:
-                future.result()  # a bug in the batch surfaces in sample_once's caller
+            if job.wait(remaining):
+                job.value()  # a bug in the batch surfaces in sample_once's caller
                 return None
             with self.lock:
                 if (

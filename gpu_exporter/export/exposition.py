@@ -10,7 +10,8 @@ itself — is small and rendered on every scrape, after the cached part.
 Rendering happens on the first scrape after a sample, or — while anyone has scraped in the
 last :data:`PRERENDER_WINDOW_SECONDS` — on a background thread as soon as the sample is
 published (:meth:`Exposition.start`), so that a Prometheus scraping less often than the
-sampler samples still gets cached bytes; an exporter nobody scrapes renders nothing.
+sampler samples still gets cached bytes; an exporter nobody scrapes renders nothing, and
+its render-ahead thread sleeps until the next scrape instead of waking for every sample.
 
 The body is byte for byte what ``prometheus_client.make_wsgi_app`` over the same collectors
 would serve (a test compares them), because each family is rendered on its own and the
@@ -99,6 +100,7 @@ class Exposition:
         # content type → (encoder, OpenMetrics?, when last scraped): what to render ahead
         self._recent: dict[str, tuple[Encoder, bool, float]] = {}
         self._stop = threading.Event()
+        self._scraped = threading.Event()  # wakes the render-ahead thread from idle
         self._thread: threading.Thread | None = None
         self._gpu = gpu
         self._live = tuple(live)
@@ -116,6 +118,8 @@ class Exposition:
         encoder, content_type = choose_encoder(accept or "")
         openmetrics = content_type.startswith("application/openmetrics-text")
         self._recent[content_type] = (encoder, openmetrics, self._monotonic())
+        if not self._scraped.is_set():
+            self._scraped.set()
         snapshot = self._cache.get()
         part = self._part(snapshot, encoder, content_type, openmetrics)
         live = chain(
@@ -154,6 +158,10 @@ class Exposition:
                 self._parts[content_type] = fresh
             return fresh
 
+    def _scraped_lately(self) -> bool:
+        now = self._monotonic()
+        return any(now - t <= self._window for _, _, t in list(self._recent.values()))
+
     def prerender(self, snapshot: Snapshot) -> int:
         """Render ``snapshot`` for every content type scraped within the window; how many."""
         now = self._monotonic()
@@ -171,12 +179,18 @@ class Exposition:
 
     def stop(self, timeout_seconds: float = 5.0) -> None:
         self._stop.set()
+        self._scraped.set()
         if self._thread is not None:
             self._thread.join(timeout_seconds)
 
     def _run(self) -> None:
         sequence = self._cache.get().sequence
         while not self._stop.is_set():
+            self._scraped.clear()
+            if not self._scraped_lately():
+                # Nobody scrapes: sleep until someone does (no wake-up per sample).
+                self._scraped.wait()
+                continue
             snapshot = self._cache.wait_for_newer(sequence, timeout_seconds=0.5)
             if snapshot.sequence != sequence:
                 sequence = snapshot.sequence
