@@ -244,8 +244,8 @@ class Nvml:
 
     def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:
         self._lib = lib
-        # The real bindings: the hottest getters call the library's functions directly.
-        self._direct = lib is pynvml
+        # The real bindings (with their function lookup): the hottest getters call C directly.
+        self._direct = lib is pynvml and hasattr(pynvml, "_nvmlGetFunctionPointer")
         self._pointers: dict[str, Any] = {}  # C symbol → ctypes function
         self.simulated = simulated
         self._errors: Counter[tuple[str, str]] = Counter()

@@ -504,3 +504,21 @@ def _scrape_ok(ex: Exporter) -> bool:
         return ex.get("/metrics", timeout=1)[0] == 200
     except OSError:
         return False
+
+
+def test_the_direct_getters_read_what_pynvml_reads(fake_lib: Path, tmp_path: Path) -> None:
+    """The hottest getters call the C functions directly over the real bindings (issue 15);
+    without that (other bindings) pynvml's own wrappers answer: the same values."""
+    config = tmp_path / "one.conf"
+    fakenvml.write_config(config, [FakeGpu()])
+    out = _run_python(
+        fake_lib,
+        config,
+        "from gpu_exporter.nvml import Nvml\n"
+        "n = Nvml(); n.init()\n"
+        "for direct in (True, False):\n"
+        "    n._direct = direct; h = n.handle(0)\n"
+        "    print(n.utilization(h), n.power_draw_watts(h), n.memory(h), n.temperature_celsius(h))\n",
+    )
+    direct, wrapped = out.splitlines()
+    assert direct == wrapped
