@@ -50,6 +50,8 @@ class Host:
     problem: str | None = None  # why this host is not used at all
     window: Window | None = None  # idle_for, from Prometheus' range functions
     age_seconds: float | None = None  # how old its figures are
+    # (UUID, why) for cards the kubelet allocated to pods (gpu_pod_info): never handed out
+    allocated: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -145,6 +147,7 @@ def rank_fleet(
             passed.append((host, sieved_shortfall(len(host.gpus), needed)))
             continue
         leased = {u: held for u in host.leased}
+        leased.update(host.allocated)
         ranked = partial(rank, filters=filters, sort=sort, window=host.window, leased=leased)
         # The GPUs that surely fail are left out first: formatting why would cost a third of
         # ranking 100,000 GPUs (bench/cluster.py), and only a host passed over shows it.

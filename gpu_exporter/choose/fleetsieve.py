@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -136,7 +136,7 @@ def sieve_query(names: Names, filters: Filters) -> str:
     """The GPUs that pass the request's fixed filters, one series each (:func:`unpack`).
 
     >>> print(sieve_query(Names(), Filters(min_free_bytes=2**30, max_procs=0)))
-    floor((gpu_memory_free_bytes{uuid!~"MIG-.*"} >= 1073741824) / 1073741824) + ignoring(field) (gpu_utilization_ratio{uuid!~"MIG-.*"} / 2) unless on(instance, job, uuid) (gpu_up{uuid!~"MIG-.*"} != 1) unless on(instance, job, uuid) (gpu_leased{uuid!~"MIG-.*"} == 1) and on(instance, job, uuid) (gpu_compute_processes{uuid!~"MIG-.*"} <= 0)
+    floor((gpu_memory_free_bytes{uuid!~"MIG-.*"} >= 1073741824) / 1073741824) + ignoring(field) (gpu_utilization_ratio{uuid!~"MIG-.*"} / 2) unless on(instance, job, uuid) (gpu_up{uuid!~"MIG-.*"} != 1) unless on(instance, job, uuid) (gpu_leased{uuid!~"MIG-.*"} == 1) unless on(instance, job, uuid) gpu_pod_info{uuid!~"MIG-.*"} and on(instance, job, uuid) (gpu_compute_processes{uuid!~"MIG-.*"} <= 0)
     """  # noqa: E501
     free = names.gpu("memory_free_bytes")
     if filters.min_free_bytes is not None:
@@ -150,6 +150,7 @@ def sieve_query(names: Names, filters: Filters) -> str:
     # and no gpu_up series at all would pass; the exporter exports gpu_up for every GPU.
     expr += f" unless {GPU_KEY} ({names.gpu('up')} != 1)"
     expr += f" unless {GPU_KEY} ({names.gpu('leased')} == 1)"
+    expr += f" unless {GPU_KEY} {names.gpu('pod')}"  # the kubelet gave it to a pod
     if filters.max_mem_util_ratio is not None:
         expr += _limit(
             names, "memory_utilization_ratio", "<=", filters.max_mem_util_ratio,
@@ -199,9 +200,12 @@ def parse_sieve(
     *,
     evaluated_at: float,
     max_age_seconds: float,
+    unpack: Callable[[float], tuple[int, float]] = unpack,
 ) -> Fleet:
     """The fleet from ``hosts`` (scrape times), ``sieve`` and ``problems`` answers: every
-    exporter, each with only its qualifying GPUs, or its problem (as parse_fleet says it)."""
+    exporter, each with only its qualifying GPUs, or its problem (as parse_fleet says it).
+    ``unpack``: whole free GiB and utilization from a ``sieve`` value (the packed series'
+    answer takes :func:`gpu_exporter.choose.fleetpacked.unpack`)."""
     scraped: dict[str, float | None] = {}
     instances: dict[str, str] = {}
     jobs = set()
@@ -275,6 +279,7 @@ def reasons_query(names: Names, filters: Filters) -> str:
         ("gpus", names.gpu("up")),
         ("down", f"{names.gpu('up')} != 1"),
         ("leased", f"{names.gpu('leased')} == 1"),
+        ("pod", names.gpu("pod")),
     ]
     for param, field, op, limit in _limits(filters):
         parts.append((param, f"{names.gpu(field)} {op} {limit!r}"))
@@ -312,6 +317,7 @@ def reasons_text(samples: Sequence[Mapping[str, Any]], filters: Filters) -> str:
     what = {
         "down": "down",
         "leased": "leased (at the last scrape)",
+        "pod": "allocated to a Kubernetes pod",
         "min_free": f"with free memory < min_free {format_bytes(filters.min_free_bytes or 0)}",
         "max_util": f"with utilization > max_util {filters.max_util_ratio or 0:.2f}",
         "max_mem_util": "with memory utilization > max_mem_util "

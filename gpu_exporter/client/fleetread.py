@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 from gpu_exporter.choose.fleet import Fleet, Host, base_url, host_from_snapshot
+from gpu_exporter.choose.fleetpacked import packable, packed_query, presence_query
+from gpu_exporter.choose.fleetpacked import unpack as unpack_packed
 from gpu_exporter.choose.fleetsieve import (
     DETAIL_UP_TO_HOSTS,
     Names,
@@ -32,6 +34,7 @@ from gpu_exporter.choose.fleetsieve import (
     sievable,
     sieve_query,
 )
+from gpu_exporter.choose.fleetsieve import unpack as unpack_sieve
 from gpu_exporter.choose.fleetview import from_view, view_query
 from gpu_exporter.choose.promql import fleet_queries, parse_fleet, window_query
 from gpu_exporter.choose.request import ClusterRequest
@@ -141,8 +144,10 @@ def read_prometheus(
     than :data:`~gpu_exporter.choose.fleetsieve.DETAIL_UP_TO_HOSTS` exporters (``sieve``:
     True always, False never), only the GPUs that pass the request's filters
     (:mod:`gpu_exporter.choose.fleetsieve`), else every series. With ``rule_prefix``, from
-    the recorded view (:mod:`gpu_exporter.choose.fleetview`); when the view is empty (the
-    rules are not loaded there), from the raw series as without it.
+    the recorded view (:mod:`gpu_exporter.choose.fleetview`), and only the GPUs that pass
+    from the one packed series per GPU (:mod:`gpu_exporter.choose.fleetpacked`) where the
+    request fits its packing; where the view or the packed series are absent (the rules are
+    not loaded there), from the raw series as without it.
     """
     with gc_paused():
         return _read_prometheus(prometheus, req, fetch, timeout, now, selector, rule_prefix, sieve)
@@ -177,14 +182,27 @@ def _read_prometheus(
     if sieve is None:
         sieve = len(hosts) > DETAIL_UP_TO_HOSTS
     if sieve and sievable(c.filters, c.sort, c.idle_for_seconds):
-        answers = ask(
-            {
-                "sieve": sieve_query(names, c.filters),
-                "problems": problems_query(names, req.max_age_seconds),
-            }
-        )
+        problems = problems_query(names, req.max_age_seconds)
+        answers = None
+        if rule_prefix and packable(c.filters, c.sort, c.idle_for_seconds):
+            # One recorded series per GPU (fleetpacked): the store reads one metric.
+            answers = ask(
+                {"packed": packed_query(rule_prefix, c.filters, names), "problems": problems}
+            )
+            if answers["packed"] or ask({"n": presence_query(rule_prefix, selector)})["n"]:
+                answers["sieve"] = answers.pop("packed")
+                unpack = unpack_packed
+            else:
+                log.info("no %s:packed series at %s: the sieve", rule_prefix, prometheus)
+                answers = None
+        if answers is None:
+            answers = ask({"sieve": sieve_query(names, c.filters), "problems": problems})
+            unpack = unpack_sieve
         fleet = parse_sieve(
-            {**answers, "hosts": hosts}, evaluated_at=now, max_age_seconds=req.max_age_seconds
+            {**answers, "hosts": hosts},
+            evaluated_at=now,
+            max_age_seconds=req.max_age_seconds,
+            unpack=unpack,
         )
     else:
         fleet = _read_every_series(ask, req, names, hosts, now, selector)
