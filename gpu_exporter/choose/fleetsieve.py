@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from gpu_exporter.choose.filters import Filters
@@ -40,6 +40,7 @@ from gpu_exporter.choose.fleet import Fleet, Host
 from gpu_exporter.choose.fleetview import FIELDS, check_prefix
 from gpu_exporter.choose.promql import (
     TARGET_DOWN,
+    URL_LABEL,
     check_selector,
     exporter_url,
     host_problem,
@@ -183,6 +184,40 @@ def problems_query(names: Names, max_age_seconds: float) -> str:
     )
 
 
+_DEFAULTS: Final = {f.name: f.default for f in fields(GpuSample)}
+_SET: Final = ("index", "uuid", "up", "memory_free_bytes", "utilization_ratio")
+_UNSET: Final = ("memory_total_bytes", "parent_uuid", "gpu_instance_id", "compute_instance_id")
+_setattr = object.__setattr__
+
+
+class SievedGpu(GpuSample):
+    """A GPU as the store's filtering gives it: index, UUID, free memory and utilization,
+    every other figure at its default. A plain GpuSample sets all 67 fields in its
+    ``__init__`` (7 µs: 0.2 s for the 31,000 GPUs that pass at 100,000); this sets the
+    few the ranking reads, and an unset one reads as its default (``__getattr__``)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, index: int, uuid: str, free_bytes: int, util: float) -> SievedGpu:
+        gpu = object.__new__(cls)
+        for name, value in zip(_SET, (index, uuid, True, free_bytes, util), strict=True):
+            _setattr(gpu, name, value)
+        for name in _UNSET:  # read while ranking: set, so no __getattr__ is needed
+            _setattr(gpu, name, None)
+        return gpu
+
+    def __getattr__(self, name: str) -> Any:  # only for slots left unset
+        try:
+            return _DEFAULTS[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def as_sample(self) -> GpuSample:
+        """The same figures as a plain :class:`GpuSample` (they compare equal then)."""
+        return GpuSample(**{name: getattr(self, name) for name in _DEFAULTS})
+
+
 def unpack(value: float) -> tuple[int, float]:
     """Whole free GiB and utilization from a sieve value (``floor(free/GiB) + util/2``).
 
@@ -216,23 +251,18 @@ def parse_sieve(
         instances[url] = labels.get("instance", url)
         jobs.add(labels.get("job"))
     gpus: dict[str, list[GpuSample]] = {}
+    urls: dict[str, str] = {}  # the URL label (or instance) → the exporter: 8 GPUs share one
     for sample in answers.get("sieve", ()):
         labels = sample.get("metric", {})
         value, index, uuid = sample_value(sample), digits(labels.get("gpu", "")), labels.get("uuid")
         if value is None or index is None or not uuid or uuid.startswith("MIG-"):
             continue
-        url = exporter_url(labels)
-        instances.setdefault(url, labels.get("instance", url))
+        where = labels.get(URL_LABEL) or labels.get("instance", "")
+        url = urls.get(where) or urls.setdefault(where, exporter_url(labels))
+        if url not in instances:
+            instances[url] = labels.get("instance", url)
         free_gib, util = unpack(value)
-        gpus.setdefault(url, []).append(
-            GpuSample(
-                index=index,
-                uuid=uuid,
-                up=True,
-                memory_free_bytes=free_gib * GIB,
-                utilization_ratio=util,
-            )
-        )
+        gpus.setdefault(url, []).append(SievedGpu.of(index, uuid, free_gib * GIB, util))
     flagged: dict[str, dict[str, Any]] = {}
     for sample in answers.get("problems", ()):
         labels = sample.get("metric", {})
