@@ -318,6 +318,17 @@ def test_a_host_whose_exporter_is_down_is_skipped(fleet: Fleet) -> None:
     )
     assert viewed.placements[0].url == fleet.c.base
     assert "target down" in {url: why for _, url, why in viewed.passed_over}[fleet.b.base]
+    # Past 500 exporters (forced here): the packed series, and the problem the rules record.
+    down = f'gpu_fleet:problem{{fleet_problem="target_down",instance="{fleet.b.address}"}}'
+    fleet.prom.wait_for(f"{down} == 0")
+    packed = choose_fleet(
+        {"n": "2", "max_util": "10%", "lease": "0"},
+        prometheus=fleet.prom.base,
+        rule_prefix="gpu_fleet",
+        sieve=True,
+    )
+    assert packed.placements[0].url == fleet.c.base
+    assert "target down" in {url: why for _, url, why in packed.passed_over}[fleet.b.base]
 
 
 def test_with_prometheus_down_the_named_hosts_still_serve(fleet: Fleet) -> None:

@@ -201,8 +201,10 @@ def packed_fetch(results: Mapping[str, Any], asked: list[str], *, recorded: bool
     def fetch(url: str, timeout: float) -> Any:
         expr = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["query"][0]
         asked.append(expr)
-        if expr.startswith("timestamp("):
+        if expr.startswith("timestamp(") or expr == 'gpu_fleet:host{field="scraped_at"}':
             result = results["scraped"]
+        elif expr.startswith("gpu_fleet:problem"):  # the stuck ones past max_age 60
+            result = problems(results) if recorded else []
         elif expr.startswith("count(gpu_fleet:packed"):
             result = [{"metric": {}, "value": [NOW, "3"]}] if recorded else []
         elif "gpu_fleet:packed" in expr:
@@ -213,7 +215,7 @@ def packed_fetch(results: Mapping[str, Any], asked: list[str], *, recorded: bool
             result = problems(results)
         elif "fleet_reason" in expr:
             result = [{"metric": {"fleet_reason": "gpus"}, "value": [NOW, "3"]}]
-        else:  # gpu_fleet:host: the view's own series are not loaded here
+        else:  # the view's other series are not loaded here
             result = []
         return {"status": "success", "data": {"resultType": "vector", "result": result}}
 

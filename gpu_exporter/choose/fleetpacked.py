@@ -150,6 +150,29 @@ def packed_query(prefix: str, filters: Filters, names: Names | None = None) -> s
     return expr
 
 
+RECORDED_LAG_ABOVE: Final = 5.0  # the rules record a stuck sampler past this lag (seconds)
+
+
+def recorded_problems_query(prefix: str, selector: str, max_age_seconds: float) -> str:
+    """The exporters that cannot serve, from ``<prefix>:problem`` (the packed rules' group):
+    what :func:`~gpu_exporter.choose.fleetsieve.problems_query` answers, reading only them.
+    The rule records a sampler's lag past :data:`RECORDED_LAG_ABOVE`, so ``max_age`` must
+    not be below it.
+
+    >>> print(recorded_problems_query("gpu_fleet", "", 60))
+    gpu_fleet:problem{fleet_problem!="stuck"} or gpu_fleet:problem{fleet_problem="stuck"} > 60
+    """
+    if max_age_seconds < RECORDED_LAG_ABOVE:
+        raise ValueError(f"the rules record lags past {RECORDED_LAG_ABOVE:g} s only")
+    sel = check_selector(selector)
+    name = f"{check_prefix(prefix)}:problem"
+    rest = f", {sel}" if sel else ""
+    return (
+        f'{name}{{fleet_problem!="stuck"{rest}}} '
+        f'or {name}{{fleet_problem="stuck"{rest}}} > {max_age_seconds!r}'
+    )
+
+
 def presence_query(prefix: str, selector: str = "") -> str:
     """Whether the store has the packed series at all (an empty answer may just be a
     fleet where no GPU passes)."""
