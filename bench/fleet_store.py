@@ -23,7 +23,8 @@ exporters' scrape times, then only the GPUs that pass the filters and the export
 problem), as the chooser reads a fleet past 500 exporters, and **packed**
 (:mod:`gpu_exporter.choose.fleetpacked`: the view's scrape times, then one read of
 ``gpu_fleet:packed``, the one series per GPU the fleet rules record, filtered with
-comparisons and ``%``, beside the problems). All five must rank the same best 20 hosts,
+comparisons and ``%``, and the exporters' problems the rules record, all three at once, as
+a chooser reads a fleet it has seen past 500 exporters). All five must rank the same best 20 hosts,
 each with the same GPUs.
 """
 
@@ -47,7 +48,7 @@ import servers
 
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.fleet import rank_fleet
-from gpu_exporter.choose.fleetpacked import pack, packed_query
+from gpu_exporter.choose.fleetpacked import pack, packed_query, recorded_problems_query
 from gpu_exporter.choose.fleetpacked import unpack as unpack_packed
 from gpu_exporter.choose.fleetsieve import (
     Names,
@@ -110,7 +111,8 @@ def exposition(answers: dict[str, dict[str, Any]], *, view: bool) -> Iterator[st
 
 def packed_exposition(answers: dict[str, dict[str, Any]]) -> Iterator[str]:
     """``gpu_fleet:packed`` as the fleet rules record it from one batch's raw series: one
-    series per card that can be handed out (up, not leased), its figures packed."""
+    series per card that can be handed out (up, not leased), its figures packed; and
+    ``gpu_fleet:problem``, the exporters that cannot serve."""
     result = {name: doc["data"]["result"] for name, doc in answers.items()}
     scraped_at = {s["metric"]["instance"]: float(s["value"][1]) for s in result["scraped"]}
     cards: dict[str, dict[str, Any]] = {}
@@ -133,6 +135,12 @@ def packed_exposition(answers: dict[str, dict[str, Any]]) -> Iterator[str]:
         for i in range(SCRAPES):
             back = 15 * (SCRAPES - 1 - i)
             yield f"gpu_fleet:packed{{{text}}} {float(value)!r} {int((last - back) * 1000)}"
+    for sample in result["down"]:  # the rule's gpu_fleet:problem (no sampler is stuck here)
+        _, text = _labels(sample["metric"])
+        at = int(float(sample["value"][0]) * 1000)
+        for i in range(SCRAPES):
+            line = f'gpu_fleet:problem{{fleet_problem="target_down",{text}}} 0'
+            yield f"{line} {at - 15_000 * (SCRAPES - 1 - i)}"
 
 
 def _post(url: str, body: bytes) -> None:
@@ -216,11 +224,15 @@ def _read(
     def ask(queries: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
         return query_prometheus(base, queries, at, fetch=http_get_json, timeout=600)
 
-    if packed:
+    if packed:  # as read_prometheus() reads a fleet it knows is large: all three at once
         names = Names("gpu_fleet")
-        hosts = ask({"hosts": hosts_query(names)})
-        both = {"sieve": packed_query("gpu_fleet", filters, names)}
-        return {**hosts, **ask({**both, "problems": problems_query(names, 60)})}
+        return ask(
+            {
+                "hosts": hosts_query(names),
+                "sieve": packed_query("gpu_fleet", filters, names),
+                "problems": recorded_problems_query("gpu_fleet", "", 60),
+            }
+        )
     if sieve:
         names = Names("gpu_fleet" if view else "")
         hosts = ask({"hosts": hosts_query(names)})
