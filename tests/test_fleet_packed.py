@@ -215,6 +215,10 @@ def packed_fetch(results: Mapping[str, Any], asked: list[str], *, recorded: bool
             result = problems(results)
         elif "fleet_reason" in expr:
             result = [{"metric": {"fleet_reason": "gpus"}, "value": [NOW, "3"]}]
+        elif expr.startswith("{__name__") and "gpu_fleet" not in expr:  # every raw series
+            result = results["values"]
+        elif expr.startswith("up"):
+            result = results["down"]
         else:  # the view's other series are not loaded here
             result = []
         return {"status": "success", "data": {"resultType": "vector", "result": result}}
@@ -258,3 +262,43 @@ def test_a_choice_reads_the_packed_series_and_falls_back_to_the_sieve_without_th
             wall_clock=lambda: NOW,
         )
     assert not any(e.startswith("floor(") for e in asked)
+
+
+def test_a_chooser_that_saw_a_large_fleet_reads_the_packed_series_with_the_scrape_times() -> None:
+    from gpu_exporter.client import fleetread
+
+    results = random_fleet(random.Random(3), hosts=510)  # past DETAIL_UP_TO_HOSTS
+    where = ("http://prom:9090", "", "gpu_fleet")
+    fleetread._LARGE_FLEETS.discard(where)
+    args = {"n": "1", "max_util": "10%", "max_mem_util": "100%"}
+    rounds = []
+    for _ in range(2):
+        asked: list[str] = []
+        choose_fleet(
+            args,
+            prometheus="prom:9090",
+            rule_prefix="gpu_fleet",
+            fetch=packed_fetch(results, asked),
+            claimer=fixed_claimer,
+            wall_clock=lambda: NOW,
+        )
+        rounds.append(asked)
+        assert where in fleetread._LARGE_FLEETS  # remembered: the next read asks all at once
+    for asked in rounds:  # the same three reads either way; the second asks them together
+        assert sorted(e.split("{")[0].split(" ")[0] for e in asked) == [
+            "(gpu_fleet:packed",
+            "gpu_fleet:host",
+            "gpu_fleet:problem",
+        ]
+    # A fleet that shrank below the size is read in full again, and forgotten.
+    small = random_fleet(random.Random(3), hosts=20)
+    asked = []
+    choose_fleet(
+        args,
+        prometheus="prom:9090",
+        rule_prefix="gpu_fleet",
+        fetch=packed_fetch(small, asked),
+        claimer=fixed_claimer,
+        wall_clock=lambda: NOW,
+    )
+    assert where not in fleetread._LARGE_FLEETS

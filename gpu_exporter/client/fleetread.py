@@ -185,7 +185,10 @@ def _read_prometheus(
     if packing and (sieve or (sieve is None and where in _LARGE_FLEETS)):
         view = Names(rule_prefix, selector)
         read = ask({"hosts": hosts_query(view), **_packed_queries(rule_prefix, view, req)})
-        if read["hosts"] and _has_packed(ask, read, rule_prefix, selector):
+        large = sieve or len(read["hosts"]) > DETAIL_UP_TO_HOSTS
+        if not large:  # it shrank: every series again, for every GPU's reasons
+            _LARGE_FLEETS.discard(where)
+        elif read["hosts"] and _has_packed(ask, read, rule_prefix, selector):
             return _sieved(read, req, now, unpack_packed)
     names, hosts = Names("", selector), None
     if rule_prefix:
