@@ -68,16 +68,22 @@ def pack(
     ...      memory_utilization_ratio=0.35, compute_processes=0)
     70350081920007
     """
+    util = _round(utilization_ratio * 100)
     figures = {
-        "utilization_pct_test": round(utilization_ratio * 100),
-        "memory_utilization_pct": round(memory_utilization_ratio * 100),
+        "utilization_pct_test": util,
+        "memory_utilization_pct": _round(memory_utilization_ratio * 100),
         "compute_processes": compute_processes,
         "memory_free_mib": memory_free_bytes // MIB,
-        "utilization_pct": round(utilization_ratio * 100),
+        "utilization_pct": util,
     }
     return sum(
         min(max(int(figures[name]), 0), top) * 10**low for name, (low, _, top) in FIELDS.items()
     )
+
+
+def _round(x: float) -> int:
+    """PromQL's ``round()``: halves up (Python's rounds them to even)."""
+    return math.floor(x + 0.5)
 
 
 def _pct(ratio: float) -> int:
