@@ -7,10 +7,11 @@ beside the exporters' scrape times it reads first (:func:`hosts_query`, which al
 fleet):
 
 * :func:`sieve_query`: one series per GPU that passes the request's fixed filters (not
-  down, not leased, ``min_free``, ``max_util``, ``max_mem_util``, ``max_procs``, ``min_total``,
-  ``model``), as PromQL comparisons joined with ``and on(instance, job, uuid)`` /
-  ``unless``. Its value packs what the ranking needs, whole free GiB and utilization:
-  ``floor(free / 2^30) + utilization / 2`` (:func:`unpack`).
+  down, not leased, not allocated to a Kubernetes pod, ``min_free``, ``max_util``,
+  ``max_mem_util``, ``max_procs``, ``min_total``, ``model``), as PromQL comparisons
+  joined with ``and on(instance, job, uuid)`` / ``unless``. Its value packs what the
+  ranking needs, whole free GiB and utilization: ``floor(free / 2^30) + utilization / 2``
+  (:func:`unpack`).
 * :func:`problems_query`: the exporters that cannot serve at all (NVML down, a stuck
   sampler, a failed scrape); with the scrape times, every host's problem as
   :func:`gpu_exporter.choose.promql.parse_fleet` states it.
@@ -18,7 +19,7 @@ fleet):
 The same queries run on the raw series or on the recorded view
 (:mod:`gpu_exporter.choose.fleetview`): :class:`Names` spells each series either way.
 :func:`parse_sieve` builds a :class:`~gpu_exporter.choose.fleet.Fleet` whose hosts hold only
-their qualifying GPUs (``sieved``); ranking it with
+their qualifying GPUs (``sieved``; each a light :class:`SievedGpu`); ranking it with
 :func:`gpu_exporter.choose.fleet.rank_fleet` gives the same order as the full read. A refusal
 counts the reasons across the fleet (:func:`reasons_query`) instead of naming each GPU's.
 
