@@ -267,38 +267,29 @@ def test_a_choice_reads_the_packed_series_and_falls_back_to_the_sieve_without_th
 def test_a_chooser_that_saw_a_large_fleet_reads_the_packed_series_with_the_scrape_times() -> None:
     from gpu_exporter.client import fleetread
 
-    results = random_fleet(random.Random(3), hosts=510)  # past DETAIL_UP_TO_HOSTS
     where = ("http://prom:9090", "", "gpu_fleet")
     fleetread._LARGE_FLEETS.discard(where)
-    args = {"n": "1", "max_util": "10%", "max_mem_util": "100%"}
-    rounds = []
-    for _ in range(2):
+
+    def choose(hosts: int) -> list[str]:
         asked: list[str] = []
         choose_fleet(
-            args,
+            {"n": "1", "max_util": "10%", "max_mem_util": "100%"},
             prometheus="prom:9090",
             rule_prefix="gpu_fleet",
-            fetch=packed_fetch(results, asked),
+            fetch=packed_fetch(random_fleet(random.Random(3), hosts=hosts), asked),
             claimer=fixed_claimer,
             wall_clock=lambda: NOW,
         )
-        rounds.append(asked)
+        return asked
+
+    for _ in range(2):  # past DETAIL_UP_TO_HOSTS
+        asked = choose(510)
         assert where in fleetread._LARGE_FLEETS  # remembered: the next read asks all at once
-    for asked in rounds:  # the same three reads either way; the second asks them together
+        # the same three reads either way; the second time together
         assert sorted(e.split("{")[0].split(" ")[0] for e in asked) == [
             "(gpu_fleet:packed",
             "gpu_fleet:host",
             "gpu_fleet:problem",
         ]
-    # A fleet that shrank below the size is read in full again, and forgotten.
-    small = random_fleet(random.Random(3), hosts=20)
-    asked = []
-    choose_fleet(
-        args,
-        prometheus="prom:9090",
-        rule_prefix="gpu_fleet",
-        fetch=packed_fetch(small, asked),
-        claimer=fixed_claimer,
-        wall_clock=lambda: NOW,
-    )
+    choose(20)  # a fleet that shrank below the size is read in full again, and forgotten
     assert where not in fleetread._LARGE_FLEETS
