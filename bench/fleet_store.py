@@ -15,13 +15,17 @@ own functions (those :func:`gpu_exporter.client.fleet.choose_fleet` calls, in it
   it), and the chooser's **memory**: the peak of Python allocations during one choice
   (tracemalloc, run apart from the timed runs).
 
-Four paths: **raw** (the three queries of :func:`~gpu_exporter.choose.promql.fleet_queries`),
+Five paths: **raw** (the three queries of :func:`~gpu_exporter.choose.promql.fleet_queries`),
 **view** (the one query of :func:`~gpu_exporter.choose.fleetview.view_query`, over the
 series deploy/prometheus/gpu-exporter.fleet.rules.yml records, loaded here as the rules would
 have written them), and both **sieved** (:mod:`gpu_exporter.choose.fleetsieve`: the
 exporters' scrape times, then only the GPUs that pass the filters and the exporters with a
-problem), as the chooser reads a fleet past 500 exporters. All four must rank the same best
-20 hosts, each with the same GPUs.
+problem), as the chooser reads a fleet past 500 exporters, and **packed**
+(:mod:`gpu_exporter.choose.fleetpacked`: the view's scrape times, then one read of
+``gpu_fleet:packed``, the one series per GPU the fleet rules record, filtered with
+comparisons and ``%``, and the exporters' problems the rules record, all three at once, as
+a chooser reads a fleet it has seen past 500 exporters). All five must rank the same best 20 hosts,
+each with the same GPUs.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ import servers
 
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.fleet import rank_fleet
+from gpu_exporter.choose.fleetpacked import pack, packed_query, recorded_problems_query
+from gpu_exporter.choose.fleetpacked import unpack as unpack_packed
 from gpu_exporter.choose.fleetsieve import (
     Names,
     hosts_query,
@@ -55,7 +61,8 @@ from gpu_exporter.choose.fleetview import FIELDS, from_view, view_query
 from gpu_exporter.choose.promql import fleet_queries, parse_fleet
 from gpu_exporter.client.fleetread import gc_paused, http_get_json, query_prometheus
 
-PATHS = ("raw", "view", "raw sieve", "view sieve")  # every series; or only those that pass
+# every series; or only those that pass, joined in the store or from the packed series
+PATHS = ("raw", "view", "raw sieve", "view sieve", "packed")
 SCRAPES = 4  # samples per series, 15 s apart, the last at the host's scrape time
 BATCH_HOSTS = 500  # hosts per import request
 Answers = Callable[[int, int, float], dict[str, dict[str, Any]]]  # (hosts, first, at) → answers
@@ -102,6 +109,40 @@ def exposition(answers: dict[str, dict[str, Any]], *, view: bool) -> Iterator[st
         yield from lines(name, ('field="target_up",' if view else "") + text, 0, at, False)
 
 
+def packed_exposition(answers: dict[str, dict[str, Any]]) -> Iterator[str]:
+    """``gpu_fleet:packed`` as the fleet rules record it from one batch's raw series: one
+    series per card that can be handed out (up, not leased), its figures packed; and
+    ``gpu_fleet:problem``, the exporters that cannot serve."""
+    result = {name: doc["data"]["result"] for name, doc in answers.items()}
+    scraped_at = {s["metric"]["instance"]: float(s["value"][1]) for s in result["scraped"]}
+    cards: dict[str, dict[str, Any]] = {}
+    for sample in result["values"]:
+        metric = sample["metric"]
+        if "uuid" in metric:
+            card = cards.setdefault(metric["uuid"], {"labels": metric})
+            card[metric["__name__"]] = float(sample["value"][1])
+    for card in cards.values():
+        if card.get("gpu_up") != 1 or card.get("gpu_leased") == 1:
+            continue
+        value = pack(
+            memory_free_bytes=int(card["gpu_memory_free_bytes"]),
+            utilization_ratio=card["gpu_utilization_ratio"],
+            memory_utilization_ratio=card["gpu_memory_utilization_ratio"],
+            compute_processes=int(card["gpu_compute_processes"]),
+        )
+        _, text = _labels({k: card["labels"][k] for k in ("instance", "job", "gpu", "uuid")})
+        last = scraped_at[card["labels"]["instance"]]
+        for i in range(SCRAPES):
+            back = 15 * (SCRAPES - 1 - i)
+            yield f"gpu_fleet:packed{{{text}}} {float(value)!r} {int((last - back) * 1000)}"
+    for sample in result["down"]:  # the rule's gpu_fleet:problem (no sampler is stuck here)
+        _, text = _labels(sample["metric"])
+        at = int(float(sample["value"][0]) * 1000)
+        for i in range(SCRAPES):
+            line = f'gpu_fleet:problem{{fleet_problem="target_down",{text}}} 0'
+            yield f"{line} {at - 15_000 * (SCRAPES - 1 - i)}"
+
+
 def _post(url: str, body: bytes) -> None:
     req = urllib.request.Request(url, data=body, method="POST")
     with urllib.request.urlopen(req, timeout=600) as resp:
@@ -138,12 +179,17 @@ def victoria_metrics() -> Iterator[str]:
 
 
 def load_victoria_metrics(base: str, answers: Answers, hosts: int, at: float) -> dict[str, float]:
-    """Import the fleet (raw and view) in batches; returns seconds and samples imported."""
+    """Import the fleet (raw, view and packed) in batches; returns seconds and samples
+    imported."""
     start, samples = time.perf_counter(), 0
     for first in range(0, hosts, BATCH_HOSTS):
         batch = answers(min(BATCH_HOSTS, hosts - first), first, at)
-        for view in (False, True):
-            body = "\n".join(exposition(batch, view=view)) + "\n"
+        for lines in (
+            exposition(batch, view=False),
+            exposition(batch, view=True),
+            packed_exposition(batch),
+        ):
+            body = "\n".join(lines) + "\n"
             samples += body.count("\n")
             _post(base + "/api/v1/import/prometheus", body.encode())
     return {"import_seconds": round(time.perf_counter() - start, 1), "samples": samples}
@@ -152,7 +198,9 @@ def load_victoria_metrics(base: str, answers: Answers, hosts: int, at: float) ->
 def wait_visible(base: str, at: float, gpus: int, timeout: float = 300) -> None:
     """Until the store answers with every GPU (imports become searchable within seconds)."""
     deadline = time.monotonic() + timeout
-    for expr in ("count(gpu_up)", 'count(gpu_fleet:gpu{field="up"})'):
+    wanted = {"count(gpu_up)": gpus, 'count(gpu_fleet:gpu{field="up"})': gpus}
+    wanted["count(gpu_fleet:packed)"] = int(gpus * 0.9)  # less the leased ones (5 %)
+    for expr, least in wanted.items():
         while True:
             doc = http_get_json(
                 f"{base}/api/v1/query?"
@@ -160,19 +208,31 @@ def wait_visible(base: str, at: float, gpus: int, timeout: float = 300) -> None:
                 60,
             )
             found = doc["data"]["result"]
-            if found and float(found[0]["value"][1]) >= gpus:
+            if found and float(found[0]["value"][1]) >= least:
                 break
             if time.monotonic() > deadline:
                 raise SystemExit(f"{expr}: {found} after {timeout:.0f} s, {gpus} expected")
             time.sleep(1)
 
 
-def _read(base: str, at: float, filters: Filters, *, view: bool, sieve: bool) -> Any:
-    """The fleet's answers as read_prometheus() asks for them (every series, or the sieve)."""
+def _read(
+    base: str, at: float, filters: Filters, *, view: bool, sieve: bool, packed: bool = False
+) -> Any:
+    """The fleet's answers as read_prometheus() asks for them (every series, the sieve, or
+    the packed series)."""
 
     def ask(queries: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
         return query_prometheus(base, queries, at, fetch=http_get_json, timeout=600)
 
+    if packed:  # as read_prometheus() reads a fleet it knows is large: all three at once
+        names = Names("gpu_fleet")
+        return ask(
+            {
+                "hosts": hosts_query(names),
+                "sieve": packed_query("gpu_fleet", filters, names),
+                "problems": recorded_problems_query("gpu_fleet", "", 60),
+            }
+        )
     if sieve:
         names = Names("gpu_fleet" if view else "")
         hosts = ask({"hosts": hosts_query(names)})
@@ -186,14 +246,23 @@ def _read(base: str, at: float, filters: Filters, *, view: bool, sieve: bool) ->
 
 
 def choice(
-    base: str, at: float, filters: Filters, n: int, *, view: bool, sieve: bool = False
+    base: str,
+    at: float,
+    filters: Filters,
+    n: int,
+    *,
+    view: bool,
+    sieve: bool = False,
+    packed: bool = False,
 ) -> dict[str, Any]:
     """One choice's reading and ranking, each step timed (ms)."""
     t0 = time.perf_counter()
     with gc_paused():  # as choose_fleet() reads and ranks
-        got = _read(base, at, filters, view=view, sieve=sieve)
+        got = _read(base, at, filters, view=view, sieve=sieve, packed=packed)
         t1 = time.perf_counter()
-        if sieve:
+        if packed:
+            fleet = parse_sieve(got, evaluated_at=at, max_age_seconds=60, unpack=unpack_packed)
+        elif sieve:
             fleet = parse_sieve(got, evaluated_at=at, max_age_seconds=60)
         else:
             results = from_view(got["view"]) if view else got
@@ -216,9 +285,18 @@ def choice(
 
 
 def measure(
-    base: str, at: float, filters: Filters, n: int, repeat: int, *, view: bool, sieve: bool
+    base: str,
+    at: float,
+    filters: Filters,
+    n: int,
+    repeat: int,
+    *,
+    view: bool,
+    sieve: bool,
+    packed: bool = False,
 ) -> dict[str, Any]:
-    runs = [choice(base, at, filters, n, view=view, sieve=sieve) for _ in range(repeat)]
+    how = {"view": view, "sieve": sieve, "packed": packed}
+    runs = [choice(base, at, filters, n, **how) for _ in range(repeat)]
     out: dict[str, Any] = {
         step: {
             "median_ms": round(statistics.median(r[step] for r in runs), 1),
@@ -231,7 +309,7 @@ def measure(
     out["chosen"] = runs[0]["chosen"]
     out["top"] = runs[0]["top"]
     tracemalloc.start()
-    choice(base, at, filters, n, view=view, sieve=sieve)
+    choice(base, at, filters, n, **how)
     out["peak_python_mib"] = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
     tracemalloc.stop()
     return out
@@ -252,7 +330,14 @@ def measure_victoria_metrics(
             wait_visible(base, at, int(gpus * 0.97))
             paths = {
                 path: measure(
-                    base, at, filters, n, repeat, view="view" in path, sieve="sieve" in path
+                    base,
+                    at,
+                    filters,
+                    n,
+                    repeat,
+                    view="view" in path,
+                    sieve="sieve" in path,
+                    packed=path == "packed",
                 )
                 for path in PATHS
             }

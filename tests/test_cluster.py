@@ -27,6 +27,7 @@ from gpu_exporter.client.fleet import (
 )
 from gpu_exporter.simulate import SimulatedNvml
 from gpu_exporter.web.cluster import ClusterService
+from harness import ROOT
 
 NOW = 1_800_000_000.0
 GIB = 2**30
@@ -243,6 +244,25 @@ def test_leased_and_down_gpus_do_not_qualify() -> None:
     assert [g.index for g in candidate.qualified] == [2]
     (passed,) = rank_fleet(fleet_of(results), 2, Filters()).passed_over
     assert "leased (at the last scrape)" in passed[1] and "down: gpu_up 0" in passed[1]
+
+
+def test_cards_the_kubelet_allocated_to_pods_are_passed_over_as_on_the_host() -> None:
+    pod = {"namespace": "ml", "pod": "train-0", "container": "main"}
+    ids = {"gpu": "0", "uuid": uuid("a:9400", 0)}
+    results = host_results({"a:9400": gpu("a:9400", 0) + gpu("a:9400", 1, util=0.5)})
+    results["values"].append(series("gpu_pod_info", 1, "a:9400", **ids, **pod))
+    assert "gpu_pod_info" in fleet_queries(Filters(), "free", None)["values"]
+    fleet = fleet_of(results)
+    (candidate,) = rank_fleet(fleet, 1, Filters()).candidates
+    assert [g.index for g in candidate.qualified] == [1]  # the better card is the pod's
+    (passed,) = rank_fleet(fleet, 2, Filters()).passed_over
+    assert "gpu 0: allocated to pod ml/train-0" in passed[1]
+    # Past 500 exporters the store leaves them out: the sieve, the packed series' rule.
+    from gpu_exporter.choose.fleetsieve import Names, sieve_query
+
+    assert "unless on(instance, job, uuid) gpu_pod_info" in sieve_query(Names(), Filters())
+    rules = (ROOT / "deploy" / "prometheus" / "gpu-exporter.fleet.rules.yml").read_text()
+    assert "unless on(instance, job, uuid) gpu_pod_info" in rules
 
 
 def test_idle_for_uses_the_worst_figure_of_the_window() -> None:

@@ -71,6 +71,7 @@ class Fleet:
         second or two apart, so a sum could miss one)."""
         self.prom.wait_for("count(gpu_leased == 0) == 12")
         self.prom.wait_for('count(gpu_fleet:gpu{field="leased"} == 0) == 12')
+        self.prom.wait_for("count(gpu_fleet:packed) == 12")  # every card can be handed out
 
 
 FLEET_RULES = ROOT / "deploy" / "prometheus" / "gpu-exporter.fleet.rules.yml"
@@ -203,7 +204,9 @@ def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Flee
 
 def test_the_store_filtered_read_gives_the_same_choices(fleet: Fleet) -> None:
     """What a fleet past 500 exporters reads (gpu_exporter.choose.fleetsieve): only the GPUs
-    that pass, filtered by the store's PromQL, raw and recorded; the same choices."""
+    that pass, filtered by the store's PromQL, raw and recorded, and with the rule prefix
+    from the one packed series per GPU (gpu_exporter.choose.fleetpacked) the rule records
+    there (Prometheus, or vmalert over VictoriaMetrics); the same choices."""
     fleet.wait_until_no_leases()
     requests = [
         {"n": "3", "max_util": "10%"},
@@ -212,22 +215,34 @@ def test_the_store_filtered_read_gives_the_same_choices(fleet: Fleet) -> None:
         {"n": "4", "max_util": "100%", "max_mem_util": "100%", "spread": "1"},
         {"n": "1", "model": "no such model"},
     ]
+    packed_reads = 0
     for prefix in ("", "gpu_fleet"):
         for args in requests:
             picks = {}
             for sieve in (False, True):
+                asked: list[str] = []
+
+                def fetch(url: str, timeout: float, asked: list[str] = asked) -> Any:
+                    asked.append(url)
+                    return http_get_json(url, timeout)
+
                 try:
                     advice = choose_fleet(
                         {**args, "lease": "0"},
                         prometheus=fleet.prom.base,
                         rule_prefix=prefix,
                         sieve=sieve,
+                        fetch=fetch,
                     )
                     picks[sieve] = [(p.url, sorted(p.uuids)) for p in advice.placements]
                 except ApiError as exc:  # with sieve, the store counted why
                     counted = "counted in the store" in exc.message
                     picks[sieve] = [("refused", exc.code, counted == sieve)]
             assert picks[True] == picks[False], (prefix, args, picks)
+            packed_reads += sum("gpu_fleet%3Apacked" in url for url in asked)
+            if prefix and sieve:  # the packed series answered: no sieve joined five metrics
+                assert not any("query=floor" in url for url in asked), asked
+    assert packed_reads >= 5  # every request fits the packing: each read it with the prefix
     with pytest.raises(ApiError, match=r"of 12 GPUs \(counted in the store.*, 12 of a model"):
         choose_fleet({"n": "1", "model": "no such"}, prometheus=fleet.prom.base, sieve=True)
 
@@ -303,6 +318,17 @@ def test_a_host_whose_exporter_is_down_is_skipped(fleet: Fleet) -> None:
     )
     assert viewed.placements[0].url == fleet.c.base
     assert "target down" in {url: why for _, url, why in viewed.passed_over}[fleet.b.base]
+    # Past 500 exporters (forced here): the packed series, and the problem the rules record.
+    down = f'gpu_fleet:problem{{fleet_problem="target_down",instance="{fleet.b.address}"}}'
+    fleet.prom.wait_for(f"{down} == 0")
+    packed = choose_fleet(
+        {"n": "2", "max_util": "10%", "lease": "0"},
+        prometheus=fleet.prom.base,
+        rule_prefix="gpu_fleet",
+        sieve=True,
+    )
+    assert packed.placements[0].url == fleet.c.base
+    assert "target down" in {url: why for _, url, why in packed.passed_over}[fleet.b.base]
 
 
 def test_with_prometheus_down_the_named_hosts_still_serve(fleet: Fleet) -> None:

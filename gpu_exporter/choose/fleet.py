@@ -50,6 +50,8 @@ class Host:
     problem: str | None = None  # why this host is not used at all
     window: Window | None = None  # idle_for, from Prometheus' range functions
     age_seconds: float | None = None  # how old its figures are
+    # (UUID, why) for cards the kubelet allocated to pods (gpu_pod_info): never handed out
+    allocated: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -145,27 +147,36 @@ def rank_fleet(
             passed.append((host, sieved_shortfall(len(host.gpus), needed)))
             continue
         leased = {u: held for u in host.leased}
+        leased.update(host.allocated)
         ranked = partial(rank, filters=filters, sort=sort, window=host.window, leased=leased)
-        # The GPUs that surely fail are left out first: formatting why would cost a third of
-        # ranking 100,000 GPUs (bench/cluster.py), and only a host passed over shows it.
-        maybe = (
-            host.gpus if filters.mig != "deny" else [g for g in host.gpus if _may_pass(g, filters)]
-        )
-        ranking = ranked(maybe)
-        if len(ranking.qualified) < needed:
+        qualified: tuple[GpuSample, ...]
+        if fleet.sieved and filters.mig != "only" and not leased and host.window is None:
+            # Every GPU passed the store's filters: rank() would reject none, only order them
+            # (by index, then by key), which is a third of ranking 100,000 GPUs.
+            qualified = tuple(sorted(host.gpus, key=partial(sort_key, sort=sort)))
+        else:
+            # The GPUs that surely fail are left out first: formatting why would cost a third
+            # of ranking 100,000 GPUs (bench/cluster.py), and only a host passed over shows it.
+            maybe = (
+                host.gpus
+                if filters.mig != "deny"
+                else [g for g in host.gpus if _may_pass(g, filters)]
+            )
+            qualified = ranked(maybe).qualified
+        if len(qualified) < needed:
             passed.append((host, str(NotEnoughGpus(needed, ranked(host.gpus)))))
             continue
         keys: tuple[SortKey, ...]
         if spread:
-            keys = (sort_key(ranking.qualified[0], sort),)
+            keys = (sort_key(qualified[0], sort),)
         else:  # the weakest of the n picks decides, then the stronger ones
-            keys = tuple(sort_key(g, sort) for g in reversed(ranking.qualified[:n]))
+            keys = tuple(sort_key(g, sort) for g in reversed(qualified[:n]))
         why = (
-            partial(sieved_shortfall, len(ranking.qualified), 0)
+            partial(sieved_shortfall, len(qualified), 0)
             if fleet.sieved
             else partial(_shortfall_of, ranked, host.gpus)
         )
-        candidates.append(Candidate(host, ranking.qualified, (keys, host.url), why))
+        candidates.append(Candidate(host, qualified, (keys, host.url), why))
     candidates.sort(key=lambda c: c.key)
     return FleetRanking(tuple(candidates), tuple(passed))
 

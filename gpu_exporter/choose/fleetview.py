@@ -31,6 +31,7 @@ FIELDS: Final[Mapping[str, str]] = {
     "gpu_up": "up",
     "gpu_leased": "leased",
     "gpu_info": "info",
+    "gpu_pod_info": "pod",
     **{name: field for name, (field, _) in VALUE_METRICS.items()},
     "gpu_exporter_nvml_up": "nvml_up",
     "gpu_exporter_last_sample_timestamp_seconds": "sampled_at",
@@ -60,7 +61,7 @@ def view_query(prefix: str, filters: Filters, sort: str, selector: str = "") -> 
 
     >>> view_query("gpu_fleet", Filters(), "free")  # doctest: +NORMALIZE_WHITESPACE
     '{__name__=~"gpu_fleet:gpu|gpu_fleet:host",
-      field=~"up|leased|memory_free_bytes|utilization_ratio|nvml_up|sampled_at|scraped_at|target_up"}'
+      field=~"up|leased|memory_free_bytes|utilization_ratio|pod|nvml_up|sampled_at|scraped_at|target_up"}'
     """
     sel = check_selector(selector)
     prefix = check_prefix(prefix)

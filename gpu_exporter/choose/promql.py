@@ -76,6 +76,7 @@ def needed_metrics(filters: Filters, sort: str) -> tuple[str, ...]:
         "gpu_leased",
         "gpu_memory_free_bytes",
         "gpu_utilization_ratio",
+        "gpu_pod_info",  # the kubelet gave the card to a pod (--kubernetes): not handed out
         "gpu_exporter_nvml_up",
         "gpu_exporter_last_sample_timestamp_seconds",
     ]
@@ -209,6 +210,9 @@ def parse_fleet(
         elif name == "gpu_info":
             gpu["name"] = labels.get("name")
             gpu["pci_bus_id"] = labels.get("pci_bus_id")
+        elif name == "gpu_pod_info":
+            pod = f"{labels.get('namespace', '')}/{labels.get('pod', '')}"
+            gpu.setdefault("pods", set()).add(pod)
         elif name in VALUE_METRICS and value is not None:
             field_name, kind = VALUE_METRICS[name]
             gpu[field_name] = kind(value)
@@ -227,6 +231,9 @@ def parse_fleet(
             )
         )
         leased = tuple(u for u, v in per_gpu.get(url, {}).items() if v.get("leased"))
+        allocated = tuple(
+            (u, allocated_to(v["pods"])) for u, v in per_gpu.get(url, {}).items() if v.get("pods")
+        )
         scraped_at = scraped.get(url)
         age = None if scraped_at is None else max(0.0, evaluated_at - scraped_at)
         problem = host_problem(info, scraped_at, age, max_age_seconds, bool(gpus))
@@ -243,6 +250,7 @@ def parse_fleet(
                 leased=leased,
                 problem=problem,
                 window=host_window,
+                allocated=allocated,
                 age_seconds=age,
             )
         )
@@ -261,6 +269,17 @@ def parse_fleet(
         by_url[url] = len(hosts)
         hosts.append(Host(url=url, instance=labels.get("instance", url), problem=TARGET_DOWN))
     return Fleet(tuple(hosts), "prometheus", evaluated_at, window_checked=bool(idle_for_seconds))
+
+
+def allocated_to(pods: set[str]) -> str:
+    """Why a card the kubelet gave to pods is passed over, as the host's /choose says it.
+
+    >>> allocated_to({"ml/train-0"}), allocated_to({"b/y", "a/x"})
+    ('allocated to pod ml/train-0', 'allocated to pods a/x, b/y')
+    """
+    if len(pods) == 1:
+        return f"allocated to pod {next(iter(pods))}"
+    return f"allocated to pods {', '.join(sorted(pods))}"
 
 
 def _sample(uuid: str, values: Mapping[str, Any]) -> GpuSample:

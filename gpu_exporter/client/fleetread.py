@@ -21,6 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 from gpu_exporter.choose.fleet import Fleet, Host, base_url, host_from_snapshot
+from gpu_exporter.choose.fleetpacked import (
+    RECORDED_LAG_ABOVE,
+    packable,
+    packed_query,
+    presence_query,
+    recorded_problems_query,
+)
+from gpu_exporter.choose.fleetpacked import unpack as unpack_packed
 from gpu_exporter.choose.fleetsieve import (
     DETAIL_UP_TO_HOSTS,
     Names,
@@ -32,6 +40,7 @@ from gpu_exporter.choose.fleetsieve import (
     sievable,
     sieve_query,
 )
+from gpu_exporter.choose.fleetsieve import unpack as unpack_sieve
 from gpu_exporter.choose.fleetview import from_view, view_query
 from gpu_exporter.choose.promql import fleet_queries, parse_fleet, window_query
 from gpu_exporter.choose.request import ClusterRequest
@@ -141,11 +150,19 @@ def read_prometheus(
     than :data:`~gpu_exporter.choose.fleetsieve.DETAIL_UP_TO_HOSTS` exporters (``sieve``:
     True always, False never), only the GPUs that pass the request's filters
     (:mod:`gpu_exporter.choose.fleetsieve`), else every series. With ``rule_prefix``, from
-    the recorded view (:mod:`gpu_exporter.choose.fleetview`); when the view is empty (the
-    rules are not loaded there), from the raw series as without it.
+    the recorded view (:mod:`gpu_exporter.choose.fleetview`), and only the GPUs that pass
+    from the one packed series per GPU (:mod:`gpu_exporter.choose.fleetpacked`) where the
+    request fits its packing; where the view or the packed series are absent (the rules are
+    not loaded there), from the raw series as without it.
     """
     with gc_paused():
         return _read_prometheus(prometheus, req, fetch, timeout, now, selector, rule_prefix, sieve)
+
+
+# (store, selector, rule prefix) whose last read found more than DETAIL_UP_TO_HOSTS exporters:
+# a long-running chooser (/cluster/choose, a Python process) then reads the packed series
+# together with the scrape times instead of after them.
+_LARGE_FLEETS: set[tuple[str, str, str]] = set()
 
 
 def _read_prometheus(
@@ -163,6 +180,16 @@ def _read_prometheus(
     def ask(queries: Mapping[str, str]) -> dict[str, list[dict[str, Any]]]:
         return query_prometheus(prometheus, queries, now, fetch=fetch, timeout=timeout)
 
+    where = (base_url(prometheus), selector, rule_prefix)
+    packing = bool(rule_prefix) and packable(c.filters, c.sort, c.idle_for_seconds)
+    if packing and (sieve or (sieve is None and where in _LARGE_FLEETS)):
+        view = Names(rule_prefix, selector)
+        read = ask({"hosts": hosts_query(view), **_packed_queries(rule_prefix, view, req)})
+        large = sieve or len(read["hosts"]) > DETAIL_UP_TO_HOSTS
+        if not large:  # it shrank: every series again, for every GPU's reasons
+            _LARGE_FLEETS.discard(where)
+        elif read["hosts"] and _has_packed(ask, read, rule_prefix, selector):
+            return _sieved(read, req, now, unpack_packed)
     names, hosts = Names("", selector), None
     if rule_prefix:
         view = Names(rule_prefix, selector)
@@ -176,16 +203,23 @@ def _read_prometheus(
     assert hosts is not None
     if sieve is None:
         sieve = len(hosts) > DETAIL_UP_TO_HOSTS
+        if sieve and len(_LARGE_FLEETS) < 64:
+            _LARGE_FLEETS.add(where)
+        elif not sieve:
+            _LARGE_FLEETS.discard(where)
     if sieve and sievable(c.filters, c.sort, c.idle_for_seconds):
-        answers = ask(
-            {
-                "sieve": sieve_query(names, c.filters),
-                "problems": problems_query(names, req.max_age_seconds),
-            }
-        )
-        fleet = parse_sieve(
-            {**answers, "hosts": hosts}, evaluated_at=now, max_age_seconds=req.max_age_seconds
-        )
+        answers: dict[str, list[dict[str, Any]]] | None = None
+        if packing:  # one recorded series per GPU (fleetpacked): the store reads one metric
+            answers = ask(_packed_queries(rule_prefix, names, req))
+            if not _has_packed(ask, answers, rule_prefix, selector):
+                log.info("no %s:packed series at %s: the sieve", rule_prefix, prometheus)
+                answers = None
+        if answers is None:
+            problems = problems_query(names, req.max_age_seconds)
+            answers = ask({"sieve": sieve_query(names, c.filters), "problems": problems})
+            fleet = _sieved({**answers, "hosts": hosts}, req, now, unpack_sieve)
+        else:
+            fleet = _sieved({**answers, "hosts": hosts}, req, now, unpack_packed)
     else:
         fleet = _read_every_series(ask, req, names, hosts, now, selector)
     if not fleet.hosts:
@@ -196,6 +230,37 @@ def _read_prometheus(
             "-search.latencyOffset, 30 s by default)"
         )
     return fleet
+
+
+def _packed_queries(prefix: str, names: Names, req: ClusterRequest) -> dict[str, str]:
+    """The packed series' read and the exporters' problems (recorded by the same rule group
+    where ``max_age`` allows: the few exporters with one, not four series per exporter)."""
+    if req.max_age_seconds >= RECORDED_LAG_ABOVE:
+        problems = recorded_problems_query(prefix, names.selector, req.max_age_seconds)
+    else:
+        problems = problems_query(names, req.max_age_seconds)
+    return {"sieve": packed_query(prefix, req.choose.filters, names), "problems": problems}
+
+
+def _has_packed(
+    ask: Callable[[Mapping[str, str]], dict[str, list[dict[str, Any]]]],
+    answers: Mapping[str, Any],
+    prefix: str,
+    selector: str,
+) -> bool:
+    """Whether the packed series answered: an empty answer may be no GPU passing."""
+    return bool(answers["sieve"] or ask({"n": presence_query(prefix, selector)})["n"])
+
+
+def _sieved(
+    answers: Mapping[str, Any],
+    req: ClusterRequest,
+    now: float,
+    unpack: Callable[[float], tuple[int, float]],
+) -> Fleet:
+    return parse_sieve(
+        answers, evaluated_at=now, max_age_seconds=req.max_age_seconds, unpack=unpack
+    )
 
 
 def _read_every_series(
