@@ -110,7 +110,13 @@ def test_every_alert_has_a_firing_and_a_silent_unit_test_case() -> None:
     assert alerts - silent == set(), "alerts never shown staying silent"
 
 
-HOST_ALERTS = {"GpuNoneFree", "GpuExporterNvmlDown", "GpuExporterTargetDown", "GpuExporterStale"}
+HOST_ALERTS = {
+    "GpuNoneFree",
+    "GpuExporterNvmlDown",
+    "GpuExporterTargetDown",
+    "GpuExporterStale",
+    "GpuExporterKubeletDown",
+}
 
 
 def test_every_alert_has_severity_and_a_summary_and_description_naming_host_and_gpu() -> None:
