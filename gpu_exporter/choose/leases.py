@@ -109,6 +109,9 @@ class LeaseTable:
     def memory_by_card(self, snapshot: Snapshot) -> dict[str, tuple[int, int]]:
         """UUID → (bytes reserved by memory leases, bytes their attributed processes use beyond
         that), for the cards of ``snapshot`` holding memory leases (the metrics)."""
+        with self._lock:  # most tables hold none: a scrape then settles the leases only once
+            if all(lease.mem_bytes is None for lease in self._leases.values()):
+                return {}
         shared = memory_leases(self.active(snapshot))
         cards = (card_memory(g, shared[g.uuid]) for g in snapshot.gpus if g.uuid in shared)
         return {card.uuid: (card.leased, card.overrun) for card in cards}
