@@ -262,3 +262,85 @@ def test_a_hung_gpu_takes_a_spare_thread_and_gives_it_back() -> None:
     finally:
         s.sim.release_hangs()
         s.sampler.stop(timeout_seconds=2)
+
+
+def _runs(thread: threading.Thread | None) -> int:
+    """How many times the kernel has put ``thread`` on a CPU (Linux ``schedstat``)."""
+    assert thread is not None and thread.native_id is not None
+    return int(Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text().split()[2])
+
+
+def _until(predicate: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_while_no_call_hangs_one_thread_wakes_per_sample() -> None:
+    """The reader samples and publishes on its own; the sampling thread, which only watches
+    its deadlines, wakes about once per deadline, not twice per sample as a hand-over would
+    make it."""
+    s = a100s(2, interval_seconds=0.02, nvml_timeout_seconds=5)
+    publishers: set[str] = set()
+    s.cache.subscribe(lambda _: publishers.add(threading.current_thread().name))
+    s.sampler.start()
+    try:
+        _until(lambda: s.cache.get().sequence >= 3)
+        watcher = s.sampler._thread
+        runs, sequence = _runs(watcher), s.cache.get().sequence
+        time.sleep(1.0)
+        assert s.cache.get().sequence - sequence >= 20  # 50 a second, less a busy machine's
+        assert _runs(watcher) - runs <= 2
+        assert publishers == {s.sampler._reader.thread.name}  # type: ignore[union-attr]
+    finally:
+        s.sampler.stop(timeout_seconds=2)
+
+
+def test_a_hang_while_running_is_taken_over_and_sampling_handed_back() -> None:
+    """GPU 1's call hangs under the running threads: within the deadline the sampling thread
+    publishes it as down and keeps sampling the others on a spare; once the call returns,
+    GPU 1 is back and a reader samples on its own again."""
+    hang = Fault(
+        "nvmlDeviceGetPowerUsage", HANG, gpu=1, after_seconds=5, for_seconds=1, hang_seconds=60
+    )
+    s = a100s(3, hang, interval_seconds=0.05, nvml_timeout_seconds=0.3)
+    publishers: list[str] = []
+    s.cache.subscribe(lambda _: publishers.append(threading.current_thread().name))
+    s.clock.advance(5)  # the hang's window: the first sample's call hangs
+    started = time.monotonic()
+    s.sampler.start()
+    try:
+        _until(lambda: s.cache.get().gpus and not s.cache.get().gpus[1].up)
+        assert time.monotonic() - started < 0.3 + 1.5  # the deadline, and slack
+        snap = s.cache.get()
+        assert [g.down_reason for g in snap.gpus] == [None, "timeout", None]
+        assert snap.gpus[1].error == "nvmlDeviceGetPowerUsage has not returned for 0 s"
+        assert s.sampler.stuck() == ("gpu1",)
+        _until(lambda: s.cache.get().sequence >= snap.sequence + 5)  # the others go on
+        assert all(g.up for g in s.cache.get().gpus[::2])
+        assert publishers[-1] == "nvml-sampler"
+        calls = s.sim.calls["nvmlDeviceGetPowerUsage"]
+
+        s.clock.advance(2)  # past the window: the call, once released, is not hung again
+        s.sim.release_hangs()
+        _until(lambda: all(g.up for g in s.cache.get().gpus))
+        assert s.sampler.stuck() == ()
+        publishers.clear()
+        _until(lambda: len(publishers) >= 5)
+        assert set(publishers[1:]) == {s.sampler._reader.thread.name}  # type: ignore[union-attr]
+        assert s.sim.calls["nvmlDeviceGetPowerUsage"] > calls
+    finally:
+        s.sim.release_hangs()
+        s.sampler.stop(timeout_seconds=2)
+
+
+def test_stop_while_the_reader_sleeps_is_prompt_and_shuts_nvml_down() -> None:
+    s = a100s(2, interval_seconds=10)
+    s.sampler.start()
+    _until(lambda: s.cache.get().sequence >= 1)
+    started = time.monotonic()
+    s.sampler.stop(timeout_seconds=5)
+    assert time.monotonic() - started < 0.5
+    assert s.sim.calls["nvmlShutdown"] == 1
+    assert not s.sampler.session.initialised

@@ -1,11 +1,11 @@
-"""The one background thread that samples NVML into snapshots.
+"""Sampling NVML into snapshots, every GPU on one reader thread, with a deadline per call.
 
-:class:`Sampler` owns the :class:`~gpu_exporter.nvml.Nvml` session: it initialises it with
-backoff (1 s doubling to 5 min), reads every GPU (:func:`~gpu_exporter.collect.read.read_gpu`)
-every ``interval`` (its slow fields every ``slow_interval``) and publishes the snapshot to the
-:class:`~gpu_exporter.collect.cache.SnapshotCache`. Every NVML call runs on a worker thread
-with a deadline, so a hung driver call marks one GPU (or NVML) down instead of stopping
-sampling. Requests only ever read the cache; they never call NVML.
+:class:`Sampler` owns the :class:`~gpu_exporter.nvml.Nvml` session (initialised with backoff
+by :class:`~gpu_exporter.collect.session.Session`), reads every GPU
+(:func:`~gpu_exporter.collect.read.read_gpu`) every ``interval`` (its slow fields every
+``slow_interval``) and publishes the snapshot to the
+:class:`~gpu_exporter.collect.cache.SnapshotCache`. A hung driver call marks one GPU (or NVML)
+down instead of stopping sampling. Requests only ever read the cache; they never call NVML.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from gpu_exporter.collect import groups
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.collect.fields import UnsupportedFields
 from gpu_exporter.collect.procinfo import ProcInfoCache
-from gpu_exporter.collect.read import DOWN_TIMEOUT, GpuIdentity, down_sample, optional, read_gpu
+from gpu_exporter.collect.read import DOWN_TIMEOUT, GpuIdentity, down_sample, read_gpu
+from gpu_exporter.collect.session import Session
 from gpu_exporter.collect.workers import LIBRARY, MAX_SPARES, Batch, Read, Worker
 from gpu_exporter.model import GpuSample, Snapshot
-from gpu_exporter.nvml import Nvml, NvmlError, NvmlUnavailable
+from gpu_exporter.nvml import Nvml, NvmlUnavailable
 
 log = logging.getLogger(__name__)
 
-INIT_BACKOFF_INITIAL_SECONDS = 1.0
-INIT_BACKOFF_MAX_SECONDS = 300.0
 DEFAULT_NVML_TIMEOUT_SECONDS = 5.0  # per GPU (and per library step) and sample
 DEFAULT_SLOW_INTERVAL_SECONDS = 30.0  # health fields (groups.SLOW)
 
@@ -40,12 +39,14 @@ DEFAULT_SLOW_INTERVAL_SECONDS = 30.0  # health fields (groups.SLOW)
 class Sampler:
     """Owns NVML: initialises it (with backoff), samples it, publishes snapshots.
 
-    The sampling thread itself never calls NVML. Library calls (init, device count) and
-    every GPU's reads run on one reader thread, one after another, in one hand-over per
-    sample, each step with a deadline of ``nvml_timeout_seconds``. A GPU whose call
-    overruns keeps that thread and is published as down (``down_reason="timeout"``, no
-    values) until the call returns; a spare thread reads the other GPUs. A stuck library
-    call marks NVML down the same way.
+    The sampling thread never calls NVML. The library step (init, device count) and every
+    GPU's reads run on one reader thread, one after another, each with a deadline of
+    ``nvml_timeout_seconds``. While calls return in time, the reader samples and publishes
+    on its own (one thread wakes per sample) and the sampling thread only checks deadlines.
+    A GPU whose call overruns keeps that thread and is published as down
+    (``down_reason="timeout"``, no values) until the call returns; meanwhile the sampling
+    thread samples with :meth:`sample_once`, a spare thread reading the other GPUs. A stuck
+    library call marks NVML down the same way.
     """
 
     def __init__(
@@ -72,13 +73,8 @@ class Sampler:
         self.interval_seconds = interval_seconds
         self.nvml_timeout_seconds = nvml_timeout_seconds
         self.clock: Clock = clock or SystemClock()
-        self._initialised = False
-        self._needs_shutdown = False
-        self._init_error: str | None = None
-        self._next_init_at = 0.0  # monotonic
-        self._init_delay = INIT_BACKOFF_INITIAL_SECONDS
-        self._driver_version: str | None = None
-        self._cuda_version: str | None = None
+        self.session = Session(nvml)
+        self._generation = 0  # the session's generation that _identities were read in
         self._identities: dict[int, GpuIdentity] = {}
         self._last_seen: dict[int, float] = {}  # GPU index → wall clock it last answered
         self._unsupported: UnsupportedFields = set()
@@ -86,6 +82,8 @@ class Sampler:
         self._slow_read_at: dict[int, float] = {}  # GPU index → monotonic, last slow read
         self._reader: Worker | None = None  # reads every GPU that is not stuck
         self._stuck: dict[int, Worker] = {}  # GPU index → the reader stuck in its call
+        self._live: Batch | None = None  # the reader's sample in progress (its own loop)
+        self._next_at = 0.0  # monotonic: when the reader's own loop samples next
         self._spares: list[Worker] = []  # readers whose stuck call returned
         self._names = itertools.count()
         self._stop = threading.Event()
@@ -97,15 +95,50 @@ class Sampler:
 
     # -- one pass ------------------------------------------------------------------------
     def sample_once(self) -> Snapshot:
-        """Initialise NVML if due, read every GPU, publish and return the snapshot."""
+        """Initialise NVML if due, read every GPU, publish and return the snapshot: the
+        reads on a reader thread, which this thread waits for, up to the deadline of each."""
         wall, start = self.clock.time(), self.clock.monotonic()
         if self.procinfo is not None:  # every sample, read or not: a pid unseen is rechecked
             self.procinfo.next_pass()
         try:
             gpus, problem = self._read_all(start, wall)
         except NvmlUnavailable as exc:
-            self._mark_unavailable(exc, start)
-            gpus, problem = (), self._init_error
+            self.session.unavailable(exc, start)
+            gpus, problem = (), self.session.error
+        return self._publish(wall, start, gpus, problem)
+
+    def _sample_here(self) -> bool:
+        """One sample read and published on this (the reader) thread, while the sampling
+        thread watches its deadlines; False if it gave up on a call of it (and publishes)."""
+        wall, start = self.clock.time(), self.clock.monotonic()
+        if self.procinfo is not None:
+            self.procinfo.next_pass()
+        batch = self._batch(start, wall, frozenset())
+        self._live = batch
+        unavailable: NvmlUnavailable | None = None
+        gpus: tuple[GpuSample, ...] = ()
+        try:
+            batch.run()
+        except NvmlUnavailable as exc:
+            unavailable = exc
+        except Exception:
+            if not batch.abandoned:
+                raise
+        finally:
+            self._live = None
+        if batch.abandoned:
+            return False
+        if unavailable is not None:
+            self.session.unavailable(unavailable, start)
+            problem = self.session.error
+        else:
+            gpus, problem = self._assemble(batch.count, self._apply(batch, {}, start), wall)
+        self._publish(wall, start, gpus, problem)
+        return True
+
+    def _publish(
+        self, wall: float, start: float, gpus: tuple[GpuSample, ...], problem: str | None
+    ) -> Snapshot:
         snapshot = Snapshot(
             taken_at_seconds=wall,
             monotonic_seconds=start,
@@ -114,8 +147,8 @@ class Sampler:
             simulated=self.nvml.simulated,
             gpus=gpus,
             nvml_error=problem,
-            driver_version=self._driver_version,
-            cuda_driver_version=self._cuda_version,
+            driver_version=self.session.driver_version,
+            cuda_driver_version=self.session.cuda_version,
             nvml_errors=tuple(
                 (fn, err, n) for (fn, err), n in sorted(self.nvml.error_counts().items())
             ),
@@ -126,47 +159,13 @@ class Sampler:
 
     def _library_job(self, now: float) -> int | None:
         """On the reader, first: shut down / initialise as due, then count the GPUs."""
-        if self._needs_shutdown:
-            self._needs_shutdown = False
-            self.nvml.shutdown()
-        if not self._initialised and now >= self._next_init_at:
-            self._try_init(now)
-        if not self._initialised:
-            return None
-        try:
-            return self.nvml.device_count()
-        except NvmlError as exc:
-            self._mark_unavailable(exc, now)
-            return None
-
-    def _try_init(self, now: float) -> None:
-        try:
-            self.nvml.init()
-            self._driver_version = optional(lambda _: self.nvml.driver_version(), None)
-            self._cuda_version = optional(lambda _: self.nvml.cuda_driver_version(), None)
-        except NvmlError as exc:
-            self._init_error = str(exc)
-            log.warning("NVML is not available (%s); retrying in %.0f s", exc, self._init_delay)
-            self._schedule_init(now)
-            return
-        log.info("NVML initialised: driver %s, CUDA %s", self._driver_version, self._cuda_version)
-        self._initialised = True
-        self._init_error = None
-        self._init_delay = INIT_BACKOFF_INITIAL_SECONDS
-        self._identities.clear()
-        self._slow_read_at.clear()
-        self._unsupported.clear()
-
-    def _mark_unavailable(self, exc: NvmlError, now: float) -> None:
-        log.error("NVML stopped working: %s; re-initialising with backoff", exc)
-        self._initialised = False
-        self._needs_shutdown = True  # done on the reader, before the next init
-        self._init_error = str(exc)
-        self._schedule_init(now)
-
-    def _schedule_init(self, now: float) -> None:
-        self._next_init_at = now + self._init_delay
-        self._init_delay = min(self._init_delay * 2, INIT_BACKOFF_MAX_SECONDS)
+        count = self.session.device_count(now)
+        if self.session.generation != self._generation:  # (re)initialised: read afresh
+            self._generation = self.session.generation
+            self._identities.clear()
+            self._slow_read_at.clear()
+            self._unsupported.clear()
+        return count
 
     def _read_all(self, start: float, wall: float) -> tuple[tuple[GpuSample, ...], str | None]:
         """The library step and every GPU, one after another on one reader thread: (GPUs,
@@ -185,38 +184,64 @@ class Sampler:
                 self._recovered(worker, f"GPU {index}")
                 self._spares.append(self._stuck.pop(index))
         read = functools.partial(self._read_one, now=start, wall=wall)
-        library = functools.partial(self._library_job, start)
-        batch = first = Batch(read, library=library, skip=frozenset(self._stuck))
+        batch = first = self._batch(start, wall, frozenset(self._stuck))
         samples: dict[int, GpuSample] = {}
         while True:
             reader = self._reader or (self._spares.pop() if self._spares else None)
             self._reader = reader or Worker(f"nvml-reader{next(self._names)}")
             stuck_at = batch.wait(self._reader.submit(batch.run, start), self.nvml_timeout_seconds)
-            if stuck_at == LIBRARY:
-                self._library_stuck, self._reader = self._reader, None
-                return (), self._overran(self._library_stuck, "NVML")
-            for index, (sample, identity, slow_read) in batch.results.items():
-                samples[index] = sample
-                if identity is not None:
-                    self._identities[index] = identity
-                if not sample.up:
-                    self._slow_read_at.pop(index, None)
-                elif slow_read:
-                    self._slow_read_at[index] = start
+            self._apply(batch, samples, start)
             if stuck_at is None:
                 break
-            self._stuck[stuck_at], self._reader = self._reader, None
-            self._slow_read_at.pop(stuck_at, None)
-            if stuck_at in self._identities:
-                self._identities[stuck_at] = self._identities[stuck_at].forget_values()
+            stuck = self._keep_stuck(stuck_at)
+            if stuck_at == LIBRARY:
+                return (), self._overran(stuck, "NVML")
             rest = batch.indexes[batch.indexes.index(stuck_at) + 1 :]
             if not rest:
                 break
             batch = Batch(read, rest)
         del self._spares[MAX_SPARES:]  # more stuck calls returned than will be needed
-        count = first.count
+        return self._assemble(first.count, samples, wall)
+
+    def _batch(self, start: float, wall: float, skip: frozenset[int]) -> Batch:
+        """The library step, then every GPU but those in ``skip``."""
+        read = functools.partial(self._read_one, now=start, wall=wall)
+        return Batch(read, library=functools.partial(self._library_job, start), skip=skip)
+
+    def _apply(
+        self, batch: Batch, samples: dict[int, GpuSample], start: float
+    ) -> dict[int, GpuSample]:
+        """What ``batch`` read, into ``samples`` (returned) and what is kept for next time."""
+        for index, (sample, identity, slow_read) in batch.results.items():
+            samples[index] = sample
+            if identity is not None:
+                self._identities[index] = identity
+            if not sample.up:
+                self._slow_read_at.pop(index, None)
+            elif slow_read:
+                self._slow_read_at[index] = start
+        return samples
+
+    def _keep_stuck(self, stuck_at: int) -> Worker:
+        """The reader is stuck in a call for GPU ``stuck_at`` (or :data:`LIBRARY`): it
+        keeps that call and is not given another job until it returns."""
+        reader, self._reader = self._reader, None
+        assert reader is not None  # the one that ran the batch
+        if stuck_at == LIBRARY:
+            self._library_stuck = reader
+            return reader
+        self._stuck[stuck_at] = reader
+        self._slow_read_at.pop(stuck_at, None)
+        if stuck_at in self._identities:
+            self._identities[stuck_at] = self._identities[stuck_at].forget_values()
+        return reader
+
+    def _assemble(
+        self, count: int | None, samples: dict[int, GpuSample], wall: float
+    ) -> tuple[tuple[GpuSample, ...], str | None]:
+        """Every GPU below ``count`` (a stuck one down), or ((), why not)."""
         if count is None:
-            return (), self._init_error
+            return (), self.session.error
         out = []
         for index in range(count):
             sample = samples.get(index) or self._timed_out(index)
@@ -277,9 +302,8 @@ class Sampler:
         self._thread.start()
 
     def stuck(self) -> tuple[str, ...]:
-        """What has an NVML call running past its deadline: ``"library"`` and ``"gpu<index>"``
-        for each GPU whose call overran and has not returned yet. A stuck one takes no new
-        call until it returns."""
+        """What has a call running past its deadline, and takes no new one until it returns:
+        ``"library"``, and ``"gpu<index>"`` for each GPU whose call overran."""
         workers = {"library": self._library_stuck}
         workers.update((f"gpu{index}", w) for index, w in sorted(self._stuck.items()))
         return tuple(name for name, worker in workers.items() if worker and worker.busy)
@@ -297,9 +321,11 @@ class Sampler:
         if self._thread is not None:
             self._thread.join(timeout_seconds)
         reader = self._reader
+        if reader is not None:  # its sampling loop ends at its next sleep
+            reader.wait_idle(deadline - time.monotonic())
         idle = reader is None or not reader.busy
-        if self._initialised and self._library_stuck is None and idle:
-            self._initialised = False
+        if self.session.initialised and self._library_stuck is None and idle:
+            self.session.initialised = False
             if reader is None:  # the last reader is stuck in a GPU's call
                 reader = self._reader = Worker(f"nvml-reader{next(self._names)}")
             reader.submit(self.nvml.shutdown, self.clock.monotonic()).wait(
@@ -310,12 +336,65 @@ class Sampler:
             worker.close()
 
     def _run(self) -> None:
+        next_at = time.monotonic()
         while not self._stop.is_set():
-            started = time.monotonic()
+            if not self._stuck and self._library_stuck is None:
+                next_at = self._watch(next_at)
+                continue
+            if self._sleep_until(next_at):
+                break
+            next_at = time.monotonic() + self.interval_seconds
             try:
-                self.sample_once()
+                self.sample_once()  # until the stuck calls return
             except Exception:  # a bug must not kill sampling for good
                 log.exception("sampling failed")
-            elapsed = time.monotonic() - started
-            if self._asleep.acquire(True, max(0.0, self.interval_seconds - elapsed)):
-                break  # stop() released it
+
+    def _watch(self, first_at: float) -> float:
+        """Sampling handed to a reader thread from monotonic ``first_at`` on, and the
+        deadline of each of its steps watched: returns on stop(), or once a step overran
+        (then the stuck call keeps that thread), with when to sample next."""
+        reader = self._reader or (self._spares.pop() if self._spares else None)
+        reader = self._reader = reader or Worker(f"nvml-reader{next(self._names)}")
+        self._next_at = first_at
+        job = reader.submit(functools.partial(self._sample_loop, first_at), 0.0)
+        deadline = self.nvml_timeout_seconds
+        while True:
+            batch = self._live
+            if batch is None:  # asleep between samples (or about to be)
+                stuck_at, wait = None, max(0.0, self._next_at - time.monotonic()) + deadline
+            else:
+                stuck_at, wait = batch.check(deadline)
+            if stuck_at is not None:
+                late = time.monotonic() - batch.started  # type: ignore[union-attr]
+                reader.submitted_at = self.clock.monotonic() - late  # for _overran's message
+                self._keep_stuck(stuck_at)
+                return time.monotonic()  # at once: a spare thread reads the others
+            if self._sleep_until(time.monotonic() + wait):
+                return self._next_at
+            if job.done():  # only stop() or a gave-up step ends it; log anything else
+                try:
+                    job.value()
+                except BaseException:
+                    log.exception("the sampling loop ended")
+                return self._next_at
+
+    def _sample_loop(self, next_at: float) -> None:
+        """On the reader thread: a sample every interval, each published here, until
+        stop() or until the sampling thread gives up on one of its calls."""
+        while True:
+            self._next_at = next_at
+            if self._sleep_until(next_at):
+                return
+            next_at = time.monotonic() + self.interval_seconds
+            try:
+                if not self._sample_here():
+                    return
+            except Exception:  # a bug must not kill sampling for good
+                log.exception("sampling failed")
+
+    def _sleep_until(self, at: float) -> bool:
+        """Sleep until monotonic ``at``, or until stop() (then True; every sleeper sees it)."""
+        if self._asleep.acquire(True, max(0.0, at - time.monotonic())):
+            self._asleep.release()
+            return True
+        return self._stop.is_set()

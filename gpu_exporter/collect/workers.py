@@ -84,6 +84,10 @@ class Worker:
         self._jobs.put((fn, job))
         return job
 
+    def wait_idle(self, timeout_seconds: float) -> bool:
+        """Whether the current job (if any) finished within ``timeout_seconds``."""
+        return self._current is None or self._current.wait(timeout_seconds)
+
     def close(self) -> None:
         self._jobs.put(None)
 
@@ -137,6 +141,14 @@ class Batch:
         self.lock = threading.Lock()
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            with self.lock:  # a step that raised is over: no deadline to watch for it
+                if not self.abandoned:
+                    self.current = None
+
+    def _run(self) -> None:
         if self.library is not None:
             with self.lock:
                 if self.abandoned:
@@ -166,21 +178,25 @@ class Batch:
         """None once every GPU is read, else the GPU whose read overran the deadline, or
         :data:`LIBRARY` (then the batch is abandoned: the thread stuck in it reads nothing
         more)."""
-        while True:
-            with self.lock:
-                current, started = self.current, self.started
-            remaining = deadline_seconds
-            if current is not None:
-                remaining = started + deadline_seconds - time.monotonic()
-            if job.wait(remaining):
+        stuck, left = self.check(deadline_seconds)
+        while stuck is None:
+            if job.wait(left):
                 job.value()  # a bug in the batch surfaces in sample_once's caller
                 return None
-            with self.lock:
-                if (
-                    self.current == current is not None
-                    and self.started == started
-                    and time.monotonic() - started >= deadline_seconds
-                ):
-                    self.abandoned = True
-                    self.current = None
-                    return current
+            stuck, left = self.check(deadline_seconds)
+        return stuck
+
+    def check(self, deadline_seconds: float) -> tuple[int | None, float]:
+        """Whether the step running now has overrun ``deadline_seconds``: (that GPU, or
+        :data:`LIBRARY`, 0) once it has, and the batch is abandoned; else (None, seconds
+        until its deadline, or the whole deadline between steps)."""
+        with self.lock:
+            current = self.current
+            if current is None:
+                return None, deadline_seconds
+            left = self.started + deadline_seconds - time.monotonic()
+            if left > 0:
+                return None, left
+            self.abandoned = True
+            self.current = None
+            return current, 0.0
