@@ -35,6 +35,49 @@ VISIBILITIES = ("full", "partial", "none")
 _SHOWN = ("pid", "used_memory_bytes", *PROCESS_LABELS)
 
 
+# -- NVML's answers, in base units (gpu_exporter.nvml returns these) ------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryInfo:
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    # Driver-reserved memory; None where only the v1 call exists (then used includes it).
+    reserved_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    pid: int
+    used_memory_bytes: int | None
+    # The MIG instance the process runs in (None outside MIG, or on bindings without it).
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemappedRows:
+    correctable: int
+    uncorrectable: int
+    pending: bool
+    failed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One NVML event (``nvmlEventSetWait_v2``): ``data`` is the Xid for Xid events."""
+
+    device_key: int  # gpu_exporter.nvml.handle_key() of the device it happened on
+    event_type: int
+    data: int
+    gpu_instance_id: int | None
+    compute_instance_id: int | None
+
+
+# -- the snapshot ----------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessSample:
     """A compute process on one GPU or MIG device.

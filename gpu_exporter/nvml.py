@@ -22,10 +22,11 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from ctypes import byref, c_uint, c_ulonglong
-from dataclasses import dataclass
 from typing import Any
 
 import pynvml
+
+from gpu_exporter.model import Event, MemoryInfo, ProcessInfo, RemappedRows
 
 # Error names as used in the ``error`` label of gpu_exporter_nvml_errors_total: "GPU_IS_LOST".
 ERROR_NAMES: dict[int, str] = {
@@ -136,6 +137,11 @@ def make_error(code: int) -> Exception:
     return exc
 
 
+def _memory_v2() -> Any:
+    """The v2 memory struct, its version set (the driver checks it)."""
+    return pynvml.c_nvmlMemory_v2_t(version=MEMORY_V2)
+
+
 class NvmlError(Exception):
     """An NVML call failed. ``function`` is the NVML function, ``error`` its error name."""
 
@@ -177,43 +183,6 @@ def _classify(function: str, exc: Exception) -> NvmlError:
 
 def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryInfo:
-    total_bytes: int
-    used_bytes: int
-    free_bytes: int
-    # Driver-reserved memory; None where only the v1 call exists (then used includes it).
-    reserved_bytes: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessInfo:
-    pid: int
-    used_memory_bytes: int | None
-    # The MIG instance the process runs in (None outside MIG, or on bindings without it).
-    gpu_instance_id: int | None = None
-    compute_instance_id: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RemappedRows:
-    correctable: int
-    uncorrectable: int
-    pending: bool
-    failed: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One NVML event (``nvmlEventSetWait_v2``): ``data`` is the Xid for Xid events."""
-
-    device_key: int  # :func:`handle_key` of the device it happened on
-    event_type: int
-    data: int
-    gpu_instance_id: int | None
-    compute_instance_id: int | None
 
 
 def handle_key(handle: Any) -> int:
@@ -292,17 +261,27 @@ class Nvml:
             in_flight[thread] = None
 
     def _get(
-        self, function: str, ctype: Any, *args: Any, symbol: str = "", whole: bool = False
+        self,
+        function: str,
+        ctype: Any,
+        *args: Any,
+        symbol: str = "",
+        whole: bool = False,
+        after: tuple[Any, ...] = (),
+        answer: int | None = None,
+        **wrapped: Any,
     ) -> Any:
         """``function(*args)`` for a getter whose last C argument points to one ``ctype``.
 
         Over the real bindings, the C ``symbol`` (``function`` unless it has a version
         suffix) is called directly: the same call pynvml makes, without its Python frame
         and with the same error mapping; ``.value`` of the answer unless ``whole``. Over
-        any other library (the simulator), ``function`` through :meth:`_call`.
+        any other library (the simulator), ``function(*args, **wrapped)`` through
+        :meth:`_call`. ``after``: C arguments after the pointer; ``answer``: an error code
+        returned as None, not raised; ``ctype`` may be a function that makes the struct.
         """
         if not self._direct:
-            return self._call(function, *args)
+            return self._call(function, *args, **wrapped)
         fn = self._pointers.get(symbol or function)
         if fn is None:
             try:
@@ -314,10 +293,12 @@ class Nvml:
         in_flight, thread = self._in_flight, threading.get_ident()
         in_flight[thread] = function
         try:
-            code = fn(*args, byref(out))
+            code = fn(*args, byref(out), *after)
         finally:
             in_flight[thread] = None
         if code != pynvml.NVML_SUCCESS:
+            if code == answer:
+                return None
             raise self._failed(function, pynvml.NVMLError(code))
         return out if whole else out.value
 
@@ -400,7 +381,14 @@ class Nvml:
         """
         if self._memory_v2:
             try:
-                m = self._call("nvmlDeviceGetMemoryInfo", handle, version=MEMORY_V2)
+                m = self._get(
+                    "nvmlDeviceGetMemoryInfo",
+                    _memory_v2,
+                    handle,
+                    symbol="nvmlDeviceGetMemoryInfo_v2",
+                    whole=True,
+                    version=MEMORY_V2,
+                )
                 return MemoryInfo(int(m.total), int(m.used), int(m.free), int(m.reserved))
             except Unsupported:
                 # Driver older than 510: only v1 exists, and its "used" includes reserved.
@@ -586,9 +574,20 @@ class Nvml:
         self._call("nvmlDeviceRegisterEvents", handle, event_types, event_set)
 
     def event_wait(self, event_set: Any, timeout_ms: int) -> Event | None:
-        """The next event, or None when ``timeout_ms`` passed without one."""
-        data, ok = self._call_or_code("nvmlEventSetWait_v2", _TIMEOUT, event_set, timeout_ms)
-        if not ok:
+        """The next event, or None when ``timeout_ms`` passed without one (no exception for
+        that usual answer: the listener asks every few seconds for the process's life)."""
+        if self._direct:
+            data = self._get(
+                "nvmlEventSetWait_v2",
+                pynvml.c_nvmlEventData_t,
+                event_set,
+                whole=True,
+                after=(c_uint(timeout_ms),),
+                answer=_TIMEOUT,
+            )
+        else:
+            data, _ = self._call_or_code("nvmlEventSetWait_v2", _TIMEOUT, event_set, timeout_ms)
+        if data is None:
             return None
         return Event(
             handle_key(data.device),

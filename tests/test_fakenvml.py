@@ -508,17 +508,27 @@ def _scrape_ok(ex: Exporter) -> bool:
 
 def test_the_direct_getters_read_what_pynvml_reads(fake_lib: Path, tmp_path: Path) -> None:
     """The hottest getters call the C functions directly over the real bindings (issue 15);
-    without that (other bindings) pynvml's own wrappers answer: the same values."""
+    without that (other bindings) pynvml's own wrappers answer: the same values. The Xid
+    wait too: an event, then a timeout as None (directly, without an exception)."""
     config = tmp_path / "one.conf"
     fakenvml.write_config(config, [FakeGpu()])
     out = _run_python(
         fake_lib,
         config,
-        "from gpu_exporter.nvml import Nvml\n"
+        "import pathlib, sys; sys.path.insert(0, 'tests'); import fakenvml\n"
+        "from gpu_exporter.nvml import Nvml, handle_key\n"
         "n = Nvml(); n.init()\n"
         "for direct in (True, False):\n"
         "    n._direct = direct; h = n.handle(0)\n"
-        "    print(n.utilization(h), n.power_draw_watts(h), n.memory(h), n.temperature_celsius(h))\n",
+        "    print(n.utilization(h), n.power_draw_watts(h), n.memory(h), n.temperature_celsius(h))\n"
+        "    s = n.event_set_create(); n.register_events(h, 8, s)\n"
+        f"    fakenvml.write_config(pathlib.Path({str(config)!r}), [fakenvml.FakeGpu(xids=(79,) * (2 - direct))])\n"
+        "    e = n.event_wait(s, 10)\n"
+        "    print(e.device_key == handle_key(h), e.event_type, e.data, n.event_wait(s, 10))\n"
+        "    n.event_set_free(s)\n"
+        "print(dict(n.error_counts()))\n",
     )
-    direct, wrapped = out.splitlines()
-    assert direct == wrapped
+    *lines, errors = out.splitlines()
+    assert lines[:2] == lines[2:]
+    assert "reserved_bytes=" in lines[0] and lines[1] == "True 8 79 None"
+    assert errors == "{}"  # a wait's timeout is an answer, not an error
