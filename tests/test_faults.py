@@ -23,6 +23,7 @@ from gpu_exporter.daemon import build
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import HANG, Fault, Load, SimGpu, SimulatedNvml
 from harness import exporter, get
+from served import NO_PROC
 
 A100 = "NVIDIA A100-SXM4-80GB"
 DEADLINE = 0.3  # --nvml-timeout for these tests, real seconds
@@ -326,3 +327,79 @@ def test_sigterm_during_a_stuck_call_exits_cleanly_and_promptly(tmp_path: Path) 
         running.proc.wait(timeout=20)
         assert running.proc.returncode == 0
         assert time.monotonic() - started < 12  # server (5 s) + sampler (5 s) bounds
+
+
+@pytest.mark.slow
+def test_hangs_coming_and_going_under_the_running_threads() -> None:
+    """Short hangs on different GPUs and on the library, some overlapping, while the threads
+    sample every 20 ms: one snapshot is published at a time, each names every GPU (a hung
+    one down with reason timeout, never with stale values), the healthy GPUs stay fresh, and
+    once the last hang is over one reader samples alone again with few threads made."""
+    deadline, hang = 0.12, 0.35
+    windows = [  # (function, gpu, at): each call in [at, at + 0.1) hangs `hang` seconds
+        ("nvmlDeviceGetPowerUsage", 1, 0.5),
+        ("nvmlDeviceGetTemperature", 2, 0.7),  # while GPU 1 is still stuck
+        ("nvmlDeviceGetCount", None, 1.4),  # the library step
+        ("nvmlDeviceGetPowerUsage", 1, 2.0),
+        ("nvmlDeviceGetMemoryInfo", 3, 2.1),
+        ("nvmlDeviceGetTemperature", 0, 2.6),
+    ]
+    clock = SystemClock()
+    sim = SimulatedNvml(
+        [SimGpu(i, A100, Load("idle")) for i in range(4)],
+        faults=[
+            Fault(fn, HANG, gpu=gpu, after_seconds=at, for_seconds=0.1, hang_seconds=hang)
+            for fn, gpu, at in windows
+        ],
+        clock=clock.monotonic,
+    )
+    config = ServeConfig(interval_seconds=0.02, nvml_timeout_seconds=deadline, proc_root=NO_PROC)
+    daemon = build(config, nvml=Nvml(sim, simulated=True), clock=clock)
+    sampler = daemon.sampler
+    publishing = threading.Lock()
+    overlaps: list[int] = []
+    snaps = []
+
+    def watch(snap: object) -> None:
+        if not publishing.acquire(blocking=False):
+            overlaps.append(1)
+            return
+        try:
+            snaps.append((snap, threading.current_thread().name))
+            time.sleep(0.001)  # widen the window a second publisher would need
+        finally:
+            publishing.release()
+
+    daemon.cache.subscribe(watch)
+    sampler.start()
+    try:
+        end = sim.elapsed() + 3.2 + hang
+        wait_until(lambda: sim.elapsed() >= end, timeout=20)
+        wait_until(lambda: sampler.stuck() == (), timeout=10)
+        recent = len(snaps)
+        wait_until(lambda: len(snaps) >= recent + 10)
+        # The hung calls' threads came back as spares: not a thread per hang.
+        readers = [t for t in threading.enumerate() if t.name.startswith("nvml-reader")]
+        assert 1 <= len(readers) <= 3
+    finally:
+        sampler.stop(timeout_seconds=2)
+        sim.release_hangs()
+
+    assert overlaps == []
+    sequences = [s.sequence for s, _ in snaps]
+    assert sequences == list(range(sequences[0], sequences[0] + len(sequences)))
+    downs = 0
+    for snap, _ in snaps:
+        if not snap.nvml_up:
+            assert snap.gpus == () and "nvmlDeviceGetCount" in (snap.nvml_error or "")
+            continue
+        assert [g.index for g in snap.gpus] == [0, 1, 2, 3]
+        for g in snap.gpus:
+            if not g.up:
+                downs += 1
+                assert g.down_reason == "timeout" and g.power_draw_watts is None
+    assert downs > 0 and any(not s.nvml_up for s, _ in snaps)  # the hangs were seen
+    assert {name for _, name in snaps} >= {"nvml-sampler"}  # taken over, then handed back
+    last = [name for _, name in snaps[-10:]]
+    assert len(set(last)) == 1 and last[0].startswith("nvml-reader")
+    assert all(g.up for g in snaps[-1][0].gpus)
