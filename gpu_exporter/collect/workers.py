@@ -1,10 +1,11 @@
-"""The threads the sampler's NVML calls run on, and how it waits for them.
+"""The threads the sampler's NVML calls run on, and how their deadlines are watched.
 
 :class:`Worker` runs jobs one at a time on a daemon thread; :class:`Batch` is one sample's
 library step and GPUs read in order on one worker, with a deadline for the library step and
-each GPU: the sampler hands it over and waits once, waking only when the batch is done or a
-step takes longer than the deadline. A driver call cannot be interrupted, so a worker stuck
-in one is left to finish on its own.
+each GPU. The reader runs batches in its own sampling loop while the sampling thread only
+checks the step running (:meth:`Batch.check`); after a hang the sampler hands each batch
+over and waits for it (:meth:`Batch.wait`). A driver call cannot be interrupted, so a worker
+stuck in one is left to finish on its own.
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ class Batch:
     library step first (``library``: initialise or shut down as due, then the GPU count;
     None when NVML is down), then every GPU below that count but those in ``skip``.
 
-    The sampler waits for the whole batch at once, waking only if the library step or a
-    GPU's reads take longer than the deadline; a batch it gives up on reads no further GPU
-    (``abandoned``).
+    Whoever watches it (:meth:`check`, or :meth:`wait` for a batch handed over as a job)
+    gives up on it once the library step or a GPU's reads take longer than the deadline; a
+    batch given up on reads no further GPU (``abandoned``).
     """
 
     def __init__(
