@@ -2,10 +2,10 @@
 
 :class:`Sampler` owns the :class:`~gpu_exporter.nvml.Nvml` session (initialised with backoff
 by :class:`~gpu_exporter.collect.session.Session`), reads every GPU
-(:func:`~gpu_exporter.collect.read.read_gpu`) every ``interval`` (its slow fields every
-``slow_interval``) and publishes the snapshot to the
-:class:`~gpu_exporter.collect.cache.SnapshotCache`. A hung driver call marks one GPU (or NVML)
-down instead of stopping sampling. Requests only ever read the cache; they never call NVML.
+(:func:`~gpu_exporter.collect.read.read_gpu`) every ``interval`` (slow fields every
+``slow_interval``) into the :class:`~gpu_exporter.collect.cache.SnapshotCache`. A hung driver
+call marks one GPU (or NVML) down instead of stopping sampling. Requests only ever read the
+cache; they never call NVML.
 """
 
 from __future__ import annotations
@@ -97,9 +97,7 @@ class Sampler:
     def sample_once(self) -> Snapshot:
         """Initialise NVML if due, read every GPU, publish and return the snapshot: the
         reads on a reader thread, which this thread waits for, up to the deadline of each."""
-        wall, start = self.clock.time(), self.clock.monotonic()
-        if self.procinfo is not None:  # every sample, read or not: a pid unseen is rechecked
-            self.procinfo.next_pass()
+        wall, start = self._begin()
         try:
             gpus, problem = self._read_all(start, wall)
         except NvmlUnavailable as exc:
@@ -110,13 +108,9 @@ class Sampler:
     def _sample_here(self) -> bool:
         """One sample read and published on this (the reader) thread, while the sampling
         thread watches its deadlines; False if it gave up on a call of it (and publishes)."""
-        wall, start = self.clock.time(), self.clock.monotonic()
-        if self.procinfo is not None:
-            self.procinfo.next_pass()
-        batch = self._batch(start, wall, frozenset())
-        self._live = batch
+        wall, start = self._begin()
+        batch = self._live = self._batch(start, wall, frozenset())
         unavailable: NvmlUnavailable | None = None
-        gpus: tuple[GpuSample, ...] = ()
         try:
             batch.run()
         except NvmlUnavailable as exc:
@@ -128,13 +122,19 @@ class Sampler:
             self._live = None
         if batch.abandoned:
             return False
-        if unavailable is not None:
-            self.session.unavailable(unavailable, start)
-            problem = self.session.error
-        else:
+        if unavailable is None:
             gpus, problem = self._assemble(batch.count, self._apply(batch, {}, start), wall)
+        else:
+            self.session.unavailable(unavailable, start)
+            gpus, problem = (), self.session.error
         self._publish(wall, start, gpus, problem)
         return True
+
+    def _begin(self) -> tuple[float, float]:
+        """A sample's wall and monotonic time, once the process cache knows a pass began."""
+        if self.procinfo is not None:
+            self.procinfo.next_pass()
+        return self.clock.time(), self.clock.monotonic()
 
     def _publish(
         self, wall: float, start: float, gpus: tuple[GpuSample, ...], problem: str | None
@@ -183,13 +183,11 @@ class Sampler:
             if not worker.busy:
                 self._recovered(worker, f"GPU {index}")
                 self._spares.append(self._stuck.pop(index))
-        read = functools.partial(self._read_one, now=start, wall=wall)
         batch = first = self._batch(start, wall, frozenset(self._stuck))
         samples: dict[int, GpuSample] = {}
         while True:
-            reader = self._reader or (self._spares.pop() if self._spares else None)
-            self._reader = reader or Worker(f"nvml-reader{next(self._names)}")
-            stuck_at = batch.wait(self._reader.submit(batch.run, start), self.nvml_timeout_seconds)
+            reader = self._free_reader()
+            stuck_at = batch.wait(reader.submit(batch.run, start), self.nvml_timeout_seconds)
             self._apply(batch, samples, start)
             if stuck_at is None:
                 break
@@ -199,9 +197,16 @@ class Sampler:
             rest = batch.indexes[batch.indexes.index(stuck_at) + 1 :]
             if not rest:
                 break
-            batch = Batch(read, rest)
+            batch = Batch(first.read, rest)
         del self._spares[MAX_SPARES:]  # more stuck calls returned than will be needed
         return self._assemble(first.count, samples, wall)
+
+    def _free_reader(self) -> Worker:
+        """The reader, else a spare, else a new thread: the one that takes the next job."""
+        if self._reader is None:
+            spare = self._spares.pop() if self._spares else None
+            self._reader = spare or Worker(f"nvml-reader{next(self._names)}")
+        return self._reader
 
     def _batch(self, start: float, wall: float, skip: frozenset[int]) -> Batch:
         """The library step, then every GPU but those in ``skip``."""
@@ -223,8 +228,7 @@ class Sampler:
         return samples
 
     def _keep_stuck(self, stuck_at: int) -> Worker:
-        """The reader is stuck in a call for GPU ``stuck_at`` (or :data:`LIBRARY`): it
-        keeps that call and is not given another job until it returns."""
+        """The reader keeps its call stuck for GPU ``stuck_at`` (or LIBRARY) until it returns."""
         reader, self._reader = self._reader, None
         assert reader is not None  # the one that ran the batch
         if stuck_at == LIBRARY:
@@ -309,11 +313,9 @@ class Sampler:
         return tuple(name for name, worker in workers.items() if worker and worker.busy)
 
     def stop(self, timeout_seconds: float = 5.0) -> None:
-        """Stop sampling and shut NVML down, within about ``timeout_seconds`` in all.
-
-        A worker stuck in a driver call is left alone (it is a daemon thread): killing or
-        waiting forever on it is worse than exiting without ``nvmlShutdown``.
-        """
+        """Stop sampling and shut NVML down, within about ``timeout_seconds`` in all. A worker
+        stuck in a driver call is left alone (a daemon thread): killing or waiting forever
+        on it is worse than exiting without ``nvmlShutdown``."""
         deadline = time.monotonic() + timeout_seconds
         self._stop.set()
         with contextlib.suppress(RuntimeError):  # released already: stop() ran before
@@ -327,7 +329,7 @@ class Sampler:
         if self.session.initialised and self._library_stuck is None and idle:
             self.session.initialised = False
             if reader is None:  # the last reader is stuck in a GPU's call
-                reader = self._reader = Worker(f"nvml-reader{next(self._names)}")
+                reader = self._free_reader()
             reader.submit(self.nvml.shutdown, self.clock.monotonic()).wait(
                 deadline - time.monotonic()
             )
@@ -353,8 +355,7 @@ class Sampler:
         """Sampling handed to a reader thread from monotonic ``first_at`` on, and the
         deadline of each of its steps watched: returns on stop(), or once a step overran
         (then the stuck call keeps that thread), with when to sample next."""
-        reader = self._reader or (self._spares.pop() if self._spares else None)
-        reader = self._reader = reader or Worker(f"nvml-reader{next(self._names)}")
+        reader = self._free_reader()
         self._next_at = first_at
         job = reader.submit(functools.partial(self._sample_loop, first_at), 0.0)
         deadline = self.nvml_timeout_seconds
@@ -379,8 +380,7 @@ class Sampler:
                 return self._next_at
 
     def _sample_loop(self, next_at: float) -> None:
-        """On the reader thread: a sample every interval, each published here, until
-        stop() or until the sampling thread gives up on one of its calls."""
+        """On the reader: sample every interval until stop() or a call of it is given up on."""
         while True:
             self._next_at = next_at
             if self._sleep_until(next_at):
