@@ -465,15 +465,26 @@ def group_choose(ex: Exporter, size: Size) -> dict[str, Any]:
 
 
 def group_hostile(ex: Exporter, size: Size) -> dict[str, Any]:
-    """The scraper's and the job's latency while slowloris and idle clients attack."""
+    """The scraper's and the job's latency while slowloris and idle clients attack, and
+    then while clients pipeline requests and never read the answers."""
     _log(f"6. hostile clients: {size.hostile} slowloris + {size.hostile} idle connections")
-    attack = hostile.Attack(slowloris=size.hostile, idle=size.hostile)
     ramp = min(2.0, size.hostile_seconds / 2)
-    report = hostile.measure(
-        hostile.Target(ex.port), attack, seconds=size.hostile_seconds, ramp_seconds=ramp
-    )
+    target = hostile.Target(ex.port)
+    attack = hostile.Attack(slowloris=size.hostile, idle=size.hostile)
+    report = hostile.measure(target, attack, seconds=size.hostile_seconds, ramp_seconds=ramp)
     report["worst"] = hostile.worst(report)
     report["connections"] = {"slowloris": size.hostile, "idle": size.hostile}
+    unread = size.hostile // 5
+    _log(f"6. hostile clients: {unread} pipelining connections that never read")
+    pipelined = hostile.measure(
+        target,
+        hostile.Attack(pipeline_unread=unread),
+        seconds=size.hostile_seconds,
+        ramp_seconds=ramp,
+    )
+    pipelined["worst"] = hostile.worst(pipelined)
+    pipelined["connections"] = {"pipeline_unread": unread}
+    report["unread"] = pipelined
     return report
 
 
@@ -732,6 +743,18 @@ def markdown(report: dict[str, Any]) -> str:
             f"hostile clients ({conns['slowloris']} slowloris + {conns['idle']} idle "
             "connections): the scraper's and job's worst p99 ms; errors of "
             f"{worst['requests']:,} requests",
+            f"{_f(worst['p99_ms'])}; {worst['errors']}",
+            None,
+            "≤ 100 ms, 0 errors",
+            worst["p99_ms"] <= 100 and worst["errors"] == 0,
+        )
+    if unread_report := (report.get("hostile") or {}).get("unread"):
+        worst = unread_report["worst"]
+        row(
+            "7",
+            f"hostile clients ({unread_report['connections']['pipeline_unread']} connections "
+            "pipelining requests, never reading): the scraper's and job's worst p99 ms; "
+            f"errors of {worst['requests']:,} requests",
             f"{_f(worst['p99_ms'])}; {worst['errors']}",
             None,
             "≤ 100 ms, 0 errors",

@@ -73,6 +73,8 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     assert attacked["worst"]["requests"] > 0
     assert attacked["attack"]["slowloris"]["connected"] > 0
     assert attacked["attack"]["idle"]["connected"] > 0
+    assert attacked["unread"]["worst"]["requests"] > 0
+    assert attacked["unread"]["attack"]["pipeline_unread"]["connected"] > 0
     # 5. RSS
     assert 10 < report["rss"]["after_start_mib"] < 500
     assert report["rss"]["requests"] > 1000
@@ -92,6 +94,7 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     assert "| 1 | `/metrics` p99 ms with / without `--kubernetes`" in text
     assert "| 6 | idle CPU % of one core (s per minute), 64 GPUs, 0 processes |" in text
     assert "| 7 | hostile clients (10 slowloris + 10 idle connections)" in text
+    assert "| 7 | hostile clients (2 connections pipelining requests, never reading)" in text
 
 
 def test_report_takes_group_6_from_an_idle_only_run(tmp_path: Path) -> None:
