@@ -22,14 +22,13 @@ from werkzeug.test import Client
 
 from conftest import FakeClock, build_stack
 from gpu_exporter.simulate import SimulatedNvml
-from gpu_exporter.web.throttle import (
-    BASE_DELAY_SECONDS,
-    FREE_FAILURES,
-    MAX_DELAY_SECONDS,
-    AuthThrottle,
-)
+from gpu_exporter.web.limits import Limits
+from gpu_exporter.web.throttle import AuthThrottle
 from served import served
 
+LIMITS = Limits()
+FREE_FAILURES, BASE_DELAY_SECONDS = LIMITS.auth_free_failures, LIMITS.auth_base_delay_seconds
+MAX_DELAY_SECONDS = LIMITS.auth_max_delay_seconds
 BAD_THREADS = 40
 ATTACK_SECONDS = 3.0
 
@@ -200,7 +199,7 @@ def test_checks_in_flight_count_so_a_burst_gets_only_the_free_ones() -> None:
 @pytest.mark.parametrize("max_addresses", [1, 3])
 def test_addresses_remembered_are_bounded(max_addresses: int) -> None:
     clock = Clock()
-    throttle = AuthThrottle(clock, max_addresses=max_addresses)
+    throttle = AuthThrottle(clock, Limits(auth_max_addresses=max_addresses))
     for i in range(100):
         fail(throttle, f"10.0.0.{i}")
     assert len(throttle._addresses) <= max_addresses

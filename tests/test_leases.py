@@ -25,6 +25,7 @@ from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.model import ProcessSample
 from gpu_exporter.simulate import Fault, Load, SimGpu
+from gpu_exporter.web.limits import Limits
 from gpu_exporter.web.server import Server
 
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -40,7 +41,7 @@ def idle_box(n: int = 8, **kwargs: object) -> Stack:
 def served() -> Iterator[tuple[Stack, str]]:
     """An 8-GPU simulated host behind the real server on loopback."""
     s = idle_box()
-    server = Server(s.app, "127.0.0.1", 0, threads=32)
+    server = Server(s.app, "127.0.0.1", 0, limits=Limits(max_in_flight=28))
     server.bind()
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()

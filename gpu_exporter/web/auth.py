@@ -31,8 +31,8 @@ from werkzeug.wrappers import Request, Response
 from gpu_exporter.counters import AUTH_BUSY, AUTH_THROTTLED, RequestCounter
 from gpu_exporter.units import parse_duration, plural
 from gpu_exporter.web.errors import error_response
-from gpu_exporter.web.limits import WsgiApp
-from gpu_exporter.web.throttle import AuthThrottle, BcryptGate
+from gpu_exporter.web.limits import Limits, WsgiApp, refusal
+from gpu_exporter.web.throttle import AuthThrottle
 from gpu_exporter.web.yamlfields import WebConfigError
 
 if TYPE_CHECKING:
@@ -202,7 +202,7 @@ class BasicAuthMiddleware:
 
     Credentials not in the success cache are checked only if the client address is not
     throttled (429 ``auth_throttled``) and a bcrypt slot comes free promptly (503
-    ``auth_busy``): :mod:`gpu_exporter.web.throttle`. Both refusals are counted in
+    ``auth_busy``): :mod:`gpu_exporter.web.throttle`, sized by ``limits``. Both are counted in
     ``rejections`` by that code.
     """
 
@@ -212,8 +212,8 @@ class BasicAuthMiddleware:
         watcher: WebConfigWatcher,
         scope: str = "all",
         *,
+        limits: Limits,
         throttle: AuthThrottle,
-        gate: BcryptGate | None = None,
         rejections: RequestCounter | None = None,
         telemetry_path: str = "/metrics",
     ) -> None:
@@ -223,7 +223,8 @@ class BasicAuthMiddleware:
         self._watcher = watcher
         self._scope = scope
         self._throttle = throttle
-        self._gate = gate if gate is not None else BcryptGate()
+        self._bcrypt = threading.BoundedSemaphore(limits.bcrypt_slots)
+        self._bcrypt_wait = limits.bcrypt_wait_seconds
         self._rejections = rejections if rejections is not None else RequestCounter()
         self._read_paths = (READ_PATHS - {"/metrics"}) | {telemetry_path}
 
@@ -266,35 +267,21 @@ class BasicAuthMiddleware:
         wait = self._throttle.begin(address)
         if wait > 0:
             seconds = max(1, math.ceil(wait))
-            return self._refuse(
-                environ,
-                429,
-                AUTH_THROTTLED,
-                f"too many failed logins from {address}; retry in {plural(seconds, 'second')}",
-                seconds,
-            )
-        if not self._gate.enter():
+            message = f"too many failed logins from {address}; retry in {plural(seconds, 'second')}"
+            return refusal(environ, 429, AUTH_THROTTLED, message, seconds, self._rejections)
+        if not self._bcrypt.acquire(timeout=self._bcrypt_wait):
             self._throttle.cancel(address)
-            return self._refuse(
-                environ, 503, AUTH_BUSY, "too many logins being checked; retry in a second", 1
-            )
+            message = "too many logins being checked; retry in a second"
+            return refusal(environ, 503, AUTH_BUSY, message, 1, self._rejections)
         ok = False
         try:
             ok = auth.verify(user, password)
         finally:
-            self._gate.leave()
+            self._bcrypt.release()
             self._throttle.end(address, ok=ok)
         if ok:
             return None
         return error_response(Request(environ), 401, "unauthorized", "wrong user name or password")
-
-    def _refuse(
-        self, environ: dict[str, Any], status: int, code: str, message: str, retry_after: int
-    ) -> Response:
-        self._rejections.inc(code)
-        resp = error_response(Request(environ), status, code, message)
-        resp.headers["Retry-After"] = str(retry_after)
-        return resp
 
 
 # ------------------------------------------------------------------------ hash-password

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import h11
+
 log = logging.getLogger(__name__)
 
 Headers = list[tuple[bytes, bytes]]
@@ -54,16 +56,16 @@ Job = Callable[[], After]
 class Workers:
     """At most ``size`` jobs run at once, each on a thread of its own (started on demand).
 
-    One client address gets at most :attr:`share` of them: all but a reserve of up to 4 (a
-    quarter of a small pool). The server's pool is ``--max-requests-in-flight`` + 4, so 32 job
-    scripts on the host itself still run at once, and however many requests one address keeps
-    in flight (40 threads sending wrong passwords, each answered 429 in a millisecond), another
-    address's scrape still finds a free worker.
+    One client address gets at most ``share`` of them (:attr:`Limits.workers_per_address
+    <gpu_exporter.web.limits.Limits.workers_per_address>`), so 32 job scripts on the host
+    itself still run at once, and however many requests one address keeps in flight (40
+    threads sending wrong passwords, each answered 429 in a millisecond), another address's
+    scrape still finds a free worker.
     """
 
-    def __init__(self, size: int, name: str) -> None:
+    def __init__(self, size: int, name: str, share: int | None = None) -> None:
         self.size = size
-        self.share = max(1, size - max(1, min(4, size // 4)))
+        self.share = size if share is None else share
         self._name = name
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -168,20 +170,34 @@ def client_connected(sock: Any) -> bool:
         return False
 
 
-def environ_for(
-    *,
-    method: bytes,
-    target: bytes,
-    headers: Headers,
+def run_app(
+    app: Callable[..., Any],
+    request: h11.Request,
     body: bytes,
-    http_version: bytes,
+    scheme: str,
+    server: tuple[str, int],
+    peer: tuple[str, int],
+    extra: dict[str, Any],
+) -> Answer:
+    """Run ``app`` for ``request``: 400 for a target that makes no environ."""
+    try:
+        environ = environ_for(request, body, scheme, server, peer, extra)
+    except (ValueError, UnicodeError) as exc:
+        return error_answer(400, f"error: malformed request target: {exc}\n".encode())
+    return call_app(app, environ)
+
+
+def environ_for(
+    request: h11.Request,
+    body: bytes,
     scheme: str,
     server: tuple[str, int],
     peer: tuple[str, int],
     extra: dict[str, Any],
 ) -> dict[str, Any]:
     """The WSGI environ (PEP 3333) of one request; ``target`` was checked by the caller."""
-    path, _, query = target.partition(b"?")
+    method, http_version, headers = request.method, request.http_version, request.headers
+    path, _, query = request.target.partition(b"?")
     if not path.startswith(b"/"):  # absolute form: http://host/path?query
         path = urllib.parse.urlsplit(path).path or b"/"
     environ: dict[str, Any] = {

@@ -9,6 +9,7 @@ From the outside in::
                          cost no bcrypt; failing addresses are throttled (429) before any
                          bcrypt, and bcrypt has its own few slots (web/throttle.py)
     RequestLimits        in-flight slots and the query-string limit; the probes exempt
+                         (every limit: web/limits.py)
     DispatcherMiddleware /metrics (or --web.telemetry-path, and then only there) to the
                          exposition, everything else to Flask
     MetricsParams        /metrics: unknown query parameters are a 400, as on every other
@@ -49,14 +50,15 @@ def install(app: Flask, services: Services) -> None:
     path = services.telemetry_path
     wsgi: WsgiApp = DispatcherMiddleware(app.wsgi_app, {path: MetricsParams(metrics, path)})
     rejections = services.rejections if services.rejections is not None else RequestCounter()
-    wsgi = RequestLimits(wsgi, max_in_flight=services.max_in_flight, rejections=rejections)
+    limits = services.limits
+    wsgi = RequestLimits(wsgi, limits, rejections)
     if watcher is not None:
-        throttle = AuthThrottle(services.clock)
         wsgi = BasicAuthMiddleware(
             wsgi,
             watcher,
             services.auth_scope,
-            throttle=throttle,
+            limits=limits,
+            throttle=AuthThrottle(services.clock, limits),
             rejections=rejections,
             telemetry_path=path,
         )
