@@ -327,25 +327,19 @@ def test_sort_strategies() -> None:
 
 @contextmanager
 def notifications(table: LeaseTable) -> Iterator[list[int]]:
-    """Every time the table's condition is notified while the block runs."""
+    """Every time the table tells its waiters of a change while the block runs."""
     woken: list[int] = []
-    ready, done = threading.Event(), threading.Event()
+    before = table.on_change
 
-    def watch() -> None:
-        with table.changed:  # held except inside wait(): no notification can slip past
-            ready.set()
-            while not done.is_set():
-                if table.changed.wait(0.01):
-                    woken.append(1)
+    def counting() -> None:
+        woken.append(1)
+        before()
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    assert ready.wait(5)
+    table.on_change = counting
     try:
         yield woken
     finally:
-        done.set()
-        thread.join(5)
+        table.on_change = before
 
 
 def test_scrapes_and_listings_never_write_the_state_file_or_wake_waiters(tmp_path: Path) -> None:

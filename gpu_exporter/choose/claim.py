@@ -11,7 +11,9 @@ one request at a time per thread. What a request does, and what it blocks:
 * A claim that finds too few GPUs and has ``wait=`` time left joins the wait queue
   (:class:`~gpu_exporter.choose.waitqueue.WaitQueue`) and tries again whenever the lease table
   changes, a waiter leaves, or ``poll_seconds`` pass (new samples). Reading the queue, claiming
-  and joining happen under one lock, so nobody slips in between.
+  and joining happen under the queue's one lock, so nobody slips in between.
+* A claim with an ``Idempotency-Key`` that an earlier try already granted gets that lease
+  back (looked up once per try, under that lock), without queueing behind anyone.
 * Advice (``lease=0``) never joins the queue and ignores reservations: it answers from the
   current sample and leases. With ``wait=`` it may still wait for GPUs to become free, in a
   ``--max-waiters`` slot but without a place in the queue, so it blocks nobody.
@@ -196,8 +198,8 @@ class Claimer:
     """Selects and claims GPUs under the lease table's lock; waiters queue first come first
     served for the GPUs they could use (see the module docstring).
 
-    ``pause(seconds)`` waits between tries; by default until the lease table changes or
-    ``poll_seconds`` pass (new samples are seen at the next poll).
+    Between tries it waits until the lease table changes, a waiter leaves or ``poll_seconds``
+    pass (new samples are seen at the next poll); ``pause(seconds)`` replaces that wait.
     """
 
     def __init__(
@@ -220,15 +222,13 @@ class Claimer:
         self._clock = clock
         self.max_age_seconds = max_age_seconds
         self._poll_seconds = poll_seconds
-        self._pause = pause if pause is not None else table.wait_for_change
-        # Serialises tries, so that reading the queue, claiming and joining it are one step.
-        self._lock = threading.Lock()
+        self._pause = pause
         self._queue = WaitQueue()
+        table.on_change = self._queue.wake
 
     def waiting(self) -> tuple[Waiter, ...]:
         """The requests waiting in the queue now, earliest first."""
-        with self._lock:
-            return self._queue.waiting()
+        return self._queue.waiting()
 
     def claim(
         self,
@@ -246,18 +246,13 @@ class Claimer:
         is still there; it is asked after every pause, and a client that left gets
         ``client_closed`` (499) with nothing claimed for it.
         """
-        if key is not None and req.lease_seconds > 0:
-            snapshot = self._snapshots.get()
-            again = self._table.again(key, snapshot)
-            if again is not None:
-                return Claimed(*again, snapshot, self._clock.monotonic())
         deadline = self._clock.monotonic() + req.wait_seconds
         waiter: Waiter | None = None
         try:
             with contextlib.ExitStack() as slot:  # one --max-waiters slot once really waiting
                 slotted = False
                 while True:
-                    with self._lock:
+                    with self._queue.turn:  # reading the queue, claiming and joining: one step
                         outcome = self._try(req, requester, waiter, key)
                         if isinstance(outcome, Claimed):
                             return outcome
@@ -271,7 +266,11 @@ class Claimer:
                             waiter = self._queue.join(
                                 req.n, req.filters, requester, req.owner, self._clock.monotonic()
                             )
-                    self._pause(self._poll_seconds)
+                        since = self._queue.changes
+                    if self._pause is not None:
+                        self._pause(self._poll_seconds)
+                    else:
+                        self._queue.wait(since, self._poll_seconds)
                     self._waiters.check()
                     if connected is not None and not connected():
                         raise ApiError(
@@ -279,15 +278,17 @@ class Claimer:
                         )
         finally:
             if waiter is not None:
-                with self._lock:
-                    self._queue.leave(waiter)
-                self._table.wake_waiters()  # later waiters may use what it reserved
+                self._queue.leave(waiter)  # later waiters may use what it reserved
 
     def _try(
         self, req: ChooseRequest, requester: str, waiter: Waiter | None, key: ClaimKey | None
     ) -> Claimed | ApiError:
         """One try: the claim, or why not. Raises what waiting cannot cure."""
         snapshot, now = self._snapshots.get(), self._clock.monotonic()
+        if key is not None and req.lease_seconds > 0:  # the one look-up of the key
+            again = self._table.again(key, snapshot)
+            if again is not None:
+                return Claimed(*again, snapshot, now)
         problem = snapshot_problem(snapshot, now, self.max_age_seconds)
         if problem is not None:
             return problem

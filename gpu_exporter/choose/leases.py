@@ -27,11 +27,12 @@ lease again, token included, instead of claiming more GPUs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,8 +41,8 @@ from gpu_exporter.choose.idempotency import ClaimKeys
 from gpu_exporter.choose.lease import Held, Lease, LeaseError
 from gpu_exporter.choose.memory import (
     DEFAULT_HEADROOM_BYTES,
-    admission,
     card_memory,
+    memory_fit,
     memory_leases,
     never_fits,
     shared_cards,
@@ -63,6 +64,10 @@ MAX_PIDS = 64  # registered PIDs per lease: a job's launcher or two, not its eve
 
 def _no_cgroup(pid: int) -> str | None:
     return None
+
+
+def _nothing() -> None:
+    pass
 
 
 class LeaseTable:
@@ -88,7 +93,9 @@ class LeaseTable:
         self.max_ttl_seconds = max_ttl_seconds
         self.max_gpus_per_requester = max_gpus_per_requester
         self._lock = threading.RLock()
-        self.changed = threading.Condition(self._lock)  # notified on every change
+        self._dirty = False  # a change since the lock was taken: wake the waiters after it
+        # Called after every change, once the lock is released (the claimer's wait queue).
+        self.on_change: Callable[[], None] = _nothing
         self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
         self._keys = ClaimKeys()  # keys of keyed leases that ended early
         self._leases: dict[str, Lease] = self._file.restore(clock.time(), max_ttl_seconds)
@@ -178,8 +185,8 @@ class LeaseTable:
         (:mod:`gpu_exporter.choose.memory`: shared with other memory leases, best fit first),
         reserved in a memory lease.
 
-        The lease returned carries its token (:attr:`Lease.token`). With ``key``, a lease an
-        earlier claim with that key made is returned instead (see :meth:`again`).
+        The lease returned carries its token (:attr:`Lease.token`); with ``key``, one that a
+        retry with the key derives again (the caller asks :meth:`again` first).
         ``reserved`` (UUID → why) are GPUs that earlier waiters keep from this request.
 
         Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`LeaseError`.
@@ -192,13 +199,9 @@ class LeaseTable:
                 f"({self.max_ttl_seconds:g} s, --max-lease); renew it instead",
                 "lease",
             )
-        with self._lock:
+        with self._changing():
             self._prune(snapshot)
             now = self._clock.time()
-            if key is not None and ttl_seconds > 0:
-                again = self._keys.again(self._leases.values(), key, snapshot, now)
-                if again is not None:
-                    return again
             leased = {
                 uuid: f"leased until {lease.expires_at - now:.0f} s from now"
                 + (f" by {lease.owner}" if lease.owner else "")
@@ -232,7 +235,7 @@ class LeaseTable:
                     for g in snapshot.gpus
                     if g.uuid not in (reserved or {}) and not rejection_reasons(g, filters)
                 }
-                fits = admission(
+                fits = memory_fit(
                     snapshot.gpus, self._leases.values(), mem, headroom, leased, wanted
                 )
                 leased, fit, note = fits.refused, fits.fit, fits.note
@@ -279,7 +282,7 @@ class LeaseTable:
 
     def release(self, lease_id: str) -> Lease:
         """End the lease ``lease_id`` now (check the caller with :meth:`authorize` first)."""
-        with self._lock:
+        with self._changing():
             self._prune(None)
             lease = self.get(lease_id)
             self._set({k: v for k, v in self._leases.items() if k != lease_id})
@@ -295,7 +298,7 @@ class LeaseTable:
                 f"({self.max_ttl_seconds:g} s, --max-lease)",
                 "ttl",
             )
-        with self._lock:
+        with self._changing():
             self._prune(None)
             old = self.get(lease_id)
             lease = replace(old, expires_at=self._clock.time() + ttl_seconds, renewed=True)
@@ -305,7 +308,7 @@ class LeaseTable:
 
     def add_pids(self, lease_id: str, pids: Iterable[int]) -> Lease:
         """Register more of the job's processes with its lease (e.g. once the job started)."""
-        with self._lock:
+        with self._changing():
             self._prune(None)
             old = self.get(lease_id)
             lease = self._with_pids(old, pids)
@@ -332,16 +335,20 @@ class LeaseTable:
             cgroups=tuple(dict.fromkeys([*lease.cgroups, *(c for c in cgroups if c)])),
         )
 
-    # -- waking waiters ---------------------------------------------------------------------
-    def wake_waiters(self) -> None:
-        """Wake every :meth:`wait_for_change` now (a waiter left: what it reserved is free)."""
-        with self._lock:
-            self.changed.notify_all()
-
-    def wait_for_change(self, timeout_seconds: float) -> None:
-        """Block until the table changes, :meth:`wake_waiters` is called, or the timeout ends."""
-        with self._lock:
-            self.changed.wait(timeout_seconds)
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The lock, for a change; :attr:`on_change` is called once it is released (never
+        under it: the claimer calls the table under its queue's lock)."""
+        changed = False
+        try:
+            with self._lock:
+                try:
+                    yield
+                finally:
+                    changed, self._dirty = self._dirty, False
+        finally:
+            if changed:
+                self.on_change()
 
     # -- housekeeping -----------------------------------------------------------------------
     def prune(self, snapshot: Snapshot | None = None) -> None:
@@ -350,7 +357,7 @@ class LeaseTable:
         After a failed write, the table is written again here (once per published sample)
         until a write succeeds, so :attr:`state_problem` clears by itself.
         """
-        with self._lock:
+        with self._changing():
             self._prune(snapshot)
             if self._file.unsaved:
                 self._file.save(self._leases.values())
@@ -380,7 +387,7 @@ class LeaseTable:
             else:
                 self._leases[lease.id] = old
             raise LeaseError(503, "state_unwritable", f"{failure}; {refused}")
-        self.changed.notify_all()
+        self._dirty = True
 
     def _set(self, leases: Mapping[str, Lease]) -> None:
         """Replace the table, remembering the keys of keyed leases that end before expiry."""
@@ -390,4 +397,4 @@ class LeaseTable:
     def _changed(self) -> None:
         """A change that lets GPUs go: in force at once, saved if the file can be written."""
         self._file.save(self._leases.values())
-        self.changed.notify_all()
+        self._dirty = True
