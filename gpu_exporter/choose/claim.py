@@ -56,8 +56,6 @@ from gpu_exporter.counters import TOO_MANY_WAITERS, RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import plural
 
-DEFAULT_MAX_WAITERS = 8
-DEFAULT_MAX_WAITERS_PER_REQUESTER = 2
 WAIT_POLL_SECONDS = 0.1  # waiters also wake at once on lease changes
 
 
@@ -102,6 +100,8 @@ def history_window(history: Sequence[Snapshot], seconds: float, monotonic_now: f
 class Waiters:
     """The ``--max-waiters`` slots and the shutdown event every long-polling request shares.
 
+    Sized by ``--max-waiters`` and ``--max-waiters-per-requester`` (:class:`Limits
+    <gpu_exporter.web.limits.Limits>`, the one place limits are defined).
     A request waits in one slot; beyond ``limit`` requests at once it is refused with 503
     ``too_many_waiters`` (the exporter is busy), and beyond ``per_requester`` (0: no limit)
     from one client address with 429 ``too_many_waiters`` (that client asks too much). Both
@@ -110,9 +110,9 @@ class Waiters:
 
     def __init__(
         self,
-        limit: int = DEFAULT_MAX_WAITERS,
+        limit: int,
         *,
-        per_requester: int = DEFAULT_MAX_WAITERS_PER_REQUESTER,
+        per_requester: int = 0,
         stopping: threading.Event | None = None,
         rejections: RequestCounter | None = None,
     ) -> None:
@@ -124,45 +124,29 @@ class Waiters:
         self._by_requester: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def try_enter(self, requester: str | None = None) -> ApiError | None:
-        """Take a slot; the refusal when none may be taken."""
-        with self._lock:
-            if self.active >= self.limit:
-                return ApiError(
-                    503,
-                    TOO_MANY_WAITERS,
-                    f"{plural(self.limit, 'request')} {'is' if self.limit == 1 else 'are'} "
-                    "already waiting for GPUs (--max-waiters); "
-                    "retry later",
-                    "wait",
-                )
-            if requester is not None and self.per_requester:
-                if self._by_requester[requester] >= self.per_requester:
-                    return ApiError(
-                        429,
-                        TOO_MANY_WAITERS,
-                        f"{requester} already has "
-                        f"{plural(self._by_requester[requester], 'request')} waiting for GPUs "
-                        f"(--max-waiters-per-requester {self.per_requester})",
-                        "wait",
-                    )
-                self._by_requester[requester] += 1
-            self.active += 1
-            return None
-
-    def leave(self, requester: str | None = None) -> None:
-        with self._lock:
-            self.active -= 1
-            if requester is not None and self.per_requester:
-                self._by_requester[requester] -= 1
-                if self._by_requester[requester] <= 0:
-                    del self._by_requester[requester]
-
     @contextlib.contextmanager
     def slot(self, requester: str | None = None) -> Iterator[None]:
         """Hold one slot while waiting; ``too_many_waiters`` (503, or 429 for a requester
         over its own limit) when none may be taken."""
-        refusal = self.try_enter(requester)
+        per, who = (self.per_requester, requester) if requester is not None else (0, "")
+        with self._lock:
+            refusal = None
+            if self.active >= self.limit:
+                are = "is" if self.limit == 1 else "are"
+                message = f"{plural(self.limit, 'request')} {are} already waiting for GPUs"
+                refusal = ApiError(
+                    503, TOO_MANY_WAITERS, f"{message} (--max-waiters); retry later", "wait"
+                )
+            elif per and self._by_requester[who] >= per:
+                waiting = plural(self._by_requester[who], "request")
+                message = f"{who} already has {waiting} waiting for GPUs"
+                refusal = ApiError(
+                    429, TOO_MANY_WAITERS, f"{message} (--max-waiters-per-requester {per})", "wait"
+                )
+            else:
+                self.active += 1
+                if per:
+                    self._by_requester[who] += 1
         if refusal is not None:
             if self.rejections is not None:
                 self.rejections.inc(TOO_MANY_WAITERS)
@@ -170,7 +154,12 @@ class Waiters:
         try:
             yield
         finally:
-            self.leave(requester)
+            with self._lock:
+                self.active -= 1
+                if per:
+                    self._by_requester[who] -= 1
+                    if self._by_requester[who] <= 0:
+                        del self._by_requester[who]
 
     def check(self) -> None:
         """Raise ``shutting_down`` (503) once the exporter is stopping."""
