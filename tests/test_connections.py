@@ -436,3 +436,19 @@ def test_a_header_with_a_line_break_is_never_sent() -> None:
     finally:
         server.stop()
         thread.join(10)
+
+
+def test_the_connection_state_machine_moves_only_along_its_table() -> None:
+    """Every state can end in CLOSED, CLOSED leads nowhere else, and a move that is not in
+    the table raises instead of leaving a connection half in two states."""
+    from gpu_exporter.web.connection import _NEXT, HttpConnection, State
+
+    assert set(_NEXT) == set(State)
+    assert all(State.CLOSED in moves for moves in _NEXT.values())
+    assert _NEXT[State.CLOSED] == {State.CLOSED}
+    conn = HttpConnection(None, ("127.0.0.1", 1), ("127.0.0.1", 2))  # type: ignore[arg-type]
+    assert conn.state is State.OPENING
+    with pytest.raises(RuntimeError, match="OPENING → WORKING"):
+        conn._to(State.WORKING)
+    conn._to(State.READING)
+    assert conn.state is State.READING

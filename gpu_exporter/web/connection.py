@@ -69,7 +69,7 @@ _NEXT: dict[State, frozenset[State]] = {
     _S.READING: frozenset({_S.WORKING, _S.DRAINING, _S.LINGERING, _S.CLOSING, _S.CLOSED}),
     _S.IDLE: frozenset({_S.READING, _S.DRAINING, _S.LINGERING, _S.CLOSING, _S.CLOSED}),
     _S.WORKING: frozenset({_S.READING, _S.IDLE, _S.DRAINING, _S.CLOSING, _S.CLOSED}),
-    _S.DRAINING: frozenset({_S.READING, _S.IDLE, _S.CLOSING, _S.CLOSED}),
+    _S.DRAINING: frozenset({_S.READING, _S.IDLE, _S.LINGERING, _S.CLOSING, _S.CLOSED}),
     _S.LINGERING: frozenset({_S.CLOSING, _S.CLOSED}),
     _S.CLOSING: frozenset({_S.CLOSED}),
     _S.CLOSED: frozenset({_S.CLOSED}),
@@ -286,7 +286,7 @@ class HttpConnection(asyncio.Protocol):
     def _respond(self, answer: Answer) -> None:
         """Write the app's answer through h11; then the next request, or close."""
         request = self._request
-        if self.state is State.CLOSED or request is None:
+        if self.state is not State.WORKING or request is None:  # evicted meanwhile
             return
         headers = [_SERVER, (b"Date", _date(int(time.time()))), *answer.headers]
         if not any(n.lower() == b"content-length" for n, _ in answer.headers):
