@@ -106,9 +106,8 @@ class Daemon:
         tls = None
         if self.watcher is not None and self.watcher.active.context is not None:
             tls = self.watcher.tls_context
-        self.server = Server(
-            self.app, host, port, limits=self.services.limits, tls=tls, rejections=self.rejections
-        )
+        limits, rejections = self.services.limits, self.rejections
+        self.server = Server(self.app, host, port, limits=limits, tls=tls, rejections=rejections)
         self.server.bind()
         return self.server
 
@@ -228,9 +227,8 @@ def build(
         max_waiters=config.max_waiters,
         max_waiters_per_requester=config.max_waiters_per_requester,
     )
-    waiters = Waiters(
-        limits.max_waiters, per_requester=limits.max_waiters_per_requester, rejections=rejections
-    )
+    per_requester = limits.max_waiters_per_requester
+    waiters = Waiters(limits.max_waiters, per_requester=per_requester, rejections=rejections)
     registry = CollectorRegistry()
     gpu_collector = GpuCollector(
         cache,

@@ -20,9 +20,12 @@ the snapshot cache) and before each change.
 
 Each lease has a public id and a secret token (:mod:`gpu_exporter.choose.tokens`):
 :meth:`~LeaseTable.authorize` checks the token before a renewal or release. A claim with an
-``Idempotency-Key`` that an earlier try of the same request already granted returns that
-lease again, token included, instead of claiming more GPUs
-(:mod:`gpu_exporter.choose.idempotency`).
+``Idempotency-Key`` (:class:`~gpu_exporter.choose.tokens.ClaimKey`) makes a keyed lease: it
+keeps the key's hash and a salt, from which a retry carrying the key derives the same token.
+While that lease is in force a retry gets it back (:meth:`~LeaseTable.again`), token
+included, instead of claiming more GPUs; once it has ended before its expiry (released, or
+let go early) a retry is refused until that expiry rather than granted anew. Those ended
+keys are kept in memory only.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from gpu_exporter.choose.filters import Filters, Window, rejection_reasons
-from gpu_exporter.choose.idempotency import ClaimKeys
 from gpu_exporter.choose.lease import Held, Lease, LeaseError
 from gpu_exporter.choose.memory import (
     DEFAULT_HEADROOM_BYTES,
@@ -51,10 +53,18 @@ from gpu_exporter.choose.persistence import Persistence
 from gpu_exporter.choose.rank import Selection, choose
 from gpu_exporter.choose.settle import settle
 from gpu_exporter.choose.statefile import StateFile
-from gpu_exporter.choose.tokens import ClaimKey, lease_id_of, make_token, sha256_hex
+from gpu_exporter.choose.tokens import (
+    ClaimKey,
+    Keyed,
+    lease_id_of,
+    make_token,
+    new_salt,
+    new_secret,
+    sha256_hex,
+)
 from gpu_exporter.clock import Clock
 from gpu_exporter.counters import ARRIVED, NOT_ON_THIS_HOST
-from gpu_exporter.model import Snapshot
+from gpu_exporter.model import Snapshot, all_devices
 from gpu_exporter.units import plural
 
 log = logging.getLogger(__name__)
@@ -68,6 +78,15 @@ def _no_cgroup(pid: int) -> str | None:
 
 def _nothing() -> None:
     pass
+
+
+def _credentials(key: ClaimKey | None) -> tuple[Keyed | None, str]:
+    """What a new lease keeps of ``key``, and its secret: random, or derived from the key,
+    so that a retry with the key gets the same token."""
+    if key is None:
+        return None, new_secret()
+    keyed = Keyed(key.key_hash, key.request_hash, new_salt())
+    return keyed, new_secret(keyed.salt, key.key)
 
 
 class LeaseTable:
@@ -97,7 +116,7 @@ class LeaseTable:
         # Called after every change, once the lock is released (the claimer's wait queue).
         self.on_change: Callable[[], None] = _nothing
         self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
-        self._keys = ClaimKeys()  # keys of keyed leases that ended early
+        self._spent: dict[str, float] = {}  # keys of keyed leases that ended early → expiry
         self._leases: dict[str, Lease] = self._file.restore(clock.time(), max_ttl_seconds)
 
     # -- queries: they never change the table, save it or wake anyone -----------------------
@@ -253,7 +272,7 @@ class LeaseTable:
             )
             if ttl_seconds <= 0:
                 return choice, None
-            keyed, secret = self._keys.credentials(key)  # keyed: a retry derives the same token
+            keyed, secret = _credentials(key)  # keyed: a retry derives the same token
             lease = self._with_pids(
                 Lease(
                     id=secrets.token_urlsafe(9),
@@ -278,7 +297,28 @@ class LeaseTable:
         parameters, 409 ``lease_ended`` if its lease was released (or let go) before expiry.
         """
         with self._lock:
-            return self._keys.again(self._leases.values(), key, snapshot, self._clock.time())
+            for lease in self._leases.values():
+                if lease.keyed is None or lease.keyed.key_hash != key.key_hash:
+                    continue
+                if lease.keyed.request_hash != key.request_hash:
+                    raise LeaseError(
+                        422,
+                        "idempotency_key_reused",
+                        f"this Idempotency-Key was used for another request (lease {lease.id}); "
+                        "a retry must repeat the parameters, a new request needs a new key",
+                    )
+                by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
+                chosen = tuple(by_uuid[u] for u in lease.uuids if u in by_uuid)
+                token = make_token(lease.id, new_secret(lease.keyed.salt, key.key))
+                return Selection(chosen, ()), replace(lease, token=token)
+            if self._spent.get(key.key_hash, 0.0) > self._clock.time():
+                raise LeaseError(
+                    409,
+                    "lease_ended",
+                    "the lease claimed with this Idempotency-Key has already ended (released, "
+                    "or let go early); claim again with a new key",
+                )
+            return None
 
     def release(self, lease_id: str) -> Lease:
         """End the lease ``lease_id`` now (check the caller with :meth:`authorize` first)."""
@@ -391,7 +431,11 @@ class LeaseTable:
 
     def _set(self, leases: Mapping[str, Lease]) -> None:
         """Replace the table, remembering the keys of keyed leases that end before expiry."""
-        self._keys.ended(self._leases.values(), leases, self._clock.time())
+        now = self._clock.time()
+        self._spent = {k: until for k, until in self._spent.items() if until > now}
+        for lease in self._leases.values():
+            if lease.id not in leases and lease.keyed is not None and lease.expires_at > now:
+                self._spent[lease.keyed.key_hash] = lease.expires_at
         self._leases = dict(leases)
 
     def _changed(self) -> None:
