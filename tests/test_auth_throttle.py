@@ -2,7 +2,7 @@
 
 40 threads sending wrong basic-auth passwords once made a scraper with the right password get
 503 on 33 of 39 scrapes: each failed bcrypt held one of the request slots. Now a failing
-address is answered 429 with ``Retry-After`` before any bcrypt (web/throttle.py), credentials
+address is answered 429 with ``Retry-After`` before any bcrypt (web/auth.py), credentials
 are checked outside the request limits, and a password already proven passes from the cache
 whatever anyone else does.
 """
@@ -22,8 +22,8 @@ from werkzeug.test import Client
 
 from conftest import FakeClock, build_stack
 from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.web.auth import AuthThrottle
 from gpu_exporter.web.limits import Limits
-from gpu_exporter.web.throttle import AuthThrottle
 from served import served
 
 LIMITS = Limits()

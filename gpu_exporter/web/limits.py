@@ -1,23 +1,14 @@
 """Every limit of the request path in one place (:class:`Limits`), and every deadline.
 
 Built once (:func:`gpu_exporter.daemon.build`, from the flags) and handed to what enforces
-each limit; nothing else sizes one limit against another. In the order a request meets them
-(docs/design.md, "The request path", has the table of what a client sees):
-
-====================  ==========================================  =============================
-limit                 enforced by                                 refused with
-====================  ==========================================  =============================
-connections           :class:`~gpu_exporter.web.admission.        evicts the oldest waiting
-                      ConnectionSlots`                            connection; else 503
-head and body size    :class:`~gpu_exporter.web.connection.       431 / 413
-                      HttpConnection`
-workers per address   :class:`~gpu_exporter.web.gateway.Workers`  503 ``too_many_requests``
-auth failures         :class:`~gpu_exporter.web.throttle.         429 ``auth_throttled`` /
-and bcrypt            AuthThrottle`                               503 ``auth_busy``
-requests in flight,   :class:`RequestLimits` (this module)        503 ``too_many_requests`` /
-query length                                                      414 ``uri_too_long``
-waiting ``/choose``   :class:`~gpu_exporter.choose.claim.Waiters` 503 / 429 ``too_many_waiters``
-====================  ==========================================  =============================
+each limit; nothing else sizes one limit against another. In the order a request meets them:
+connections (:class:`~gpu_exporter.web.admission.ConnectionSlots`), head and body size and
+the deadlines (:class:`~gpu_exporter.web.connection.HttpConnection`), workers per address
+(:class:`~gpu_exporter.web.gateway.Workers`), failed logins and bcrypt
+(:class:`~gpu_exporter.web.auth.BasicAuthMiddleware`), requests in flight and the query
+length (:class:`RequestLimits`, here), waiting ``/choose`` requests
+(:class:`~gpu_exporter.choose.claim.Waiters`). What a client sees for each: docs/design.md,
+"The request path".
 
 :class:`RequestLimits` is WSGI middleware in front of the whole app (``/metrics`` included),
 so the server, Flask's test client and the benchmarks enforce the same request limits. The
@@ -39,6 +30,8 @@ from gpu_exporter.counters import TOO_MANY_REQUESTS, URI_TOO_LONG, RequestCounte
 from gpu_exporter.units import plural
 from gpu_exporter.web.errors import error_response
 
+# The probes: never limited, never asked for credentials (kubelet and load balancers rarely
+# have them, and their answers say only "ok"/"ready" or why not).
 EXEMPT_PATHS = frozenset({"/healthz", "/readyz"})
 
 StartResponse = Callable[..., Any]

@@ -7,7 +7,7 @@ From the outside in::
     BasicAuthMiddleware  credentials, checked outside the limits: a flood of wrong passwords
                          never takes the request slots good clients need. Cached successes
                          cost no bcrypt; failing addresses are throttled (429) before any
-                         bcrypt, and bcrypt has its own few slots (web/throttle.py)
+                         bcrypt, and bcrypt has its own few slots
     RequestLimits        in-flight slots and the query-string limit; the probes exempt
                          (every limit: web/limits.py)
     DispatcherMiddleware /metrics (or --web.telemetry-path, and then only there) to the
@@ -37,7 +37,6 @@ from gpu_exporter.web.auth import BasicAuthMiddleware
 from gpu_exporter.web.errors import error_response
 from gpu_exporter.web.limits import RequestLimits, StartResponse, WsgiApp
 from gpu_exporter.web.services import Services
-from gpu_exporter.web.throttle import AuthThrottle
 from gpu_exporter.web.webconfig import SecurityHeaders
 
 log = logging.getLogger("gpu_exporter.requests")
@@ -58,7 +57,7 @@ def install(app: Flask, services: Services) -> None:
             watcher,
             services.auth_scope,
             limits=limits,
-            throttle=AuthThrottle(services.clock, limits),
+            clock=services.clock,
             rejections=rejections,
             telemetry_path=path,
         )
