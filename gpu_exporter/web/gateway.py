@@ -3,7 +3,7 @@
 
 The event loop (:mod:`gpu_exporter.web.connection`) hands a request to a worker only once its
 head and body have fully arrived, so a worker never waits on a client: it builds the environ
-(:func:`environ_for`), runs the app to completion (:func:`call_app`: the whole body is
+(:func:`run_app`), runs the app to completion (:func:`call_app`: the whole body is
 collected, as :class:`~gpu_exporter.web.limits.RequestLimits` does anyway) and gives the
 :class:`Answer` back to the loop, which writes it.
 
@@ -179,35 +179,22 @@ def run_app(
     peer: tuple[str, int],
     extra: dict[str, Any],
 ) -> Answer:
-    """Run ``app`` for ``request``: 400 for a target that makes no environ."""
-    try:
-        environ = environ_for(request, body, scheme, server, peer, extra)
-    except (ValueError, UnicodeError) as exc:
-        return error_answer(400, f"error: malformed request target: {exc}\n".encode())
-    return call_app(app, environ)
-
-
-def environ_for(
-    request: h11.Request,
-    body: bytes,
-    scheme: str,
-    server: tuple[str, int],
-    peer: tuple[str, int],
-    extra: dict[str, Any],
-) -> dict[str, Any]:
-    """The WSGI environ (PEP 3333) of one request; ``target`` was checked by the caller."""
-    method, http_version, headers = request.method, request.http_version, request.headers
+    """Run ``app`` for ``request`` with its WSGI environ (PEP 3333); 400 for a target that
+    makes none (the target's form was checked by the caller)."""
     path, _, query = request.target.partition(b"?")
     if not path.startswith(b"/"):  # absolute form: http://host/path?query
-        path = urllib.parse.urlsplit(path).path or b"/"
+        try:
+            path = urllib.parse.urlsplit(path).path or b"/"
+        except (ValueError, UnicodeError) as exc:
+            return error_answer(400, f"error: malformed request target: {exc}\n".encode())
     environ: dict[str, Any] = {
-        "REQUEST_METHOD": method.decode("ascii"),
+        "REQUEST_METHOD": request.method.decode("ascii"),
         "SCRIPT_NAME": "",
         "PATH_INFO": urllib.parse.unquote_to_bytes(path).decode("latin-1"),
         "QUERY_STRING": query.decode("latin-1"),
         "SERVER_NAME": server[0],
         "SERVER_PORT": str(server[1]),
-        "SERVER_PROTOCOL": f"HTTP/{http_version.decode('ascii')}",
+        "SERVER_PROTOCOL": f"HTTP/{request.http_version.decode('ascii')}",
         "REMOTE_ADDR": peer[0],
         "REMOTE_PORT": str(peer[1]),
         "wsgi.version": (1, 0),
@@ -223,7 +210,7 @@ def environ_for(
     }
     if scheme == "https":
         environ["HTTPS"] = "on"
-    for name, value in headers:
+    for name, value in request.headers:
         if name == b"content-type":
             environ["CONTENT_TYPE"] = value.decode("latin-1")
             continue
@@ -232,7 +219,7 @@ def environ_for(
         key = "HTTP_" + name.decode("ascii").upper().replace("-", "_")
         text = value.decode("latin-1")
         environ[key] = f"{environ[key]},{text}" if key in environ else text
-    return environ
+    return call_app(app, environ)
 
 
 def call_app(app: Callable[..., Any], environ: dict[str, Any]) -> Answer:
