@@ -199,6 +199,7 @@ def _tls_files() -> tuple[str, str] | None:
 def _serve_project(port: int) -> int:
     import ssl
 
+    from gpu_exporter.web.limits import Limits
     from gpu_exporter.web.server import ListenError, Server
 
     app, daemon = _build_app()
@@ -207,9 +208,9 @@ def _serve_project(port: int) -> int:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(*files)
         tls = lambda: context  # noqa: E731
-    # As `serve` sizes it (--max-requests-in-flight + 4): one client address, as every load
-    # client here is, may use all but 4 threads, so SERVER_THREADS of them, like the others.
-    server = Server(app, HOST, port, threads=SERVER_THREADS + 4, tls=tls)
+    # As `serve` sizes it: one client address, as every load client here is, may use all but
+    # 4 threads, so SERVER_THREADS of them, like the others.
+    server = Server(app, HOST, port, limits=Limits(max_in_flight=SERVER_THREADS), tls=tls)
     try:
         server.bind()
     except ListenError as exc:

@@ -54,7 +54,7 @@ from gpu_exporter.nvml import Nvml
 from gpu_exporter.revision import revision
 from gpu_exporter.units import plural
 from gpu_exporter.web.app import create_app
-from gpu_exporter.web.limits import PROBE_THREADS
+from gpu_exporter.web.limits import Limits
 from gpu_exporter.web.server import ListenError, Server
 from gpu_exporter.web.services import Services
 from gpu_exporter.web.webconfig import WebConfigError, WebConfigWatcher, exposure_warnings
@@ -103,15 +103,11 @@ class Daemon:
         """
         host = self.config.host if host is None else host
         port = self.config.port if port is None else port
-        # A few workers beyond the request limit, so that the one request too many is
-        # answered 503 by RequestLimits at once; probes have PROBE_THREADS of their own.
-        threads = self.config.max_requests_in_flight + PROBE_THREADS
         tls = None
         if self.watcher is not None and self.watcher.active.context is not None:
             tls = self.watcher.tls_context
-        self.server = Server(
-            self.app, host, port, threads=threads, tls=tls, rejections=self.rejections
-        )
+        limits, rejections = self.services.limits, self.rejections
+        self.server = Server(self.app, host, port, limits=limits, tls=tls, rejections=rejections)
         self.server.bind()
         return self.server
 
@@ -226,11 +222,13 @@ def build(
     xids = XidCounter() if config.xid_events and "xid" not in config.collect_disabled else None
     pcie = PcieRates() if config.pcie_throughput else None
 
-    waiters = Waiters(
-        config.max_waiters,
-        per_requester=config.max_waiters_per_requester,
-        rejections=rejections,
+    limits = Limits(  # every limit of the request path, for whatever enforces it
+        max_in_flight=config.max_requests_in_flight,
+        max_waiters=config.max_waiters,
+        max_waiters_per_requester=config.max_waiters_per_requester,
     )
+    per_requester = limits.max_waiters_per_requester
+    waiters = Waiters(limits.max_waiters, per_requester=per_requester, rejections=rejections)
     registry = CollectorRegistry()
     gpu_collector = GpuCollector(
         cache,
@@ -279,7 +277,7 @@ def build(
         max_age_seconds=config.max_age_seconds,
         requests=requests,
         rejections=rejections,
-        max_in_flight=config.max_requests_in_flight,
+        limits=limits,
         cluster=cluster,
         exposition=exposition,
         xids=xids,

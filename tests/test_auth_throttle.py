@@ -2,7 +2,7 @@
 
 40 threads sending wrong basic-auth passwords once made a scraper with the right password get
 503 on 33 of 39 scrapes: each failed bcrypt held one of the request slots. Now a failing
-address is answered 429 with ``Retry-After`` before any bcrypt (web/throttle.py), credentials
+address is answered 429 with ``Retry-After`` before any bcrypt (web/auth.py), credentials
 are checked outside the request limits, and a password already proven passes from the cache
 whatever anyone else does.
 """
@@ -22,14 +22,13 @@ from werkzeug.test import Client
 
 from conftest import FakeClock, build_stack
 from gpu_exporter.simulate import SimulatedNvml
-from gpu_exporter.web.throttle import (
-    BASE_DELAY_SECONDS,
-    FREE_FAILURES,
-    MAX_DELAY_SECONDS,
-    AuthThrottle,
-)
+from gpu_exporter.web.auth import AuthThrottle
+from gpu_exporter.web.limits import Limits
 from served import served
 
+LIMITS = Limits()
+FREE_FAILURES, BASE_DELAY_SECONDS = LIMITS.auth_free_failures, LIMITS.auth_base_delay_seconds
+MAX_DELAY_SECONDS = LIMITS.auth_max_delay_seconds
 BAD_THREADS = 40
 ATTACK_SECONDS = 3.0
 
@@ -200,7 +199,7 @@ def test_checks_in_flight_count_so_a_burst_gets_only_the_free_ones() -> None:
 @pytest.mark.parametrize("max_addresses", [1, 3])
 def test_addresses_remembered_are_bounded(max_addresses: int) -> None:
     clock = Clock()
-    throttle = AuthThrottle(clock, max_addresses=max_addresses)
+    throttle = AuthThrottle(clock, Limits(auth_max_addresses=max_addresses))
     for i in range(100):
         fail(throttle, f"10.0.0.{i}")
     assert len(throttle._addresses) <= max_addresses

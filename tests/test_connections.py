@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tls_certs import CA
 
-from gpu_exporter.web.connection import Timeouts
+from gpu_exporter.web.limits import Limits, Timeouts
 from gpu_exporter.web.server import Server
 from harness import free_port, start, stop, wait_ready
 from served import Served, served
@@ -135,7 +135,7 @@ def test_an_unread_answer_is_dropped_after_the_write_deadline() -> None:
             status, _, seconds = timed_get(s.port, "/metrics")
             assert status == 200 and seconds < 1.0
         assert s.site is not None
-        until(lambda: s.site is not None and s.site.admission.held == 0, 5.0)
+        until(lambda: s.site is not None and s.site.slots.held == 0, 5.0)
         for sock in greedy:
             sock.close()
 
@@ -144,12 +144,15 @@ def test_an_unread_answer_is_dropped_after_the_write_deadline() -> None:
 
 
 def test_a_new_connection_evicts_its_address_oldest_waiting_one() -> None:
-    with served() as exporter, extra_server(exporter, max_waiting_per_address=5) as s:
+    with (
+        served() as exporter,
+        extra_server(exporter, limits=Limits(max_waiting_per_address=5)) as s,
+    ):
         idle = [connect(s.port) for _ in range(5)]
         time.sleep(0.1)
         assert timed_get(s.port, "/healthz")[0] == 200  # the good client gets in
         assert closed_within(idle[0], 2.0) < 2.0  # … and the oldest idle one went
-        assert s.site is not None and s.site.admission.evicted >= 1
+        assert s.site is not None and s.site.slots.evicted >= 1
         for sock in idle:
             sock.close()
 
@@ -157,7 +160,9 @@ def test_a_new_connection_evicts_its_address_oldest_waiting_one() -> None:
 def test_beyond_the_global_cap_with_nothing_to_evict_is_503_at_once() -> None:
     with (
         served() as exporter,
-        extra_server(exporter, max_connections=2, rejections=exporter.daemon.rejections) as s,
+        extra_server(
+            exporter, limits=Limits(max_connections=2), rejections=exporter.daemon.rejections
+        ) as s,
     ):
         assert timed_get(exporter.port, f"/choose?n=4&lease=1h&{ALL}")[0] == 200  # all taken
         waiting = [connect(s.port) for _ in range(2)]
@@ -341,7 +346,8 @@ def test_one_address_leaves_a_reserve_of_workers_to_the_others() -> None:
     """40 wrong-password threads from one address must leave workers for another's scrape."""
     from gpu_exporter.web.gateway import Workers
 
-    workers = Workers(8, "test")
+    limits = Limits(max_in_flight=4)  # 8 workers
+    workers = Workers(limits.worker_threads, "test", limits.workers_per_address)
     release = threading.Event()
 
     def hold() -> None:
@@ -365,7 +371,7 @@ def test_one_address_leaves_a_reserve_of_workers_to_the_others() -> None:
     assert workers.submit(lambda: None, owner="127.0.0.2")
     workers.stop()
     # The server's pool (--max-requests-in-flight + 4): one address may use all 32 slots.
-    assert Workers(36, "test").share == 32
+    assert Limits().workers_per_address == 32
 
 
 def test_one_keep_alive_connection_answers_request_after_request() -> None:
@@ -430,3 +436,19 @@ def test_a_header_with_a_line_break_is_never_sent() -> None:
     finally:
         server.stop()
         thread.join(10)
+
+
+def test_the_connection_state_machine_moves_only_along_its_table() -> None:
+    """Every state can end in CLOSED, CLOSED leads nowhere else, and a move that is not in
+    the table raises instead of leaving a connection half in two states."""
+    from gpu_exporter.web.connection import _NEXT, HttpConnection, State
+
+    assert set(_NEXT) == set(State)
+    assert all(State.CLOSED in moves for moves in _NEXT.values())
+    assert _NEXT[State.CLOSED] == {State.CLOSED}
+    conn = HttpConnection(None, ("127.0.0.1", 1), ("127.0.0.1", 2))  # type: ignore[arg-type]
+    assert conn.state is State.OPENING
+    with pytest.raises(RuntimeError, match="OPENING → WORKING"):
+        conn._to(State.WORKING)
+    conn._to(State.READING)
+    assert conn.state is State.READING

@@ -25,6 +25,7 @@ from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.model import ProcessSample
 from gpu_exporter.simulate import Fault, Load, SimGpu
+from gpu_exporter.web.limits import Limits
 from gpu_exporter.web.server import Server
 
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -40,7 +41,7 @@ def idle_box(n: int = 8, **kwargs: object) -> Stack:
 def served() -> Iterator[tuple[Stack, str]]:
     """An 8-GPU simulated host behind the real server on loopback."""
     s = idle_box()
-    server = Server(s.app, "127.0.0.1", 0, threads=32)
+    server = Server(s.app, "127.0.0.1", 0, limits=Limits(max_in_flight=28))
     server.bind()
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
@@ -326,25 +327,19 @@ def test_sort_strategies() -> None:
 
 @contextmanager
 def notifications(table: LeaseTable) -> Iterator[list[int]]:
-    """Every time the table's condition is notified while the block runs."""
+    """Every time the table tells its waiters of a change while the block runs."""
     woken: list[int] = []
-    ready, done = threading.Event(), threading.Event()
+    before = table.on_change
 
-    def watch() -> None:
-        with table.changed:  # held except inside wait(): no notification can slip past
-            ready.set()
-            while not done.is_set():
-                if table.changed.wait(0.01):
-                    woken.append(1)
+    def counting() -> None:
+        woken.append(1)
+        before()
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    assert ready.wait(5)
+    table.on_change = counting
     try:
         yield woken
     finally:
-        done.set()
-        thread.join(5)
+        table.on_change = before
 
 
 def test_scrapes_and_listings_never_write_the_state_file_or_wake_waiters(tmp_path: Path) -> None:

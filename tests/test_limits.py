@@ -18,8 +18,11 @@ from gpu_exporter.config import ServeConfig
 from gpu_exporter.daemon import build
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import SimulatedNvml
-from gpu_exporter.web.limits import MAX_QUERY_BYTES
-from gpu_exporter.web.server import MAX_BODY_BYTES, MAX_HEADER_BYTES
+from gpu_exporter.web.limits import Limits
+
+LIMITS = Limits()
+MAX_QUERY_BYTES = LIMITS.max_query_bytes
+MAX_HEADER_BYTES, MAX_BODY_BYTES = LIMITS.max_header_bytes, LIMITS.max_body_bytes
 
 
 class Running:

@@ -26,7 +26,7 @@ from tls_certs import CA
 
 from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
-from gpu_exporter.web.server import client_connected
+from gpu_exporter.web.gateway import client_connected
 from harness import ROOT
 from served import Served, served
 

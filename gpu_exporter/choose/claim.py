@@ -11,7 +11,9 @@ one request at a time per thread. What a request does, and what it blocks:
 * A claim that finds too few GPUs and has ``wait=`` time left joins the wait queue
   (:class:`~gpu_exporter.choose.waitqueue.WaitQueue`) and tries again whenever the lease table
   changes, a waiter leaves, or ``poll_seconds`` pass (new samples). Reading the queue, claiming
-  and joining happen under one lock, so nobody slips in between.
+  and joining happen under the queue's one lock, so nobody slips in between.
+* A claim with an ``Idempotency-Key`` that an earlier try already granted gets that lease
+  back (looked up once per try, under that lock), without queueing behind anyone.
 * Advice (``lease=0``) never joins the queue and ignores reservations: it answers from the
   current sample and leases. With ``wait=`` it may still wait for GPUs to become free, in a
   ``--max-waiters`` slot but without a place in the queue, so it blocks nobody.
@@ -54,8 +56,6 @@ from gpu_exporter.counters import TOO_MANY_WAITERS, RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.units import plural
 
-DEFAULT_MAX_WAITERS = 8
-DEFAULT_MAX_WAITERS_PER_REQUESTER = 2
 WAIT_POLL_SECONDS = 0.1  # waiters also wake at once on lease changes
 
 
@@ -100,6 +100,8 @@ def history_window(history: Sequence[Snapshot], seconds: float, monotonic_now: f
 class Waiters:
     """The ``--max-waiters`` slots and the shutdown event every long-polling request shares.
 
+    Sized by ``--max-waiters`` and ``--max-waiters-per-requester`` (:class:`Limits
+    <gpu_exporter.web.limits.Limits>`, the one place limits are defined).
     A request waits in one slot; beyond ``limit`` requests at once it is refused with 503
     ``too_many_waiters`` (the exporter is busy), and beyond ``per_requester`` (0: no limit)
     from one client address with 429 ``too_many_waiters`` (that client asks too much). Both
@@ -108,9 +110,9 @@ class Waiters:
 
     def __init__(
         self,
-        limit: int = DEFAULT_MAX_WAITERS,
+        limit: int,
         *,
-        per_requester: int = DEFAULT_MAX_WAITERS_PER_REQUESTER,
+        per_requester: int = 0,
         stopping: threading.Event | None = None,
         rejections: RequestCounter | None = None,
     ) -> None:
@@ -122,45 +124,29 @@ class Waiters:
         self._by_requester: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def try_enter(self, requester: str | None = None) -> ApiError | None:
-        """Take a slot; the refusal when none may be taken."""
-        with self._lock:
-            if self.active >= self.limit:
-                return ApiError(
-                    503,
-                    TOO_MANY_WAITERS,
-                    f"{plural(self.limit, 'request')} {'is' if self.limit == 1 else 'are'} "
-                    "already waiting for GPUs (--max-waiters); "
-                    "retry later",
-                    "wait",
-                )
-            if requester is not None and self.per_requester:
-                if self._by_requester[requester] >= self.per_requester:
-                    return ApiError(
-                        429,
-                        TOO_MANY_WAITERS,
-                        f"{requester} already has "
-                        f"{plural(self._by_requester[requester], 'request')} waiting for GPUs "
-                        f"(--max-waiters-per-requester {self.per_requester})",
-                        "wait",
-                    )
-                self._by_requester[requester] += 1
-            self.active += 1
-            return None
-
-    def leave(self, requester: str | None = None) -> None:
-        with self._lock:
-            self.active -= 1
-            if requester is not None and self.per_requester:
-                self._by_requester[requester] -= 1
-                if self._by_requester[requester] <= 0:
-                    del self._by_requester[requester]
-
     @contextlib.contextmanager
     def slot(self, requester: str | None = None) -> Iterator[None]:
         """Hold one slot while waiting; ``too_many_waiters`` (503, or 429 for a requester
         over its own limit) when none may be taken."""
-        refusal = self.try_enter(requester)
+        per, who = (self.per_requester, requester) if requester is not None else (0, "")
+        with self._lock:
+            refusal = None
+            if self.active >= self.limit:
+                are = "is" if self.limit == 1 else "are"
+                message = f"{plural(self.limit, 'request')} {are} already waiting for GPUs"
+                refusal = ApiError(
+                    503, TOO_MANY_WAITERS, f"{message} (--max-waiters); retry later", "wait"
+                )
+            elif per and self._by_requester[who] >= per:
+                waiting = plural(self._by_requester[who], "request")
+                message = f"{who} already has {waiting} waiting for GPUs"
+                refusal = ApiError(
+                    429, TOO_MANY_WAITERS, f"{message} (--max-waiters-per-requester {per})", "wait"
+                )
+            else:
+                self.active += 1
+                if per:
+                    self._by_requester[who] += 1
         if refusal is not None:
             if self.rejections is not None:
                 self.rejections.inc(TOO_MANY_WAITERS)
@@ -168,7 +154,12 @@ class Waiters:
         try:
             yield
         finally:
-            self.leave(requester)
+            with self._lock:
+                self.active -= 1
+                if per:
+                    self._by_requester[who] -= 1
+                    if self._by_requester[who] <= 0:
+                        del self._by_requester[who]
 
     def check(self) -> None:
         """Raise ``shutting_down`` (503) once the exporter is stopping."""
@@ -196,8 +187,8 @@ class Claimer:
     """Selects and claims GPUs under the lease table's lock; waiters queue first come first
     served for the GPUs they could use (see the module docstring).
 
-    ``pause(seconds)`` waits between tries; by default until the lease table changes or
-    ``poll_seconds`` pass (new samples are seen at the next poll).
+    Between tries it waits until the lease table changes, a waiter leaves or ``poll_seconds``
+    pass (new samples are seen at the next poll); ``pause(seconds)`` replaces that wait.
     """
 
     def __init__(
@@ -220,15 +211,13 @@ class Claimer:
         self._clock = clock
         self.max_age_seconds = max_age_seconds
         self._poll_seconds = poll_seconds
-        self._pause = pause if pause is not None else table.wait_for_change
-        # Serialises tries, so that reading the queue, claiming and joining it are one step.
-        self._lock = threading.Lock()
+        self._pause = pause
         self._queue = WaitQueue()
+        table.on_change = self._queue.wake
 
     def waiting(self) -> tuple[Waiter, ...]:
         """The requests waiting in the queue now, earliest first."""
-        with self._lock:
-            return self._queue.waiting()
+        return self._queue.waiting()
 
     def claim(
         self,
@@ -246,18 +235,13 @@ class Claimer:
         is still there; it is asked after every pause, and a client that left gets
         ``client_closed`` (499) with nothing claimed for it.
         """
-        if key is not None and req.lease_seconds > 0:
-            snapshot = self._snapshots.get()
-            again = self._table.again(key, snapshot)
-            if again is not None:
-                return Claimed(*again, snapshot, self._clock.monotonic())
         deadline = self._clock.monotonic() + req.wait_seconds
         waiter: Waiter | None = None
         try:
             with contextlib.ExitStack() as slot:  # one --max-waiters slot once really waiting
                 slotted = False
                 while True:
-                    with self._lock:
+                    with self._queue.turn:  # reading the queue, claiming and joining: one step
                         outcome = self._try(req, requester, waiter, key)
                         if isinstance(outcome, Claimed):
                             return outcome
@@ -271,7 +255,11 @@ class Claimer:
                             waiter = self._queue.join(
                                 req.n, req.filters, requester, req.owner, self._clock.monotonic()
                             )
-                    self._pause(self._poll_seconds)
+                        since = self._queue.changes
+                    if self._pause is not None:
+                        self._pause(self._poll_seconds)
+                    else:
+                        self._queue.wait(since, self._poll_seconds)
                     self._waiters.check()
                     if connected is not None and not connected():
                         raise ApiError(
@@ -279,15 +267,17 @@ class Claimer:
                         )
         finally:
             if waiter is not None:
-                with self._lock:
-                    self._queue.leave(waiter)
-                self._table.wake_waiters()  # later waiters may use what it reserved
+                self._queue.leave(waiter)  # later waiters may use what it reserved
 
     def _try(
         self, req: ChooseRequest, requester: str, waiter: Waiter | None, key: ClaimKey | None
     ) -> Claimed | ApiError:
         """One try: the claim, or why not. Raises what waiting cannot cure."""
         snapshot, now = self._snapshots.get(), self._clock.monotonic()
+        if key is not None and req.lease_seconds > 0:  # the one look-up of the key
+            again = self._table.again(key, snapshot)
+            if again is not None:
+                return Claimed(*again, snapshot, now)
         problem = snapshot_problem(snapshot, now, self.max_age_seconds)
         if problem is not None:
             return problem

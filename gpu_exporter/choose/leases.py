@@ -20,28 +20,31 @@ the snapshot cache) and before each change.
 
 Each lease has a public id and a secret token (:mod:`gpu_exporter.choose.tokens`):
 :meth:`~LeaseTable.authorize` checks the token before a renewal or release. A claim with an
-``Idempotency-Key`` that an earlier try of the same request already granted returns that
-lease again, token included, instead of claiming more GPUs
-(:mod:`gpu_exporter.choose.idempotency`).
+``Idempotency-Key`` (:class:`~gpu_exporter.choose.tokens.ClaimKey`) makes a keyed lease: it
+keeps the key's hash and a salt, from which a retry carrying the key derives the same token.
+While that lease is in force a retry gets it back (:meth:`~LeaseTable.again`), token
+included, instead of claiming more GPUs; once it has ended before its expiry (released, or
+let go early) a retry is refused until that expiry rather than granted anew. Those ended
+keys are kept in memory only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from gpu_exporter.choose.filters import Filters, Window, rejection_reasons
-from gpu_exporter.choose.idempotency import ClaimKeys
 from gpu_exporter.choose.lease import Held, Lease, LeaseError
 from gpu_exporter.choose.memory import (
     DEFAULT_HEADROOM_BYTES,
-    admission,
     card_memory,
+    memory_fit,
     memory_leases,
     never_fits,
     shared_cards,
@@ -50,10 +53,18 @@ from gpu_exporter.choose.persistence import Persistence
 from gpu_exporter.choose.rank import Selection, choose
 from gpu_exporter.choose.settle import settle
 from gpu_exporter.choose.statefile import StateFile
-from gpu_exporter.choose.tokens import ClaimKey, lease_id_of, make_token, sha256_hex
+from gpu_exporter.choose.tokens import (
+    ClaimKey,
+    Keyed,
+    lease_id_of,
+    make_token,
+    new_salt,
+    new_secret,
+    sha256_hex,
+)
 from gpu_exporter.clock import Clock
 from gpu_exporter.counters import ARRIVED, NOT_ON_THIS_HOST
-from gpu_exporter.model import Snapshot
+from gpu_exporter.model import Snapshot, all_devices
 from gpu_exporter.units import plural
 
 log = logging.getLogger(__name__)
@@ -63,6 +74,19 @@ MAX_PIDS = 64  # registered PIDs per lease: a job's launcher or two, not its eve
 
 def _no_cgroup(pid: int) -> str | None:
     return None
+
+
+def _nothing() -> None:
+    pass
+
+
+def _credentials(key: ClaimKey | None) -> tuple[Keyed | None, str]:
+    """What a new lease keeps of ``key``, and its secret: random, or derived from the key,
+    so that a retry with the key gets the same token."""
+    if key is None:
+        return None, new_secret()
+    keyed = Keyed(key.key_hash, key.request_hash, new_salt())
+    return keyed, new_secret(keyed.salt, key.key)
 
 
 class LeaseTable:
@@ -88,9 +112,11 @@ class LeaseTable:
         self.max_ttl_seconds = max_ttl_seconds
         self.max_gpus_per_requester = max_gpus_per_requester
         self._lock = threading.RLock()
-        self.changed = threading.Condition(self._lock)  # notified on every change
+        self._dirty = False  # a change since the lock was taken: wake the waiters after it
+        # Called after every change, once the lock is released (the claimer's wait queue).
+        self.on_change: Callable[[], None] = _nothing
         self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
-        self._keys = ClaimKeys()  # keys of keyed leases that ended early
+        self._spent: dict[str, float] = {}  # keys of keyed leases that ended early → expiry
         self._leases: dict[str, Lease] = self._file.restore(clock.time(), max_ttl_seconds)
 
     # -- queries: they never change the table, save it or wake anyone -----------------------
@@ -178,8 +204,8 @@ class LeaseTable:
         (:mod:`gpu_exporter.choose.memory`: shared with other memory leases, best fit first),
         reserved in a memory lease.
 
-        The lease returned carries its token (:attr:`Lease.token`). With ``key``, a lease an
-        earlier claim with that key made is returned instead (see :meth:`again`).
+        The lease returned carries its token (:attr:`Lease.token`); with ``key``, one that a
+        retry with the key derives again (the caller asks :meth:`again` first).
         ``reserved`` (UUID → why) are GPUs that earlier waiters keep from this request.
 
         Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`LeaseError`.
@@ -192,13 +218,9 @@ class LeaseTable:
                 f"({self.max_ttl_seconds:g} s, --max-lease); renew it instead",
                 "lease",
             )
-        with self._lock:
+        with self._changing():
             self._prune(snapshot)
             now = self._clock.time()
-            if key is not None and ttl_seconds > 0:
-                again = self._keys.again(self._leases.values(), key, snapshot, now)
-                if again is not None:
-                    return again
             leased = {
                 uuid: f"leased until {lease.expires_at - now:.0f} s from now"
                 + (f" by {lease.owner}" if lease.owner else "")
@@ -232,7 +254,7 @@ class LeaseTable:
                     for g in snapshot.gpus
                     if g.uuid not in (reserved or {}) and not rejection_reasons(g, filters)
                 }
-                fits = admission(
+                fits = memory_fit(
                     snapshot.gpus, self._leases.values(), mem, headroom, leased, wanted
                 )
                 leased, fit, note = fits.refused, fits.fit, fits.note
@@ -250,7 +272,7 @@ class LeaseTable:
             )
             if ttl_seconds <= 0:
                 return choice, None
-            keyed, secret = self._keys.credentials(key)  # keyed: a retry derives the same token
+            keyed, secret = _credentials(key)  # keyed: a retry derives the same token
             lease = self._with_pids(
                 Lease(
                     id=secrets.token_urlsafe(9),
@@ -275,11 +297,32 @@ class LeaseTable:
         parameters, 409 ``lease_ended`` if its lease was released (or let go) before expiry.
         """
         with self._lock:
-            return self._keys.again(self._leases.values(), key, snapshot, self._clock.time())
+            for lease in self._leases.values():
+                if lease.keyed is None or lease.keyed.key_hash != key.key_hash:
+                    continue
+                if lease.keyed.request_hash != key.request_hash:
+                    raise LeaseError(
+                        422,
+                        "idempotency_key_reused",
+                        f"this Idempotency-Key was used for another request (lease {lease.id}); "
+                        "a retry must repeat the parameters, a new request needs a new key",
+                    )
+                by_uuid = {g.uuid: g for g in all_devices(snapshot.gpus)}
+                chosen = tuple(by_uuid[u] for u in lease.uuids if u in by_uuid)
+                token = make_token(lease.id, new_secret(lease.keyed.salt, key.key))
+                return Selection(chosen, ()), replace(lease, token=token)
+            if self._spent.get(key.key_hash, 0.0) > self._clock.time():
+                raise LeaseError(
+                    409,
+                    "lease_ended",
+                    "the lease claimed with this Idempotency-Key has already ended (released, "
+                    "or let go early); claim again with a new key",
+                )
+            return None
 
     def release(self, lease_id: str) -> Lease:
         """End the lease ``lease_id`` now (check the caller with :meth:`authorize` first)."""
-        with self._lock:
+        with self._changing():
             self._prune(None)
             lease = self.get(lease_id)
             self._set({k: v for k, v in self._leases.items() if k != lease_id})
@@ -295,7 +338,7 @@ class LeaseTable:
                 f"({self.max_ttl_seconds:g} s, --max-lease)",
                 "ttl",
             )
-        with self._lock:
+        with self._changing():
             self._prune(None)
             old = self.get(lease_id)
             lease = replace(old, expires_at=self._clock.time() + ttl_seconds, renewed=True)
@@ -305,7 +348,7 @@ class LeaseTable:
 
     def add_pids(self, lease_id: str, pids: Iterable[int]) -> Lease:
         """Register more of the job's processes with its lease (e.g. once the job started)."""
-        with self._lock:
+        with self._changing():
             self._prune(None)
             old = self.get(lease_id)
             lease = self._with_pids(old, pids)
@@ -332,16 +375,20 @@ class LeaseTable:
             cgroups=tuple(dict.fromkeys([*lease.cgroups, *(c for c in cgroups if c)])),
         )
 
-    # -- waking waiters ---------------------------------------------------------------------
-    def wake_waiters(self) -> None:
-        """Wake every :meth:`wait_for_change` now (a waiter left: what it reserved is free)."""
-        with self._lock:
-            self.changed.notify_all()
-
-    def wait_for_change(self, timeout_seconds: float) -> None:
-        """Block until the table changes, :meth:`wake_waiters` is called, or the timeout ends."""
-        with self._lock:
-            self.changed.wait(timeout_seconds)
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The lock, for a change; :attr:`on_change` is called once it is released (never
+        under it: the claimer calls the table under its queue's lock)."""
+        changed = False
+        try:
+            with self._lock:
+                try:
+                    yield
+                finally:
+                    changed, self._dirty = self._dirty, False
+        finally:
+            if changed:
+                self.on_change()
 
     # -- housekeeping -----------------------------------------------------------------------
     def prune(self, snapshot: Snapshot | None = None) -> None:
@@ -350,7 +397,7 @@ class LeaseTable:
         After a failed write, the table is written again here (once per published sample)
         until a write succeeds, so :attr:`state_problem` clears by itself.
         """
-        with self._lock:
+        with self._changing():
             self._prune(snapshot)
             if self._file.unsaved:
                 self._file.save(self._leases.values())
@@ -380,14 +427,18 @@ class LeaseTable:
             else:
                 self._leases[lease.id] = old
             raise LeaseError(503, "state_unwritable", f"{failure}; {refused}")
-        self.changed.notify_all()
+        self._dirty = True
 
     def _set(self, leases: Mapping[str, Lease]) -> None:
         """Replace the table, remembering the keys of keyed leases that end before expiry."""
-        self._keys.ended(self._leases.values(), leases, self._clock.time())
+        now = self._clock.time()
+        self._spent = {k: until for k, until in self._spent.items() if until > now}
+        for lease in self._leases.values():
+            if lease.id not in leases and lease.keyed is not None and lease.expires_at > now:
+                self._spent[lease.keyed.key_hash] = lease.expires_at
         self._leases = dict(leases)
 
     def _changed(self) -> None:
         """A change that lets GPUs go: in force at once, saved if the file can be written."""
         self._file.save(self._leases.values())
-        self.changed.notify_all()
+        self._dirty = True

@@ -189,8 +189,8 @@ def caps_env(mem: int, share: float) -> dict[str, str]:
 
 
 @dataclass(frozen=True, slots=True)
-class Admission:
-    """What :func:`admission` hands :func:`~gpu_exporter.choose.rank.choose`: the cards a
+class MemoryFit:
+    """What :func:`memory_fit` hands :func:`~gpu_exporter.choose.rank.choose`: the cards a
     memory request cannot have (UUID → why), the room on the others (best fit first), and
     what a refusal adds (the room on the best card)."""
 
@@ -199,14 +199,14 @@ class Admission:
     note: str
 
 
-def admission(
+def memory_fit(
     gpus: Iterable[GpuSample],
     leases: Iterable[Lease],
     mem: int,
     headroom: int,
     describe: Mapping[str, str],
     wanted: Container[str] | None = None,
-) -> Admission:
+) -> MemoryFit:
     """Which cards admit ``mem`` more under ``leases`` (see the module docstring).
 
     ``wanted``: the cards the request's other filters accept; a refusal's note names the
@@ -225,7 +225,7 @@ def admission(
         note = "no card the other filters accept can take a memory lease"
     else:
         note = "every card is leased whole"
-    return Admission(refused, room, note)
+    return MemoryFit(refused, room, note)
 
 
 def never_fits(gpus: Iterable[GpuSample], mem: int, headroom: int) -> str | None:

@@ -1,8 +1,11 @@
-"""The queue of ``/choose`` requests waiting for GPUs, and the GPUs each one reserves.
+"""The queue of ``/choose`` requests waiting for GPUs, its wake-up, and what each one reserves.
 
-Plain data, no locking of its own: :class:`~gpu_exporter.choose.claim.Claimer` guards it with
-its lock. A request joins only once it found too few GPUs and may wait (``wait=``) for a
-lease; advice (``lease=0``) never joins.
+:class:`WaitQueue` holds the waiting requests and the condition they wait on under one lock:
+:class:`~gpu_exporter.choose.claim.Claimer` tries a claim and joins under it, and is woken
+through it whenever the lease table changes (:attr:`LeaseTable.on_change
+<gpu_exporter.choose.leases.LeaseTable.on_change>`, called once the table's lock is released,
+so the two locks never nest the other way) or a waiter leaves. A request joins only once it
+found too few GPUs and may wait (``wait=``) for a lease; advice (``lease=0``) never joins.
 
 What a waiter blocks (:func:`reserved_for`): the GPUs that qualify for it by its filters on
 the current sample, leased or not. A later request chooses among the other GPUs; one that
@@ -14,6 +17,7 @@ filters accept now is reserved, which errs towards the earlier request.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -68,11 +72,14 @@ def _text(name: str, value: Any) -> str:
 
 
 class WaitQueue:
-    """Waiting requests, first come first served. Not thread-safe: the claimer locks it."""
+    """Waiting requests, first come first served, and their wake-up; all under :attr:`turn`."""
 
     def __init__(self) -> None:
+        # Held to try a claim and join; reentrant: a claim's change wakes the queue at once.
+        self.turn = threading.Condition(threading.RLock())
         self._waiters: dict[int, Waiter] = {}  # insertion order is ticket order
         self._next_ticket = 0
+        self._changes = 0  # how many wake-ups so far: a wait sees one that came before it
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -81,23 +88,45 @@ class WaitQueue:
         self, n: int, filters: Filters, requester: str, owner: str | None, now: float
     ) -> Waiter:
         """Queue a request at the end; it must :meth:`leave` when it ends, however it ends."""
-        self._next_ticket += 1
-        waiter = Waiter(self._next_ticket, n, filters, requester, owner, now)
-        self._waiters[waiter.ticket] = waiter
-        return waiter
+        with self.turn:
+            self._next_ticket += 1
+            waiter = Waiter(self._next_ticket, n, filters, requester, owner, now)
+            self._waiters[waiter.ticket] = waiter
+            return waiter
 
     def leave(self, waiter: Waiter) -> None:
-        self._waiters.pop(waiter.ticket, None)
+        """``waiter`` is done; the others are woken: they may use what it reserved."""
+        with self.turn:
+            self._waiters.pop(waiter.ticket, None)
+            self.wake()
 
     def waiting(self) -> tuple[Waiter, ...]:
         """Every waiter, earliest first."""
-        return tuple(self._waiters.values())
+        with self.turn:
+            return tuple(self._waiters.values())
 
     def ahead_of(self, waiter: Waiter | None) -> tuple[Waiter, ...]:
         """The waiters before ``waiter``; all of them for a request not in the queue."""
-        if waiter is None:
-            return self.waiting()
-        return tuple(w for w in self._waiters.values() if w.ticket < waiter.ticket)
+        with self.turn:
+            if waiter is None:
+                return self.waiting()
+            return tuple(w for w in self._waiters.values() if w.ticket < waiter.ticket)
+
+    def wake(self) -> None:
+        """Something changed (a lease, the queue): every waiter tries again."""
+        with self.turn:
+            self._changes += 1
+            self.turn.notify_all()
+
+    @property
+    def changes(self) -> int:
+        """A mark for :meth:`wait`, taken with the try it follows."""
+        return self._changes
+
+    def wait(self, since: int, timeout_seconds: float) -> None:
+        """Block until a wake-up after the mark ``since``, or the timeout."""
+        with self.turn:
+            self.turn.wait_for(lambda: self._changes != since, timeout_seconds)
 
 
 def reserved_for(gpus: Iterable[GpuSample], ahead: Sequence[Waiter]) -> Mapping[str, str]:

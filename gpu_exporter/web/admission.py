@@ -1,13 +1,14 @@
-"""How many connections the server holds, and which one goes when a new one comes.
+"""Connection slots: how many connections are held, and which one goes when a new one comes.
 
 A connection is *waiting* while it has not yet delivered a whole request: during the TLS
 handshake, while its request head and body arrive, and idle between keep-alive requests. Only
 waiting connections are ever let go; one whose request a worker is handling, or whose answer
 is being written, is never evicted.
 
-* ``max_connections`` bounds every connection held (file descriptors, memory). At the cap, a
-  new connection evicts the oldest waiting one anywhere; if none is waiting, the new one is
-  refused (closed at once, or a one-line 503 on plain HTTP).
+* ``max_connections`` (:class:`~gpu_exporter.web.limits.Limits`) bounds every connection
+  held (file descriptors, memory). At the cap, a new connection evicts the oldest waiting
+  one anywhere; if none is waiting, the new one is refused (closed at once, or a one-line
+  503 on plain HTTP).
 * ``max_waiting_per_address`` bounds the waiting connections of one client address. At the
   cap, the new connection evicts that address's oldest waiting one instead of being refused:
   a slowloris attacker from the same address as a good client (every loopback client is
@@ -22,16 +23,13 @@ from __future__ import annotations
 
 from typing import Generic, Protocol, TypeVar
 
-MAX_CONNECTIONS = 1024  # under the usual soft RLIMIT_NOFILE of 1024 once raised (see server)
-MAX_WAITING_PER_ADDRESS = MAX_CONNECTIONS // 2  # one address never holds more than half
 
-
-class Held(Protocol):
+class Evictable(Protocol):
     @property
     def address(self) -> str: ...
 
     def evict(self) -> None:
-        """Close now; :meth:`Admission.release` follows."""
+        """Close now; :meth:`ConnectionSlots.release` follows."""
 
 
 def address_key(host: str) -> str:
@@ -40,15 +38,13 @@ def address_key(host: str) -> str:
     return host[7:] if host.startswith("::ffff:") and "." in host else host
 
 
-Conn = TypeVar("Conn", bound=Held)
+Conn = TypeVar("Conn", bound=Evictable)
 
 
-class Admission(Generic[Conn]):
-    def __init__(
-        self,
-        max_connections: int = MAX_CONNECTIONS,
-        max_waiting_per_address: int = MAX_WAITING_PER_ADDRESS,
-    ) -> None:
+class ConnectionSlots(Generic[Conn]):
+    """The connections held, and which of them wait (oldest first, in all and per address)."""
+
+    def __init__(self, max_connections: int, max_waiting_per_address: int) -> None:
         self.max_connections = max_connections
         self.max_waiting_per_address = max_waiting_per_address
         self.evicted = 0

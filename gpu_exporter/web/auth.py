@@ -5,6 +5,17 @@ one). Passwords are checked in equal time for known and unknown users; the probe
 (``/healthz``, ``/readyz``) never need credentials. The middleware hands the user it
 authenticated to the app as ``REMOTE_USER`` (and removes any ``REMOTE_USER`` it did not set),
 which is how ``--lease-admins`` are recognised.
+
+Wrong passwords must not starve right ones (forty threads of them once took every request
+slot): a password already proven passes from the success cache at once; any other is checked
+only if its client address is not throttled (:class:`AuthThrottle`: after
+``auth_free_failures`` failed or unanswered checks, 429 with ``Retry-After`` until
+``auth_base_delay_seconds`` after the last failure, doubling per failure up to
+``auth_max_delay_seconds``; forgotten on success or after ``auth_forget_seconds``, at most
+``auth_max_addresses`` remembered) and one of ``bcrypt_slots`` comes free within
+``bcrypt_wait_seconds`` (else 503 ``auth_busy``): :class:`~gpu_exporter.web.limits.Limits`.
+Addresses are the TCP peer's: behind a reverse proxy every client shares the proxy's, and the
+proxy should do its own limiting.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import secrets
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from hashlib import sha256
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -28,11 +40,11 @@ from urllib.parse import parse_qs
 import bcrypt
 from werkzeug.wrappers import Request, Response
 
+from gpu_exporter.clock import Clock
 from gpu_exporter.counters import AUTH_BUSY, AUTH_THROTTLED, RequestCounter
 from gpu_exporter.units import parse_duration, plural
 from gpu_exporter.web.errors import error_response
-from gpu_exporter.web.limits import WsgiApp
-from gpu_exporter.web.throttle import AuthThrottle, BcryptGate
+from gpu_exporter.web.limits import DEFAULT_LIMITS, EXEMPT_PATHS, Limits, WsgiApp, refusal
 from gpu_exporter.web.yamlfields import WebConfigError
 
 if TYPE_CHECKING:
@@ -152,10 +164,6 @@ def credentials(header: str | None) -> tuple[str, bytes] | None:
 
 # Read-only endpoints that --auth-scope=writes leaves open (GET and HEAD only).
 READ_PATHS = frozenset({"/", "/metrics", "/healthz", "/readyz", "/gpus", "/openapi.json"})
-# The probes never need credentials: kubelet and load balancers rarely have them, the
-# answers say only "ok"/"ready" or why not, and the request limits exempt them, so they
-# must not cost a bcrypt either.
-ALWAYS_OPEN = frozenset({"/healthz", "/readyz"})
 
 
 def is_advice_only(query_string: str) -> bool:
@@ -180,7 +188,7 @@ def needs_auth(
     read_paths: frozenset[str] = READ_PATHS,
 ) -> bool:
     """Whether this request must carry valid credentials (when users are configured)."""
-    if path in ALWAYS_OPEN or path in excluded:
+    if path in EXEMPT_PATHS or path in excluded:  # the probes: kubelet has no password
         return False
     if scope == "all":
         return True
@@ -202,7 +210,7 @@ class BasicAuthMiddleware:
 
     Credentials not in the success cache are checked only if the client address is not
     throttled (429 ``auth_throttled``) and a bcrypt slot comes free promptly (503
-    ``auth_busy``): :mod:`gpu_exporter.web.throttle`. Both refusals are counted in
+    ``auth_busy``), sized by ``limits``. Both are counted in
     ``rejections`` by that code.
     """
 
@@ -212,8 +220,8 @@ class BasicAuthMiddleware:
         watcher: WebConfigWatcher,
         scope: str = "all",
         *,
-        throttle: AuthThrottle,
-        gate: BcryptGate | None = None,
+        limits: Limits,
+        clock: Clock,
         rejections: RequestCounter | None = None,
         telemetry_path: str = "/metrics",
     ) -> None:
@@ -222,8 +230,9 @@ class BasicAuthMiddleware:
         self.app = app
         self._watcher = watcher
         self._scope = scope
-        self._throttle = throttle
-        self._gate = gate if gate is not None else BcryptGate()
+        self._throttle = AuthThrottle(clock, limits)
+        self._bcrypt = threading.BoundedSemaphore(limits.bcrypt_slots)
+        self._bcrypt_wait = limits.bcrypt_wait_seconds
         self._rejections = rejections if rejections is not None else RequestCounter()
         self._read_paths = (READ_PATHS - {"/metrics"}) | {telemetry_path}
 
@@ -266,35 +275,95 @@ class BasicAuthMiddleware:
         wait = self._throttle.begin(address)
         if wait > 0:
             seconds = max(1, math.ceil(wait))
-            return self._refuse(
-                environ,
-                429,
-                AUTH_THROTTLED,
-                f"too many failed logins from {address}; retry in {plural(seconds, 'second')}",
-                seconds,
-            )
-        if not self._gate.enter():
+            message = f"too many failed logins from {address}; retry in {plural(seconds, 'second')}"
+            return refusal(environ, 429, AUTH_THROTTLED, message, seconds, self._rejections)
+        if not self._bcrypt.acquire(timeout=self._bcrypt_wait):
             self._throttle.cancel(address)
-            return self._refuse(
-                environ, 503, AUTH_BUSY, "too many logins being checked; retry in a second", 1
-            )
+            message = "too many logins being checked; retry in a second"
+            return refusal(environ, 503, AUTH_BUSY, message, 1, self._rejections)
         ok = False
         try:
             ok = auth.verify(user, password)
         finally:
-            self._gate.leave()
+            self._bcrypt.release()
             self._throttle.end(address, ok=ok)
         if ok:
             return None
         return error_response(Request(environ), 401, "unauthorized", "wrong user name or password")
 
-    def _refuse(
-        self, environ: dict[str, Any], status: int, code: str, message: str, retry_after: int
-    ) -> Response:
-        self._rejections.inc(code)
-        resp = error_response(Request(environ), status, code, message)
-        resp.headers["Retry-After"] = str(retry_after)
-        return resp
+
+@dataclass(slots=True)
+class _Address:
+    failures: int = 0
+    pending: int = 0  # checks begun and not yet ended: they count as failures until they end
+    last_failure: float = 0.0  # monotonic seconds
+
+
+class AuthThrottle:
+    """Failed checks per client address, and how long each must wait: thread-safe."""
+
+    def __init__(self, clock: Clock, limits: Limits = DEFAULT_LIMITS) -> None:
+        self._clock, self._limits = clock, limits
+        self._addresses: collections.OrderedDict[str, _Address] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def begin(self, address: str) -> float:
+        """0.0: ``address`` may have its credentials checked now (end it with :meth:`end`);
+        otherwise the seconds it must wait first (it was not counted)."""
+        now = self._clock.monotonic()
+        with self._lock:
+            record = self._addresses.get(address)
+            forgotten = (
+                record is not None and now - record.last_failure > self._limits.auth_forget_seconds
+            )
+            if record is not None and record.pending == 0 and forgotten:
+                del self._addresses[address]
+                record = None
+            if record is None:
+                record = self._addresses[address] = _Address()
+                while len(self._addresses) > self._limits.auth_max_addresses:
+                    self._addresses.popitem(last=False)
+            wait = self._wait(record, now)
+            if wait > 0:
+                return wait
+            record.pending += 1
+            return 0.0
+
+    def end(self, address: str, *, ok: bool) -> None:
+        """The check :meth:`begin` allowed is over: ``ok`` forgets the address's failures."""
+        now = self._clock.monotonic()
+        with self._lock:
+            record = self._addresses.get(address)
+            if record is None:  # forgotten meanwhile (too many addresses)
+                if ok:
+                    return
+                record = self._addresses[address] = _Address()
+            record.pending = max(0, record.pending - 1)
+            if ok:
+                if record.pending == 0:
+                    del self._addresses[address]
+                else:
+                    record.failures = 0
+                return
+            record.failures += 1
+            record.last_failure = now
+            self._addresses.move_to_end(address)
+
+    def cancel(self, address: str) -> None:
+        """The check :meth:`begin` allowed did not happen (no bcrypt slot): nothing counts."""
+        with self._lock:
+            record = self._addresses.get(address)
+            if record is not None:
+                record.pending = max(0, record.pending - 1)
+
+    def _wait(self, record: _Address, now: float) -> float:
+        free, limits = self._limits.auth_free_failures, self._limits
+        if record.failures + record.pending < free:
+            return 0.0
+        if record.failures < free or record.pending:
+            return 1.0  # its checks still running may succeed: ask again in a second
+        delay = limits.auth_base_delay_seconds * 2.0 ** min(record.failures - free, 32)
+        return max(0.0, record.last_failure + min(limits.auth_max_delay_seconds, delay) - now)
 
 
 # ------------------------------------------------------------------------ hash-password

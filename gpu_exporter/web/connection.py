@@ -1,21 +1,18 @@
-"""One client connection on the event loop: HTTP/1.1 framing (``h11``), deadlines, hand-off.
+"""One client connection on the event loop: a state machine (:class:`State`) over ``h11``.
 
 A connection costs no worker thread until its whole request (head and body) has arrived;
 then :mod:`gpu_exporter.web.gateway` runs the app on a worker and the answer comes back here
-to be written. Every wait on the client has a deadline for the whole wait, never per
-``recv``:
-
-* the request (head and body): :data:`REQUEST_SECONDS` from the connection's start (after
-  the TLS handshake) or from the first byte of a keep-alive request;
-* idle between keep-alive requests: :data:`KEEPALIVE_SECONDS`;
-* an answer the client does not read: once more than :data:`WRITE_BUFFER_BYTES` are buffered,
-  no further request of that connection is read, and it is closed unless the client drains
-  the buffer within :data:`WRITE_SECONDS`.
+to be written through h11. Every wait on the client has a deadline for the whole wait, never
+per ``recv`` (:class:`~gpu_exporter.web.limits.Timeouts`): the request from its first byte
+(READING), the pause between keep-alive requests (IDLE), an answer the client does not read
+once over ``write_buffer_bytes`` (DRAINING: no further request is read meanwhile), and a
+refusal's linger (LINGERING). Only :meth:`HttpConnection._to` changes the state, and only
+along :data:`_NEXT`.
 
 Framing errors are answered with one plain line (:mod:`gpu_exporter.web.errors`' contract)
 and the connection is closed: 400 for bad request lines, headers and chunk sizes and for
-``Transfer-Encoding`` with ``Content-Length``; 413 for a body over :data:`MAX_BODY_BYTES`;
-431 for a head over :data:`MAX_HEADER_BYTES`.
+``Transfer-Encoding`` with ``Content-Length``; 413 for a body over ``max_body_bytes``; 431
+for a head over ``max_header_bytes`` (:class:`~gpu_exporter.web.limits.Limits`).
 """
 
 from __future__ import annotations
@@ -23,57 +20,61 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import enum
 import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import h11
 
 from gpu_exporter.counters import TOO_MANY_REQUESTS, RequestCounter
-from gpu_exporter.web.admission import Admission, address_key
+from gpu_exporter.web.admission import ConnectionSlots, address_key
 from gpu_exporter.web.gateway import (
     CONNECTED,
     Answer,
+    Headers,
     Workers,
-    call_app,
     client_connected,
-    environ_for,
     error_answer,
+    run_app,
 )
-from gpu_exporter.web.limits import EXEMPT_PATHS
+from gpu_exporter.web.limits import EXEMPT_PATHS, Limits, Timeouts
 
 log = logging.getLogger(__name__)
 
-REQUEST_SECONDS = 10.0  # a whole request head and body, from its first byte (Go: ReadTimeout)
-KEEPALIVE_SECONDS = 90.0  # idle between requests: longer than a 60 s scrape interval
-WRITE_SECONDS = 10.0  # an answer nobody reads is dropped after this
-HANDSHAKE_SECONDS = 5.0  # a whole TLS handshake (kubelet's probe timeout is 1 s; TLS takes ms)
-# After refusing a request, its unread rest is read and dropped for this long, so that the
-# client reads the refusal instead of a reset (its body may still be on the way).
-LINGER_SECONDS = 2.0
-WRITE_BUFFER_BYTES = 256 * 1024  # buffered answer bytes before a connection stops reading
-MAX_HEADER_BYTES = 16 * 1024  # a request head beyond this is 431
-MAX_BODY_BYTES = 64 * 1024  # nothing here needs more: 413
-_REASONS = {400: "Bad Request", 413: "Content Too Large", 431: "Request Header Fields Too Large"}
 _SERVER = (b"Server", b"gpu-exporter")
 _NO_PARSER = h11.Connection(h11.SERVER)  # never fed: a placeholder until connection_made
 
 
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Every deadline of a connection (the defaults above; tests shorten them)."""
+class State(enum.Enum):
+    """Where a connection is; :data:`_NEXT` lists the moves each state allows."""
 
-    request_seconds: float = REQUEST_SECONDS
-    keepalive_seconds: float = KEEPALIVE_SECONDS
-    write_seconds: float = WRITE_SECONDS
-    handshake_seconds: float = HANDSHAKE_SECONDS
-    linger_seconds: float = LINGER_SECONDS
+    OPENING = "accepted; no transport yet (the TLS handshake)"
+    READING = "a request arriving, within the request deadline"
+    IDLE = "between keep-alive requests, nothing received yet"
+    WORKING = "a worker has the request; reading paused"
+    DRAINING = "the answer is over the write buffer; reading paused until the client reads"
+    LINGERING = "refused and shut for writing; what the client still sends is dropped"
+    CLOSING = "closing once what is buffered is written"
+    CLOSED = "gone"
 
 
-DEFAULT_TIMEOUTS = Timeouts()
+_S = State
+_NEXT: dict[State, frozenset[State]] = {
+    _S.OPENING: frozenset({_S.READING, _S.CLOSED}),
+    _S.READING: frozenset({_S.WORKING, _S.DRAINING, _S.LINGERING, _S.CLOSING, _S.CLOSED}),
+    _S.IDLE: frozenset({_S.READING, _S.DRAINING, _S.LINGERING, _S.CLOSING, _S.CLOSED}),
+    _S.WORKING: frozenset({_S.READING, _S.IDLE, _S.DRAINING, _S.CLOSING, _S.CLOSED}),
+    _S.DRAINING: frozenset({_S.READING, _S.IDLE, _S.LINGERING, _S.CLOSING, _S.CLOSED}),
+    _S.LINGERING: frozenset({_S.CLOSING, _S.CLOSED}),
+    _S.CLOSING: frozenset({_S.CLOSED}),
+    _S.CLOSED: frozenset({_S.CLOSED}),
+}
+_WAITING = frozenset({_S.OPENING, _S.READING, _S.IDLE, _S.DRAINING, _S.LINGERING})
 
 
 @dataclass
@@ -85,9 +86,10 @@ class Site:
     scheme: str
     workers: Workers
     probe_workers: Workers
-    admission: Admission[HttpConnection]
+    slots: ConnectionSlots[HttpConnection]
     rejections: RequestCounter
-    timeouts: Timeouts = DEFAULT_TIMEOUTS
+    limits: Limits
+    timeouts: Timeouts
     stopping: bool = False
 
 
@@ -102,20 +104,20 @@ class HttpConnection(asyncio.Protocol):
         self.peer = peer
         self.server = server
         self.address = address_key(peer[0])
-        self.opening: asyncio.Task[Any] | None = None  # until connection_made
-        self.layer: asyncio.Transport | None = None  # TLS: until connection_made
-        self.gone = False
+        self.state = State.OPENING
+        self.opening: asyncio.Task[Any] | None = None  # OPENING: the task connecting it
+        self.layer: asyncio.Transport | None = None  # OPENING under TLS: the TLS layer
         self._h11: h11.Connection = _NO_PARSER  # its own at connection_made: floods cost less
         self._transport: asyncio.Transport | None = None
         self._sock: Any = None
         self._timer: asyncio.TimerHandle | None = None
         self._request: h11.Request | None = None
         self._body = bytearray()
-        self._busy = False  # a worker has the request
-        self._write_paused = False
-        self._closing = False
-        self._idle = False  # between keep-alive requests, nothing received yet
-        self._lingering = False  # refused: what the client still sends is dropped
+
+    def _to(self, state: State) -> None:
+        if state not in _NEXT[self.state]:
+            raise RuntimeError(f"connection from {self.peer[0]}: {self.state.name} → {state.name}")
+        self.state = state
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -123,53 +125,60 @@ class HttpConnection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         self.opening = self.layer = None
-        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
-        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
+        if self.state is State.CLOSED:  # evicted during the handshake
+            transport.abort()
+            return
+        self._to(State.READING)
+        self._h11 = h11.Connection(
+            h11.SERVER, max_incomplete_event_size=self.site.limits.max_header_bytes
+        )
+        transport.set_write_buffer_limits(high=self.site.limits.write_buffer_bytes)
         self._sock = transport.get_extra_info("socket")
         self._arm(self.site.timeouts.request_seconds, self._close)
-        if self.gone:  # evicted during the handshake
-            transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering:
+        if self.state in (State.LINGERING, State.CLOSED):
             return
-        if self._idle:  # the first byte of a keep-alive request: its deadline starts now
-            self._idle = False
+        if self.state is State.IDLE:  # the first byte of a keep-alive request: its deadline
+            self._to(State.READING)
             self._arm(self.site.timeouts.request_seconds, self._close)
         self._h11.receive_data(data)
         self._advance()
 
     def eof_received(self) -> bool:
-        if self._lingering:
+        if self.state in (State.LINGERING, State.CLOSED):
             return False  # the client read the refusal and is done: close
         self._h11.receive_data(b"")
         self._advance()
         # Plain TCP: stay open to answer a request sent before the client shut its side down.
         # (Under TLS the transport closes regardless and warns about a True here.)
-        return self.site.scheme == "http" and not self._closing
+        return self.site.scheme == "http" and self.state not in (State.CLOSING, State.LINGERING)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.gone = True
+        self._to(State.CLOSED)
         self._cancel_timer()
-        self.site.admission.release(self)
+        self.site.slots.release(self)
 
     def pause_writing(self) -> None:
-        self._write_paused = True
-        self._arm(self.site.timeouts.write_seconds, self.evict)
-        if self._transport is not None:
-            self._transport.pause_reading()
+        if self.state in (State.READING, State.IDLE, State.WORKING):
+            self._to(State.DRAINING)  # WORKING: while its answer is being written
+        if self.state is not State.CLOSED:
+            self._arm(self.site.timeouts.write_seconds, self.evict)
+            if self._transport is not None:
+                self._transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self._write_paused = False
-        self._cancel_timer()
-        if not self._busy and not self._closing:
+        if self.state is State.DRAINING:
+            self._cancel_timer()
             self._next()
+        elif self.state is State.LINGERING:
+            self._arm(self.site.timeouts.linger_seconds, self.evict)
 
     # ------------------------------------------------------------------ for the front end
 
     def evict(self) -> None:
         """Close at once (a cap, a deadline, shutdown): nothing more is written."""
-        self.gone = self._closing = True
+        self._to(State.CLOSED)
         self._cancel_timer()
         if self._transport is not None:
             self._transport.abort()
@@ -180,22 +189,22 @@ class HttpConnection(asyncio.Protocol):
 
     def lost_before_start(self) -> None:
         """The connection ended before :meth:`connection_made` (a failed TLS handshake)."""
-        self.gone = True
-        self.site.admission.release(self)
+        self._to(State.CLOSED)
+        self.site.slots.release(self)
 
     def finish(self) -> None:
         """Shutdown: close once the request in hand (if any) is answered."""
-        if not self._busy:
+        if self.state in _WAITING:
             self._close()
 
     def connected(self) -> bool:
         """:data:`CONNECTED`; called from a worker thread."""
-        return not self.gone and client_connected(self._sock)
+        return self.state is not State.CLOSED and client_connected(self._sock)
 
     # ------------------------------------------------------------------ reading requests
 
     def _advance(self) -> None:
-        while not (self._busy or self._closing or self._write_paused):
+        while self.state in (State.READING, State.IDLE):
             try:
                 event = self._h11.next_event()
             except h11.RemoteProtocolError as exc:
@@ -208,63 +217,49 @@ class HttpConnection(asyncio.Protocol):
                 self._start(event)
             elif isinstance(event, h11.Data):
                 self._body += event.data
-                if len(self._body) > MAX_BODY_BYTES:
-                    self._refuse(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+                if len(self._body) > self.site.limits.max_body_bytes:
+                    most = self.site.limits.max_body_bytes
+                    self._refuse(413, f"the request body is over {most} bytes")
             elif isinstance(event, h11.EndOfMessage):
                 self._dispatch()
             elif isinstance(event, h11.ConnectionClosed):
                 self._close()
 
     def _start(self, request: h11.Request) -> None:
+        limits = self.site.limits
         headers = dict(request.headers)  # h11 gives lower-case names, one Content-Length
         if b"transfer-encoding" in headers and b"content-length" in headers:
             self._refuse(400, "Transfer-Encoding and Content-Length together")
             return
         head_bytes = len(request.target) + sum(len(n) + len(v) + 4 for n, v in request.headers)
-        if head_bytes > MAX_HEADER_BYTES:  # h11 only limits a head that arrives in pieces
-            self._refuse(431, f"the request head is over {MAX_HEADER_BYTES} bytes")
+        if head_bytes > limits.max_header_bytes:  # h11 only limits a head arriving in pieces
+            self._refuse(431, f"the request head is over {limits.max_header_bytes} bytes")
             return
-        if int(headers.get(b"content-length", 0)) > MAX_BODY_BYTES:
-            self._refuse(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        if int(headers.get(b"content-length", 0)) > limits.max_body_bytes:
+            self._refuse(413, f"the request body is over {limits.max_body_bytes} bytes")
             return
-        target = request.target
-        if not target.startswith((b"/", b"http://", b"https://")):
+        if not request.target.startswith((b"/", b"http://", b"https://")):
             self._refuse(400, "the request target must be a path")
             return
         self._request = request
         self._body = bytearray()
-        if self._h11.they_are_waiting_for_100_continue:
-            self._write(self._h11.send(h11.InformationalResponse(status_code=100, headers=[])))
+        if self._h11.they_are_waiting_for_100_continue and self._transport is not None:
+            continue_ = self._h11.send(h11.InformationalResponse(status_code=100, headers=[]))
+            self._transport.write(continue_ or b"")
 
     def _dispatch(self) -> None:
         request, body = self._request, bytes(self._body)
         assert request is not None and self._transport is not None
-        self._busy = True
+        self._to(State.WORKING)
         self._cancel_timer()
         self._transport.pause_reading()
-        self.site.admission.working(self)
+        self.site.slots.working(self)
         path = request.target.partition(b"?")[0].decode("latin-1")
-        is_probe = path in EXEMPT_PATHS
         loop, app = self.site.loop, self.site.app
         extra = {CONNECTED: self.connected}
 
         def job() -> Callable[[], None]:
-            try:
-                environ = environ_for(
-                    method=request.method,
-                    target=request.target,
-                    headers=list(request.headers),
-                    body=body,
-                    http_version=request.http_version,
-                    scheme=self.site.scheme,
-                    server=self.server,
-                    peer=self.peer,
-                    extra=extra,
-                )
-            except (ValueError, UnicodeError) as exc:
-                answer = error_answer(400, f"error: malformed request target: {exc}\n".encode())
-            else:
-                answer = call_app(app, environ)
+            answer = run_app(app, request, body, self.site.scheme, self.server, self.peer, extra)
 
             def hand_back() -> None:
                 # RuntimeError: the loop is closed, the server stopped meanwhile.
@@ -274,9 +269,9 @@ class HttpConnection(asyncio.Protocol):
             return hand_back
 
         workers = self.site.workers
-        if workers.submit(job, owner=address_key(self.peer[0])):
+        if workers.submit(job, owner=self.address):
             return
-        if is_probe:  # never starved: the probes' own workers, queued behind other probes
+        if path in EXEMPT_PATHS:  # never starved: the probes' own workers, behind other probes
             self.site.probe_workers.submit(job, queue_when_busy=True)
             return
         self.site.rejections.inc(TOO_MANY_REQUESTS)
@@ -289,92 +284,85 @@ class HttpConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ writing answers
 
     def _respond(self, answer: Answer) -> None:
+        """Write the app's answer through h11; then the next request, or close."""
         request = self._request
-        if self._transport is None or self.gone or request is None:
-            self._busy = False
+        if self.state is not State.WORKING or request is None:  # evicted meanwhile
             return
         headers = [_SERVER, (b"Date", _date(int(time.time()))), *answer.headers]
-        head_only = request.method == b"HEAD"
-        if not head_only and not any(n.lower() == b"content-length" for n, _ in answer.headers):
-            headers.append((b"Content-Length", str(len(answer.body)).encode()))
+        if not any(n.lower() == b"content-length" for n, _ in answer.headers):
+            headers.append((b"Content-Length", b"%d" % len(answer.body)))
         if self.site.stopping:
             headers.append((b"Connection", b"close"))
-        # The head is written here, not by h11: its checks of headers the app already made
-        # valid cost ~30 µs a request (about a third of a keep-alive scrape's server time).
-        # h11 keeps the parsing; a new parser per request takes the bytes already received.
-        keep_alive = self._h11.their_state is h11.DONE and not any(
-            n.lower() == b"connection" and v.lower() == b"close" for n, v in headers
-        )
-        if not keep_alive and not any(n.lower() == b"connection" for n, _ in headers):
-            headers.append((b"Connection", b"close"))
-        if any(b"\r" in n + v or b"\n" in n + v for n, v in headers):  # as h11 refused them
-            log.error("cannot send the answer to %s: a header holds a line break", _path(request))
+        self._request = None
+        body = b"" if request.method == b"HEAD" else answer.body
+        if not self._send(answer.status, answer.reason or _reason(answer.status), headers, body):
+            log.error("cannot send the answer to %s: h11 refused it", _path(request))
             self.evict()
             return
-        reason = answer.reason or _REASONS.get(answer.status, "Unknown").encode()
-        head = b"HTTP/1.1 %d %s\r\n%s\r\n" % (
-            answer.status,
-            reason,
-            b"".join(b"%s: %s\r\n" % (n, v) for n, v in headers),
-        )
-        if answer.body and not head_only:
-            head += answer.body
-        self._transport.write(head)  # one send(): head and body in one packet
-        self._busy = False
-        self._request = None
-        if not keep_alive:
+        if self._h11.our_state is not h11.DONE or self._h11.their_state is not h11.DONE:
             self._close()  # Connection: close, HTTP/1.0, shutting down, or the client is done
             return
-        received, closed = self._h11.trailing_data
-        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
-        if received:  # (b"" would tell h11 the client closed)
-            self._h11.receive_data(bytes(received))
-        if closed:
-            self._h11.receive_data(b"")
-        if not self._write_paused:
+        self._h11.start_next_cycle()
+        if self.state is State.WORKING:  # else DRAINING: the next request once it drains
             self._next()
 
     def _next(self) -> None:
         """Wait for the next request, or read one already received (pipelined)."""
         assert self._transport is not None
-        self.site.admission.waiting(self)
-        self._idle = not self._h11.trailing_data[0]
+        self.site.slots.waiting(self)
+        pending = bool(self._h11.trailing_data[0])
+        self._to(State.READING if pending else State.IDLE)
         timeouts = self.site.timeouts
-        wait = timeouts.keepalive_seconds if self._idle else timeouts.request_seconds
-        self._arm(wait, self._close)
+        self._arm(timeouts.request_seconds if pending else timeouts.keepalive_seconds, self._close)
         self._transport.resume_reading()
         self._advance()
 
-    def _write(self, data: bytes | None) -> None:
-        if data and self._transport is not None:
-            self._transport.write(data)
+    def _send(self, status: int, reason: bytes, headers: Headers, body: bytes) -> bool:
+        """Write one whole response through h11, in one ``write()`` (head and body in one
+        packet); False if h11 refuses it (a header with a line break, a wrong length)."""
+        assert self._transport is not None
+        try:
+            data = self._h11.send(h11.Response(status_code=status, headers=headers, reason=reason))
+            if body:
+                data += self._h11.send(h11.Data(data=body)) or b""
+            data += self._h11.send(h11.EndOfMessage()) or b""
+        except h11.LocalProtocolError:
+            return False
+        assert data is not None
+        self._transport.write(data)
+        return True
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer a framing error in one plain line and close."""
         body = f"error: {message}\n".encode()
-        head = (
-            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
-            "Content-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\nConnection: close\r\n"
-            "Server: gpu-exporter\r\n\r\n"
-        ).encode()
+        headers = [
+            (b"Content-Type", b"text/plain; charset=utf-8"),
+            (b"Content-Length", b"%d" % len(body)),
+            (b"Cache-Control", b"no-store"),
+            (b"Connection", b"close"),
+            _SERVER,
+        ]
         head_only = self._request is not None and self._request.method == b"HEAD"
-        self._write(head if head_only else head + body)
+        if not self._send(status, _reason(status), headers, b"" if head_only else body):
+            self.evict()
+            return
         transport = self._transport
         if transport is None or not transport.can_write_eof():
             self._close()
             return
         transport.write_eof()
-        self._closing = self._lingering = True
+        self._to(State.LINGERING)
         self._arm(self.site.timeouts.linger_seconds, self.evict)
         transport.resume_reading()
 
     def _close(self) -> None:
         """Close after writing what is buffered (bounded by the write deadline)."""
-        self._closing = True
+        if self.state in (State.CLOSING, State.CLOSED):
+            return
         if self._transport is None:
             self.evict()
             return
+        self._to(State.CLOSING)
         self._arm(self.site.timeouts.write_seconds, self.evict)
         self._transport.close()
 
@@ -388,6 +376,16 @@ class HttpConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+@functools.lru_cache(maxsize=32)
+def _reason(status: int) -> bytes:
+    if status == 413:
+        return b"Content Too Large"  # RFC 9110's name; Python 3.11 still has the old one
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Unknown"
 
 
 def _describe(exc: h11.RemoteProtocolError) -> str:

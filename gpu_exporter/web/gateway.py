@@ -3,7 +3,7 @@
 
 The event loop (:mod:`gpu_exporter.web.connection`) hands a request to a worker only once its
 head and body have fully arrived, so a worker never waits on a client: it builds the environ
-(:func:`environ_for`), runs the app to completion (:func:`call_app`: the whole body is
+(:func:`run_app`), runs the app to completion (:func:`call_app`: the whole body is
 collected, as :class:`~gpu_exporter.web.limits.RequestLimits` does anyway) and gives the
 :class:`Answer` back to the loop, which writes it.
 
@@ -25,6 +25,8 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import h11
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +56,16 @@ Job = Callable[[], After]
 class Workers:
     """At most ``size`` jobs run at once, each on a thread of its own (started on demand).
 
-    One client address gets at most :attr:`share` of them: all but a reserve of up to 4 (a
-    quarter of a small pool). The server's pool is ``--max-requests-in-flight`` + 4, so 32 job
-    scripts on the host itself still run at once, and however many requests one address keeps
-    in flight (40 threads sending wrong passwords, each answered 429 in a millisecond), another
-    address's scrape still finds a free worker.
+    One client address gets at most ``share`` of them (:attr:`Limits.workers_per_address
+    <gpu_exporter.web.limits.Limits.workers_per_address>`), so 32 job scripts on the host
+    itself still run at once, and however many requests one address keeps in flight (40
+    threads sending wrong passwords, each answered 429 in a millisecond), another address's
+    scrape still finds a free worker.
     """
 
-    def __init__(self, size: int, name: str) -> None:
+    def __init__(self, size: int, name: str, share: int | None = None) -> None:
         self.size = size
-        self.share = max(1, size - max(1, min(4, size // 4)))
+        self.share = size if share is None else share
         self._name = name
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -168,30 +170,31 @@ def client_connected(sock: Any) -> bool:
         return False
 
 
-def environ_for(
-    *,
-    method: bytes,
-    target: bytes,
-    headers: Headers,
+def run_app(
+    app: Callable[..., Any],
+    request: h11.Request,
     body: bytes,
-    http_version: bytes,
     scheme: str,
     server: tuple[str, int],
     peer: tuple[str, int],
     extra: dict[str, Any],
-) -> dict[str, Any]:
-    """The WSGI environ (PEP 3333) of one request; ``target`` was checked by the caller."""
-    path, _, query = target.partition(b"?")
+) -> Answer:
+    """Run ``app`` for ``request`` with its WSGI environ (PEP 3333); 400 for a target that
+    makes none (the target's form was checked by the caller)."""
+    path, _, query = request.target.partition(b"?")
     if not path.startswith(b"/"):  # absolute form: http://host/path?query
-        path = urllib.parse.urlsplit(path).path or b"/"
+        try:
+            path = urllib.parse.urlsplit(path).path or b"/"
+        except (ValueError, UnicodeError) as exc:
+            return error_answer(400, f"error: malformed request target: {exc}\n".encode())
     environ: dict[str, Any] = {
-        "REQUEST_METHOD": method.decode("ascii"),
+        "REQUEST_METHOD": request.method.decode("ascii"),
         "SCRIPT_NAME": "",
         "PATH_INFO": urllib.parse.unquote_to_bytes(path).decode("latin-1"),
         "QUERY_STRING": query.decode("latin-1"),
         "SERVER_NAME": server[0],
         "SERVER_PORT": str(server[1]),
-        "SERVER_PROTOCOL": f"HTTP/{http_version.decode('ascii')}",
+        "SERVER_PROTOCOL": f"HTTP/{request.http_version.decode('ascii')}",
         "REMOTE_ADDR": peer[0],
         "REMOTE_PORT": str(peer[1]),
         "wsgi.version": (1, 0),
@@ -207,7 +210,7 @@ def environ_for(
     }
     if scheme == "https":
         environ["HTTPS"] = "on"
-    for name, value in headers:
+    for name, value in request.headers:
         if name == b"content-type":
             environ["CONTENT_TYPE"] = value.decode("latin-1")
             continue
@@ -216,7 +219,7 @@ def environ_for(
         key = "HTTP_" + name.decode("ascii").upper().replace("-", "_")
         text = value.decode("latin-1")
         environ[key] = f"{environ[key]},{text}" if key in environ else text
-    return environ
+    return call_app(app, environ)
 
 
 def call_app(app: Callable[..., Any], environ: dict[str, Any]) -> Answer:

@@ -1,77 +1,139 @@
-"""How much of the server one burst of clients may take.
+"""Every limit of the request path in one place (:class:`Limits`), and every deadline.
 
-:class:`RequestLimits` is WSGI middleware in front of the whole app (``/metrics`` included):
+Built once (:func:`gpu_exporter.daemon.build`, from the flags) and handed to what enforces
+each limit; nothing else sizes one limit against another. In the order a request meets them:
+connections (:class:`~gpu_exporter.web.admission.ConnectionSlots`), head and body size and
+the deadlines (:class:`~gpu_exporter.web.connection.HttpConnection`), workers per address
+(:class:`~gpu_exporter.web.gateway.Workers`), failed logins and bcrypt
+(:class:`~gpu_exporter.web.auth.BasicAuthMiddleware`), requests in flight and the query
+length (:class:`RequestLimits`, here), waiting ``/choose`` requests
+(:class:`~gpu_exporter.choose.claim.Waiters`). What a client sees for each: docs/design.md,
+"The request path".
 
-* at most ``max_in_flight`` requests are handled at once; one more is answered at once with
-  503 and ``Retry-After: 1`` instead of queueing behind the others. Liveness and readiness
-  probes (``/healthz``, ``/readyz``) are exempt, and the server runs a few more threads than
-  the limit, so a probe always finds one free: a busy exporter is never restarted for it.
-* a query string longer than ``max_query_bytes`` is answered with 414.
-
-Long-polling ``/choose?wait=`` requests have their own, smaller cap
-(:class:`gpu_exporter.choose.claim.Waiters`), so waiting clients can never take every thread.
-Rejections are counted by reason for ``gpu_exporter_requests_rejected_total``.
+:class:`RequestLimits` is WSGI middleware in front of the whole app (``/metrics`` included),
+so the server, Flask's test client and the benchmarks enforce the same request limits. The
+probes (``/healthz``, ``/readyz``) are exempt and have :attr:`Limits.probe_threads` workers of
+their own: a busy exporter is never restarted for a missed probe. Rejections are counted by
+reason for ``gpu_exporter_requests_rejected_total``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from werkzeug.wrappers import Request
+from werkzeug.wrappers import Request, Response
 
 from gpu_exporter.counters import TOO_MANY_REQUESTS, URI_TOO_LONG, RequestCounter
 from gpu_exporter.units import plural
 from gpu_exporter.web.errors import error_response
 
-DEFAULT_MAX_IN_FLIGHT = 32
-PROBE_THREADS = 4  # server threads beyond max_in_flight, for the exempt probes
-MAX_QUERY_BYTES = 4096
+# The probes: never limited, never asked for credentials (kubelet and load balancers rarely
+# have them, and their answers say only "ok"/"ready" or why not).
 EXEMPT_PATHS = frozenset({"/healthz", "/readyz"})
 
 StartResponse = Callable[..., Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one exporter lets its clients take; the defaults are the flags' defaults."""
+
+    # Connections held at once (file descriptors, memory); lowered at start to the open-files
+    # limit less a reserve. At the cap a new connection evicts the oldest one still waiting
+    # for its request, or is refused (503 on plain HTTP).
+    max_connections: int = 1024
+    # Connections of one client address still waiting for their request; beyond it that
+    # address's oldest waiting one is evicted (a slowloris only churns its own).
+    max_waiting_per_address: int = 512
+    # --max-requests-in-flight: requests handled at once, the probes exempt (503 beyond).
+    max_in_flight: int = 32
+    # Workers of their own for /healthz and /readyz, beyond max_in_flight.
+    probe_threads: int = 4
+    # --max-waiters: /choose?wait= requests waiting at once (503); below max_in_flight, so
+    # waiting clients never take every worker.
+    max_waiters: int = 8
+    # --max-waiters-per-requester: waiting requests of one client address (429); 0: any.
+    max_waiters_per_requester: int = 2
+    max_query_bytes: int = 4096  # 414 beyond
+    max_header_bytes: int = 16 * 1024  # the request line and headers: 431 beyond
+    max_body_bytes: int = 64 * 1024  # 413 beyond: nothing here needs more
+    # Buffered answer bytes before a connection stops reading its next request.
+    write_buffer_bytes: int = 256 * 1024
+    # Basic auth: failed checks an address may make before it must wait (429) the base
+    # delay, doubling per further failure up to the maximum; forgotten after the forget
+    # time without a failure, at most max_addresses remembered.
+    auth_free_failures: int = 5
+    auth_base_delay_seconds: float = 1.0
+    auth_max_delay_seconds: float = 60.0
+    auth_forget_seconds: float = 600.0
+    auth_max_addresses: int = 4096
+    # bcrypt checks at once, from every client together (about 70 ms of a core each); a
+    # request waits at most bcrypt_wait_seconds for one, then 503 auth_busy.
+    bcrypt_slots: int = 4
+    bcrypt_wait_seconds: float = 0.25
+
+    @property
+    def worker_threads(self) -> int:
+        """App workers: one per request in flight and a few more, so that the request one
+        too many reaches :class:`RequestLimits` and is answered 503 at once."""
+        return self.max_in_flight + self.probe_threads
+
+    @property
+    def workers_per_address(self) -> int:
+        """Workers one client address may keep busy: all but a reserve of up to 4, so that
+        another address's scrape always finds one."""
+        size = self.worker_threads
+        return max(1, size - max(1, min(4, size // 4)))
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Every deadline of a connection (:mod:`gpu_exporter.web.connection`; tests shorten them)."""
+
+    request_seconds: float = 10.0  # a whole request, from its first byte (Go: ReadTimeout)
+    keepalive_seconds: float = 90.0  # idle between requests: longer than a 60 s scrape interval
+    write_seconds: float = 10.0  # an answer nobody reads (or a close) is dropped after this
+    handshake_seconds: float = 5.0  # the whole TLS handshake (kubelet's probe timeout is 1 s)
+    # After refusing a request its unread rest is dropped for this long, so that the client
+    # reads the refusal instead of a reset (its body may still be on the way).
+    linger_seconds: float = 2.0
+
+
+DEFAULT_LIMITS = Limits()
+DEFAULT_TIMEOUTS = Timeouts()
+
+
 class RequestLimits:
+    """In-flight slots and the query-string limit, as WSGI middleware."""
+
     def __init__(
-        self,
-        app: WsgiApp,
-        *,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-        max_query_bytes: int = MAX_QUERY_BYTES,
-        rejections: RequestCounter | None = None,
+        self, app: WsgiApp, limits: Limits, rejections: RequestCounter | None = None
     ) -> None:
         self.app = app
-        self.max_in_flight = max_in_flight
-        self.max_query_bytes = max_query_bytes
+        self.limits = limits
         self.rejections = rejections if rejections is not None else RequestCounter()
-        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._slots = threading.BoundedSemaphore(limits.max_in_flight)
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        query = environ.get("QUERY_STRING", "")
-        if len(query) > self.max_query_bytes:
-            return self._reject(
-                environ,
-                start_response,
-                414,
-                URI_TOO_LONG,
-                f"the query string is {len(query)} bytes; at most {self.max_query_bytes}",
-            )
+        query, most = environ.get("QUERY_STRING", ""), self.limits.max_query_bytes
+        if len(query) > most:
+            message = f"the query string is {len(query)} bytes; at most {most}"
+            answer = refusal(environ, 414, URI_TOO_LONG, message, None, self.rejections)
+            return answer(environ, start_response)
         if environ.get("PATH_INFO", "") in EXEMPT_PATHS:
             return self.app(environ, start_response)
         if not self._slots.acquire(blocking=False):
-            return self._reject(
-                environ,
-                start_response,
-                503,
-                TOO_MANY_REQUESTS,
-                f"{plural(self.max_in_flight, 'request')} "
-                f"{'is' if self.max_in_flight == 1 else 'are'} already being handled; "
-                "retry in a second",
-                retry_after=1,
+            n = self.limits.max_in_flight
+            message = (
+                f"{plural(n, 'request')} {'is' if n == 1 else 'are'} already being handled; "
+                "retry in a second"
             )
+            answer = refusal(environ, 503, TOO_MANY_REQUESTS, message, 1, self.rejections)
+            return answer(environ, start_response)
         try:
             # Reading the body before releasing the slot keeps the count honest without
             # wrapping every response iterable. Its chunks are kept as they are: /metrics
@@ -86,17 +148,18 @@ class RequestLimits:
         finally:
             self._slots.release()
 
-    def _reject(
-        self,
-        environ: dict[str, Any],
-        start_response: StartResponse,
-        status: int,
-        code: str,
-        message: str,
-        retry_after: int | None = None,
-    ) -> Iterable[bytes]:
-        self.rejections.inc(code)
-        resp = error_response(Request(environ), status, code, message)
-        if retry_after is not None:
-            resp.headers["Retry-After"] = str(retry_after)
-        return resp(environ, start_response)
+
+def refusal(
+    environ: dict[str, Any],
+    status: int,
+    code: str,
+    message: str,
+    retry_after: int | None,
+    rejections: RequestCounter,
+) -> Response:
+    """A limit's refusal by the error contract, counted in ``rejections`` by ``code``."""
+    rejections.inc(code)
+    resp = error_response(Request(environ), status, code, message)
+    if retry_after is not None:
+        resp.headers["Retry-After"] = str(retry_after)
+    return resp

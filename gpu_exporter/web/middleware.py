@@ -7,8 +7,9 @@ From the outside in::
     BasicAuthMiddleware  credentials, checked outside the limits: a flood of wrong passwords
                          never takes the request slots good clients need. Cached successes
                          cost no bcrypt; failing addresses are throttled (429) before any
-                         bcrypt, and bcrypt has its own few slots (web/throttle.py)
+                         bcrypt, and bcrypt has its own few slots
     RequestLimits        in-flight slots and the query-string limit; the probes exempt
+                         (every limit: web/limits.py)
     DispatcherMiddleware /metrics (or --web.telemetry-path, and then only there) to the
                          exposition, everything else to Flask
     MetricsParams        /metrics: unknown query parameters are a 400, as on every other
@@ -36,7 +37,6 @@ from gpu_exporter.web.auth import BasicAuthMiddleware
 from gpu_exporter.web.errors import error_response
 from gpu_exporter.web.limits import RequestLimits, StartResponse, WsgiApp
 from gpu_exporter.web.services import Services
-from gpu_exporter.web.throttle import AuthThrottle
 from gpu_exporter.web.webconfig import SecurityHeaders
 
 log = logging.getLogger("gpu_exporter.requests")
@@ -49,14 +49,15 @@ def install(app: Flask, services: Services) -> None:
     path = services.telemetry_path
     wsgi: WsgiApp = DispatcherMiddleware(app.wsgi_app, {path: MetricsParams(metrics, path)})
     rejections = services.rejections if services.rejections is not None else RequestCounter()
-    wsgi = RequestLimits(wsgi, max_in_flight=services.max_in_flight, rejections=rejections)
+    limits = services.limits
+    wsgi = RequestLimits(wsgi, limits, rejections)
     if watcher is not None:
-        throttle = AuthThrottle(services.clock)
         wsgi = BasicAuthMiddleware(
             wsgi,
             watcher,
             services.auth_scope,
-            throttle=throttle,
+            limits=limits,
+            clock=services.clock,
             rejections=rejections,
             telemetry_path=path,
         )

@@ -6,16 +6,17 @@ every connection (:mod:`gpu_exporter.web.connection`): a slow, idle or hostile c
 file descriptor and a little memory, never a worker thread, because the app runs on a worker
 (:mod:`gpu_exporter.web.gateway`) only once a whole request has arrived. Connections are
 capped globally and per client address (:mod:`gpu_exporter.web.admission`); probes
-(``/healthz``, ``/readyz``) have workers of their own. Why this design and not cheroot,
+(``/healthz``, ``/readyz``) have workers of their own. Every limit comes in one
+:class:`~gpu_exporter.web.limits.Limits`. Why this design and not cheroot,
 waitress or a Rust server: docs/server-choice.md.
 
 Binding happens in :meth:`Server.bind`, separately from serving, so a busy port is reported at
 once. TLS uses the standard :mod:`ssl` module; the context is asked for on every connection,
 so a reloaded certificate or client CA applies to the next connection without a restart.
 
-Every request's WSGI environ carries :data:`CONNECTED`, a callable that says whether the
-client is still connected (:func:`client_connected`), so a request that waits (``/choose``
-with ``wait=``) can give up as soon as its client does.
+Every request's WSGI environ carries :data:`~gpu_exporter.web.gateway.CONNECTED`, a callable
+that says whether the client is still connected, so a request that waits (``/choose`` with
+``wait=``) can give up as soon as its client does.
 """
 
 from __future__ import annotations
@@ -32,31 +33,36 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import h11
+
 from gpu_exporter.counters import TOO_MANY_CONNECTIONS, RequestCounter
-from gpu_exporter.web.admission import MAX_CONNECTIONS, MAX_WAITING_PER_ADDRESS, Admission
-from gpu_exporter.web.connection import DEFAULT_TIMEOUTS, HttpConnection, Site, Timeouts
-from gpu_exporter.web.connection import MAX_BODY_BYTES as MAX_BODY_BYTES
-from gpu_exporter.web.connection import MAX_HEADER_BYTES as MAX_HEADER_BYTES
-from gpu_exporter.web.gateway import CONNECTED as CONNECTED
+from gpu_exporter.web.admission import ConnectionSlots
+from gpu_exporter.web.connection import HttpConnection, Site
 from gpu_exporter.web.gateway import Workers
-from gpu_exporter.web.gateway import client_connected as client_connected
-from gpu_exporter.web.limits import PROBE_THREADS
+from gpu_exporter.web.limits import DEFAULT_LIMITS, DEFAULT_TIMEOUTS, Limits, Timeouts
 from gpu_exporter.web.tlslayer import TlsLayer
 
 log = logging.getLogger(__name__)
 
-THREADS = 16  # app workers; scrapes and /choose take well under a millisecond each
 # Connections the kernel queues before accept(): a backlog of 5 made a burst of 32 job
 # scripts wait up to ~2 s (bench/servers.py, docs/server-choice.md).
 LISTEN_BACKLOG = 1024
 SHUTDOWN_SECONDS = 3.0  # stop(): requests in hand get this long (SIGTERM → exit within 5 s)
 FD_RESERVE = 64  # file descriptors kept for everything but connections (state file, /proc)
 ACCEPT_BURST = 64  # connections accepted per wake-up before other connections get a turn
-_BUSY_LINE = b"error: too many connections; retry in a second\n"
-_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-    b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s"
-) % (len(_BUSY_LINE), _BUSY_LINE)
+
+
+def _busy() -> bytes:
+    """The one 503 a connection over the cap gets (plain HTTP), written through h11 once."""
+    body = b"error: too many connections; retry in a second\n"
+    headers = [(b"Content-Type", b"text/plain; charset=utf-8"), (b"Retry-After", b"1")]
+    headers += [(b"Content-Length", b"%d" % len(body)), (b"Connection", b"close")]
+    conn = h11.Connection(h11.SERVER)
+    events = (h11.Response(status_code=503, headers=headers), h11.Data(data=body))
+    return b"".join(conn.send(event) or b"" for event in (*events, h11.EndOfMessage()))
+
+
+_BUSY = _busy()
 
 
 class ListenError(Exception):
@@ -70,23 +76,17 @@ class Server:
         host: str,
         port: int,
         *,
-        threads: int = THREADS,
+        limits: Limits = DEFAULT_LIMITS,
         tls: Callable[[], ssl.SSLContext] | None = None,
-        probe_threads: int = PROBE_THREADS,
         rejections: RequestCounter | None = None,
-        max_connections: int = MAX_CONNECTIONS,
-        max_waiting_per_address: int = MAX_WAITING_PER_ADDRESS,
         timeouts: Timeouts = DEFAULT_TIMEOUTS,
     ) -> None:
         self.host = host
         self.port = port
         self._app = app
-        self._threads = threads
-        self._probe_threads = probe_threads
+        self._limits = limits
         self._tls = tls
         self._rejections = rejections if rejections is not None else RequestCounter()
-        self._max_connections = max_connections
-        self._max_waiting_per_address = max_waiting_per_address
         self._timeouts = timeouts
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
@@ -183,17 +183,18 @@ class Server:
         listener: socket.socket,
         stop: asyncio.Future[None],
     ) -> None:
-        room = raise_fd_limit() - FD_RESERVE
+        limits, room = self._limits, raise_fd_limit() - FD_RESERVE
         site = Site(
             loop=loop,
             app=self._app,
             scheme=self.scheme,
-            workers=Workers(self._threads, "http"),
-            probe_workers=Workers(self._probe_threads, "probe"),
-            admission=Admission(
-                max(1, min(self._max_connections, room)), self._max_waiting_per_address
+            workers=Workers(limits.worker_threads, "http", limits.workers_per_address),
+            probe_workers=Workers(limits.probe_threads, "probe"),
+            slots=ConnectionSlots(
+                max(1, min(limits.max_connections, room)), limits.max_waiting_per_address
             ),
             rejections=self._rejections,
+            limits=limits,
             timeouts=self._timeouts,
         )
         self.site = site
@@ -202,13 +203,13 @@ class Server:
         loop.remove_reader(listener.fileno())
         self._close_listener()  # new connections are refused from now on
         site.stopping = True
-        site.admission.evict_waiting()
-        for conn in site.admission.connections():
+        site.slots.evict_waiting()
+        for conn in site.slots.connections():
             conn.finish()
         deadline = loop.time() + SHUTDOWN_SECONDS
-        while site.admission.held and loop.time() < deadline:
+        while site.slots.held and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        for conn in site.admission.connections():
+        for conn in site.slots.connections():
             conn.evict()
         await asyncio.sleep(0)  # the aborted transports' callbacks
         site.workers.stop()
@@ -233,7 +234,7 @@ class Server:
     def _open(self, sock: socket.socket, peer: Any, site: Site) -> None:
         sock.setblocking(False)
         conn = HttpConnection(site, (str(peer[0]), int(peer[1])), sock.getsockname()[:2])
-        if not site.admission.admit(conn):
+        if not site.slots.admit(conn):
             site.rejections.inc(TOO_MANY_CONNECTIONS)
             if self._tls is None:
                 with contextlib.suppress(OSError):

@@ -21,7 +21,7 @@ from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.counters import RequestCounter, XidCounter
 from gpu_exporter.export.exposition import Exposition
-from gpu_exporter.web.limits import DEFAULT_MAX_IN_FLIGHT
+from gpu_exporter.web.limits import Limits
 
 if TYPE_CHECKING:
     from gpu_exporter.web.cluster import ClusterService
@@ -53,7 +53,7 @@ class Services:
     max_age_seconds: float = 10.0
     requests: RequestCounter = field(default_factory=RequestCounter)
     rejections: RequestCounter | None = None
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    limits: Limits = field(default_factory=Limits)  # every limit; the server's too
     cluster: ClusterService | None = None
     exposition: Exposition | None = None
     xids: XidCounter | None = None
