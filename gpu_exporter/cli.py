@@ -1,6 +1,7 @@
 """Command line: argparse only. ``serve``'s flags become a :class:`~gpu_exporter.config.ServeConfig`
 for :func:`gpu_exporter.daemon.serve`; ``choose``, ``run`` and ``release`` are the client's
-(:mod:`gpu_exporter.client.cli`). Every ``serve`` flag can also be set as ``GPU_EXPORTER_<FLAG>``.
+(:mod:`gpu_exporter.client.commands`). Every ``serve`` flag can also be set as
+``GPU_EXPORTER_<FLAG>``.
 """
 
 from __future__ import annotations
@@ -333,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logs.add_flags(serve, _env("log-level", None) or _env("log.level", "info"), _env)
 
-    from gpu_exporter.client.cli import add_choose_parser, add_release_parser, add_run_parser
+    from gpu_exporter.client.commands import add_choose_parser, add_release_parser, add_run_parser
 
     add_choose_parser(sub)
     add_run_parser(sub)
@@ -465,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve(config)
     if args.command == "choose":
-        from gpu_exporter.client.cli import choose_main
+        from gpu_exporter.client.commands import choose_main
 
         return choose_main(args)
     if args.command == "run":
@@ -473,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_main(args)
     if args.command == "release":
-        from gpu_exporter.client.cli import release_main
+        from gpu_exporter.client.commands import release_main
 
         return release_main(args)
     if args.command == "hash-password":

@@ -49,7 +49,7 @@ from gpu_exporter.config import ServeConfig
 from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
 from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
 from gpu_exporter.export.exposition import Exposition
-from gpu_exporter.export.pods import PodCollector
+from gpu_exporter.export.podmetrics import PodCollector
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.revision import revision
 from gpu_exporter.units import plural

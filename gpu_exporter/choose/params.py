@@ -9,7 +9,7 @@ applies. Everything else is built from it:
   which the server, the client's local fallback and the cluster chooser all read parameters
   through;
 * the OpenAPI document's parameter lists (:mod:`gpu_exporter.web.openapi`);
-* the filter flags of ``gpu-exporter choose`` and ``run`` (:mod:`gpu_exporter.client.cli`),
+* the filter flags of ``gpu-exporter choose`` and ``run`` (:mod:`gpu_exporter.client.commands`),
   the filters choosing locally can apply (:data:`LOCAL_FILTERS`) and those a host checks again
   when a cluster choice claims there (:data:`POINT_FILTERS`).
 

@@ -5,7 +5,7 @@ The command gets ``CUDA_VISIBLE_DEVICES`` (UUIDs), ``CUDA_DEVICE_ORDER=PCI_BUS_I
 and released when it ends. SIGINT and SIGTERM are forwarded to it (once: a Ctrl-C the terminal
 already delivered is not sent again), and ``run`` exits with its exit status (128 + N when
 signal N killed it). If ``run`` itself is killed (SIGKILL), renewals stop and the lease
-expires by itself after its TTL. The flags are :mod:`gpu_exporter.client.cli`'s.
+expires by itself after its TTL. The flags are :mod:`gpu_exporter.client.commands`'s.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import sys
 import warnings
 from types import FrameType
 
-from gpu_exporter.client.api import Choice, register_pids, release
-from gpu_exporter.client.cli import (
+from gpu_exporter.client.commands import (
     EXIT_USAGE,
     across_hosts,
     choose_across_hosts,
     fail,
     filters_of,
 )
+from gpu_exporter.client.hostapi import Choice, register_pids, release
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
 from gpu_exporter.client.session import LeaseKeeper, replaced_visible_devices
 from gpu_exporter.client.transport import (

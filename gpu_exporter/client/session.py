@@ -18,11 +18,11 @@ from types import TracebackType
 from typing import Any, Literal
 
 from gpu_exporter.choose.memory import MEM_ENV_NAMES
-from gpu_exporter.client.api import DEFAULT_LEASE, Choice, register_pids, release, renew
 from gpu_exporter.client.caps import FRAMEWORKS, apply
 from gpu_exporter.client.envcheck import near_miss_warning
+from gpu_exporter.client.hostapi import DEFAULT_LEASE, Choice, register_pids, release, renew
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
-from gpu_exporter.client.params import Duration, FilterValue, format_duration
+from gpu_exporter.client.query import Duration, FilterValue, format_duration
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,
     GpuExporterError,

@@ -286,7 +286,7 @@ def _counts(spec: MetricSpec, counts: Mapping[str, int]) -> Metric:
 
 
 _WEB_CONFIG_METRICS = (WEB_CONFIG_RELOADS, WEB_CONFIG_OK)  # WebConfigCollector's
-_OWN_COLLECTORS = (*_WEB_CONFIG_METRICS, *KUBERNETES_METRICS)  # and export/pods.py's
+_OWN_COLLECTORS = (*_WEB_CONFIG_METRICS, *KUBERNETES_METRICS)  # and export/podmetrics.py's
 
 
 def _with_series(*families: Iterable[Metric]) -> Iterator[Metric]:

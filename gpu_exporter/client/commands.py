@@ -34,9 +34,9 @@ from typing import Any
 
 from gpu_exporter.argparsing import Parser
 from gpu_exporter.choose.params import PARAMS
-from gpu_exporter.client.api import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.choosing import choose_cluster
 from gpu_exporter.client.fleet import ClusterChoice
+from gpu_exporter.client.hostapi import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.transport import (
     DEFAULT_URL,
     URL_ENV,

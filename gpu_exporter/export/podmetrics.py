@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.export.spec import GPU_POD_INFO, GPU_PROCESS_POD_INFO, KUBERNETES_UP, MetricSpec
 from gpu_exporter.model import GpuSample, all_devices
-from gpu_exporter.pods import PodAllocations, physical_id, process_owners, resolve
+from gpu_exporter.podallocations import PodAllocations, physical_id, process_owners, resolve
 
 
 def _family(spec: MetricSpec) -> GaugeMetricFamily:
@@ -26,8 +26,8 @@ def _family(spec: MetricSpec) -> GaugeMetricFamily:
 
 
 class PodCollector(Collector):
-    """The allocations of a :class:`~gpu_exporter.pods.PodAllocations`, GPU indexes from the
-    snapshot cache's latest sample."""
+    """The allocations of a :class:`~gpu_exporter.podallocations.PodAllocations`, GPU indexes
+    from the snapshot cache's latest sample."""
 
     def __init__(
         self, allocations: PodAllocations, cache: SnapshotCache, process_series_limit: int = 64
