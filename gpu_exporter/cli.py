@@ -1,7 +1,8 @@
-"""Command line: argparse only. ``serve``'s flags become a :class:`~gpu_exporter.config.ServeConfig`
-for :func:`gpu_exporter.daemon.serve`; ``choose``, ``run`` and ``release`` are the client's
-(:mod:`gpu_exporter.client.commands`). Every ``serve`` flag can also be set as
-``GPU_EXPORTER_<FLAG>``.
+"""The ``gpu-exporter`` command line, argparse only: its subcommands and ``serve``'s flags.
+
+``serve``'s flags become a :class:`~gpu_exporter.config.ServeConfig` for
+:func:`gpu_exporter.daemon.serve`, and each can also be set as ``GPU_EXPORTER_<FLAG>``;
+``choose``, ``run`` and ``release`` are the client's (:mod:`gpu_exporter.client.commands`).
 """
 
 from __future__ import annotations

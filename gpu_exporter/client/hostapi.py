@@ -1,5 +1,7 @@
-"""One exporter's API: choose GPUs there (:func:`choose_host`, :func:`choose_raw`), and renew,
-release or list its leases; :class:`Choice` and :class:`LeaseInfo` are what comes back.
+"""One exporter's lease endpoints from Python: choose GPUs there, renew, release, list leases.
+
+:func:`choose_host` and :func:`choose_raw` claim, :func:`renew`, :func:`release` and
+:func:`leases` follow; :class:`Choice` and :class:`LeaseInfo` are what comes back.
 
 Choosing across a fleet (:mod:`gpu_exporter.client.fleet`) claims through
 :func:`choose_host` on the host it picked; :func:`gpu_exporter.client.choose` is the front door

@@ -1,6 +1,7 @@
-"""The simulated host behind :class:`~gpu_exporter.simulate.library.SimulatedNvml`: its GPUs
-and clock, the faults applied to each call, the calls counted, NVML's init reference count,
-and the event sets Xid errors are delivered to.
+"""The simulated host behind :class:`~gpu_exporter.simulate.library.SimulatedNvml`.
+
+It holds the GPUs and the clock, the faults applied to each call, the calls counted, NVML's
+init reference count, and the event sets Xid errors are delivered to.
 
 :class:`SimulatedMachine` holds the state and the rules every call goes through
 (:meth:`SimulatedMachine._check`); the pynvml-named functions over it are in

@@ -1,4 +1,4 @@
-"""The HTTP API: a Flask app factory over one :class:`Services`. Requests never call NVML.
+"""The Flask app factory: the HTTP API over one :class:`Services`, whose requests never call NVML.
 
 * ``/metrics`` — Prometheus exposition of the latest snapshot (private registry).
 * ``/choose`` — the best free GPUs for a job script, as text or JSON, claimed with a lease;

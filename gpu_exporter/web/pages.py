@@ -1,5 +1,8 @@
 """The read-only pages: ``/`` (status), ``/gpus`` (the snapshot as JSON), ``/healthz``,
-``/readyz`` and ``/openapi.json``. Nothing here claims a GPU or changes a lease."""
+``/readyz`` and ``/openapi.json``.
+
+Nothing here claims a GPU or changes a lease.
+"""
 
 from __future__ import annotations
 
