@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpu_exporter import __version__, logs
-from gpu_exporter.argparsing import Parser, parse, parser_of
+from gpu_exporter.argparsing import Parser, checked, parse, parser_of
 from gpu_exporter.collect.groups import GROUPS
 from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
@@ -30,6 +30,7 @@ from gpu_exporter.config import (
     parse_user_list,
 )
 from gpu_exporter.logs import LOG_FORMATS, level_name
+from gpu_exporter.units import parse_bytes, parse_duration
 
 
 def _env(flag: str, default: str | None) -> str | None:
@@ -58,24 +59,6 @@ def _positive_seconds(text: str) -> float:
     if not 0.05 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"expected 0.05 to 3600 seconds, got {text!r}")
     return value
-
-
-def _duration(text: str) -> float:
-    from gpu_exporter.units import parse_duration
-
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _size(text: str) -> int:
-    from gpu_exporter.units import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bundled_scenarios() -> list[str]:
@@ -151,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-lease",
-        type=_duration,
+        type=checked(parse_duration),
         default=_env("max-lease", "1h"),
         metavar="DURATION",
         help="longest lease /choose grants, e.g. 10m or 2h (default %(default)s)",
@@ -165,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--mem-headroom",
-        type=_size,
+        type=checked(parse_bytes),
         default=_env("mem-headroom", "512MiB"),
         metavar="SIZE",
         help="memory kept free on a card that memory leases (/choose?mem=) share "

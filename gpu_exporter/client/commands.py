@@ -32,7 +32,7 @@ import sys
 import warnings
 from typing import Any
 
-from gpu_exporter.argparsing import Parser
+from gpu_exporter.argparsing import EXIT_USAGE, Parser, checked
 from gpu_exporter.choose.params import PARAMS
 from gpu_exporter.client.choosing import choose_cluster
 from gpu_exporter.client.fleet import ClusterChoice
@@ -45,9 +45,9 @@ from gpu_exporter.client.transport import (
     NoGpusAvailable,
     ServerError,
 )
+from gpu_exporter.units import parse_duration
 
 EXIT_FAILURE = 1
-EXIT_USAGE = 2
 EXIT_NO_GPUS = 3
 EXIT_NO_LEASE = 4
 # The filters that have a flag: --min-free SIZE for /choose's min_free, and so on.
@@ -60,14 +60,10 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+@checked
 def _duration_text(text: str) -> str:
     """Checked like the server will, but passed on as typed."""
-    from gpu_exporter.units import parse_duration
-
-    try:
-        parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    parse_duration(text)
     return text
 
 

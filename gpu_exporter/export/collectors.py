@@ -109,6 +109,13 @@ def _family(
     )
 
 
+def _one(spec: MetricSpec, value: float, labels: list[str] | None = None) -> Metric:
+    """A family of one series: ``value``, with ``labels`` (none by default)."""
+    family = _family(spec)
+    family.add_metric(labels or [], value)
+    return family
+
+
 def gpu_families(
     snapshot: Snapshot, process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT
 ) -> Iterator[Metric]:
@@ -229,19 +236,11 @@ def pcie_families(pcie: PcieRates) -> Iterator[Metric]:
 def exporter_families(
     snapshot: Snapshot, version: str = __version__, revision: str = "unknown"
 ) -> Iterator[Metric]:
-    build = _family(BUILD_INFO)
-    build.add_metric([version, "simulated" if snapshot.simulated else "nvml", revision], 1)
-    yield build
-    nvml_up = _family(NVML_UP)
-    nvml_up.add_metric([], 1 if snapshot.nvml_up else 0)
-    yield nvml_up
+    yield _one(BUILD_INFO, 1, [version, "simulated" if snapshot.simulated else "nvml", revision])
+    yield _one(NVML_UP, 1 if snapshot.nvml_up else 0)
     if snapshot.sequence > 0:  # nothing sampled yet: no timestamp rather than a fake one
-        last = _family(LAST_SAMPLE)
-        last.add_metric([], snapshot.taken_at_seconds)
-        yield last
-        duration = _family(SAMPLE_DURATION)
-        duration.add_metric([], snapshot.sample_duration_seconds)
-        yield duration
+        yield _one(LAST_SAMPLE, snapshot.taken_at_seconds)
+        yield _one(SAMPLE_DURATION, snapshot.sample_duration_seconds)
     errors = _family(NVML_ERRORS)
     for function, error, count in snapshot.nvml_errors:
         errors.add_metric([function, error], count)
@@ -268,9 +267,7 @@ def lease_families(
         yield overrun
     yield _counts(CHOOSE_REQUESTS, requests.counts())
     yield _counts(LEASES_DROPPED, leases.dropped)
-    write_errors = _family(STATE_WRITE_ERRORS)
-    write_errors.add_metric([], leases.state_write_errors)
-    yield write_errors
+    yield _one(STATE_WRITE_ERRORS, leases.state_write_errors)
 
 
 def _counts(spec: MetricSpec, counts: Mapping[str, int]) -> Metric:
@@ -362,9 +359,7 @@ class GpuCollector(Collector):
         if self._rejections is not None:
             yield _counts(REQUESTS_REJECTED, self._rejections.counts())
         if self._waiters is not None:
-            gauge = _family(CHOOSE_WAITERS)
-            gauge.add_metric([], self._waiters.active)
-            yield gauge
+            yield _one(CHOOSE_WAITERS, self._waiters.active)
 
 
 class WebConfigCollector(Collector):
@@ -380,6 +375,4 @@ class WebConfigCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield _counts(WEB_CONFIG_RELOADS, self._watcher.reloads)
-        ok = _family(WEB_CONFIG_OK)
-        ok.add_metric([], 1 if self._watcher.last_reload_ok else 0)
-        yield ok
+        yield _one(WEB_CONFIG_OK, 1 if self._watcher.last_reload_ok else 0)
