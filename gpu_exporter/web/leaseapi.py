@@ -35,8 +35,8 @@ from gpu_exporter.choose.tokens import (
 )
 from gpu_exporter.model import all_devices
 from gpu_exporter.units import parse_duration
+from gpu_exporter.web.gateway import CONNECTED
 from gpu_exporter.web.pages import gpu_json
-from gpu_exporter.web.server import CONNECTED
 from gpu_exporter.web.services import services
 
 api = Blueprint("api", __name__)
