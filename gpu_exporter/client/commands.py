@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from gpu_exporter.argparsing import EXIT_USAGE, Parser, checked
@@ -239,10 +240,19 @@ def across_hosts(args: argparse.Namespace) -> bool:
     return True
 
 
-def choose_across_hosts(args: argparse.Namespace, *, spread: bool) -> ClusterChoice:
+@contextlib.contextmanager
+def warnings_printed(prefix: str = "gpu-exporter: ") -> Iterator[None]:
+    """The warnings raised in the block, each printed as one ``<prefix>warning: …`` line."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = choose_cluster(
+        yield
+    for warning in caught:
+        print(f"{prefix}warning: {warning.message}", file=sys.stderr)
+
+
+def choose_across_hosts(args: argparse.Namespace, *, spread: bool) -> ClusterChoice:
+    with warnings_printed():
+        return choose_cluster(
             args.n,
             prometheus=args.prometheus,
             hosts=args.hosts,
@@ -255,9 +265,6 @@ def choose_across_hosts(args: argparse.Namespace, *, spread: bool) -> ClusterCho
             fleet_rule_prefix=args.fleet_rule_prefix,
             **filters_of(args),
         )
-    for warning in caught:
-        print(f"gpu-exporter: warning: {warning.message}", file=sys.stderr)
-    return result
 
 
 def choose_main(args: argparse.Namespace) -> int:

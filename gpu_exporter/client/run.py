@@ -17,15 +17,15 @@ import os
 import signal
 import subprocess
 import sys
-import warnings
 from types import FrameType
 
+from gpu_exporter.argparsing import EXIT_USAGE
 from gpu_exporter.client.commands import (
-    EXIT_USAGE,
     across_hosts,
     choose_across_hosts,
     fail,
     filters_of,
+    warnings_printed,
 )
 from gpu_exporter.client.hostapi import Choice, register_pids, release
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
@@ -143,8 +143,7 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
             if across_hosts(args):
                 choice = choose_across_hosts(args, spread=False).placements[0]
             else:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
+                with warnings_printed(prefix):
                     choice = choose_or_fallback(
                         args.n,
                         args.url,
@@ -156,8 +155,6 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
                         filters=filters_of(args),
                         open_nvml=open_nvml,
                     )
-                for warning in caught:
-                    print(f"{prefix}warning: {warning.message}", file=sys.stderr)
             if choice.lease_id is not None:
                 if choice.host is None:  # COMMAND, our child, runs here: its work is the lease's
                     note = register_pids(choice, [os.getpid()])

@@ -15,6 +15,7 @@ from gpu_exporter import __version__
 from gpu_exporter.choose.memory import MEM_ENV_NAMES
 from gpu_exporter.choose.params import BY_NAME, DURATION_SCHEMA, PARAMS
 from gpu_exporter.config import DEFAULT_CHOOSE_DEFAULTS
+from gpu_exporter.model import VISIBILITIES
 
 FREE_BY_DEFAULT = (
     "What 'free' means unless the request says otherwise: the exporter's --choose-defaults "
@@ -128,7 +129,7 @@ GPU = _object(
             "pid used_memory_bytes", pid=_type(INTEGER), used_memory_bytes=_type(OPTIONAL_INTEGER)
         )
     },
-    process_visibility={"enum": ["full", "partial", "none", None]},
+    process_visibility={"enum": [*VISIBILITIES, None]},
 )
 
 
