@@ -40,11 +40,10 @@ from gpu_exporter.choose.values import (
     positive,
     process_count,
     selectors,
-    shown,
     units,
     whole_number,
 )
-from gpu_exporter.units import format_bytes, parse_bytes, parse_duration, parse_ratio
+from gpu_exporter.units import format_bytes, parse_bytes, parse_duration, parse_ratio, shown
 
 MAX_N = 1024
 MAX_WAIT_SECONDS = 3600.0
