@@ -13,8 +13,7 @@ from prometheus_client import generate_latest
 
 from conftest import Stack, build_stack, sim_of
 from conftest import without_process_metrics as bare
-from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
-from gpu_exporter.export.podmetrics import PodCollector
+from gpu_exporter.export.collectors import GpuCollector, PodCollector, WebConfigCollector
 from gpu_exporter.export.spec import METRICS, SAMPLED, markdown_table
 from gpu_exporter.podallocations import PodAllocations
 from gpu_exporter.revision import revision
