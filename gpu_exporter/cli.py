@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from gpu_exporter import __version__, logs
 from gpu_exporter.argparsing import Parser, checked, parse, parser_of
@@ -31,6 +32,8 @@ from gpu_exporter.config import (
 )
 from gpu_exporter.logs import LOG_FORMATS, level_name
 from gpu_exporter.units import parse_bytes, parse_duration
+
+T = TypeVar("T")
 
 
 def _env(flag: str, default: str | None) -> str | None:
@@ -341,42 +344,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fleet_option(args: argparse.Namespace, name: str, parser: argparse.ArgumentParser) -> str:
-    """--prometheus-selector or --fleet-rule-prefix, checked ('' stays '')."""
-    from gpu_exporter.choose.fleetview import check_prefix
-    from gpu_exporter.choose.promql import check_selector
-
+def _checked(parser: argparse.ArgumentParser, flag: str, parse: Callable[[str], T], text: str) -> T:
+    """``parse(text)``; its ValueError is the usage error ``<flag>: <why>``."""
     try:
-        check = check_selector if name == "prometheus_selector" else check_prefix
-        return check(text) if (text := getattr(args, name)) else ""
+        return parse(text)
     except ValueError as exc:
-        parser.error(f"--{name.replace('_', '-')}: {exc}")
+        parser.error(f"{flag}: {exc}")
 
 
 def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
     prometheus = args.prometheus_url or ""
     if "://" in prometheus and not prometheus.lower().startswith(("http://", "https://")):
         parser.error(f"--prometheus-url: not an http:// or https:// URL: {prometheus}")
-    try:
-        host, port = parse_listen_address(args.listen_address)
-    except ValueError as exc:
-        parser.error(f"--listen-address: {exc}")
+    host, port = _checked(parser, "--listen-address", parse_listen_address, args.listen_address)
     if level_name(args.log_level) not in LOG_LEVELS:  # from the environment: not checked yet
         parser.error("--log.level must be one of debug, info, warn, error")
     if args.log_format not in LOG_FORMATS:  # from the environment
         parser.error(f"--log.format must be one of {', '.join(LOG_FORMATS)}")
-    try:
-        telemetry_path = parse_telemetry_path(args.telemetry_path)
-    except ValueError as exc:
-        parser.error(f"--web.telemetry-path: {exc}")
+    telemetry_path = _checked(
+        parser, "--web.telemetry-path", parse_telemetry_path, args.telemetry_path
+    )
     interval = float(args.interval)
     max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
     if args.max_gpus_per_requester < 0:
         parser.error("--max-gpus-per-requester must be 0 (no limit) or more")
-    try:
-        process_labels = parse_process_labels(args.process_labels)
-    except ValueError as exc:
-        parser.error(f"--process-labels: {exc}")
+    process_labels = _checked(parser, "--process-labels", parse_process_labels, args.process_labels)
     if args.process_series_limit < 0:
         parser.error("--process-series-limit must be 0 or more")
     if not 1 <= args.max_requests_in_flight <= 1024:
@@ -388,11 +380,11 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.auth_scope not in ("all", "writes"):  # from the environment
         parser.error("--auth-scope must be all or writes")
     from gpu_exporter.choose.defaults import parse_defaults
+    from gpu_exporter.choose.fleetview import check_prefix
+    from gpu_exporter.choose.promql import check_selector
 
-    try:
-        parse_defaults(args.choose_defaults)  # idle_for's limit is checked by build()
-    except ValueError as exc:
-        parser.error(f"--choose-defaults: {exc}")
+    # idle_for's limit is checked by build()
+    _checked(parser, "--choose-defaults", parse_defaults, args.choose_defaults)
     if args.web_config_file is not None:
         from gpu_exporter.web.webconfig import WebConfigError, load
 
@@ -402,6 +394,9 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f"--web-config-file {args.web_config_file}: {exc}")
     if args.kubernetes is not None and importlib.util.find_spec("grpc") is None:
         parser.error("--kubernetes needs grpcio: pip install 'gpu-exporter[kubernetes]'")
+    selector, prefix = args.prometheus_selector, args.fleet_rule_prefix
+    selector = selector and _checked(parser, "--prometheus-selector", check_selector, selector)
+    prefix = prefix and _checked(parser, "--fleet-rule-prefix", check_prefix, prefix)
     return ServeConfig(
         host,
         port,
@@ -422,7 +417,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_requests_in_flight=int(args.max_requests_in_flight),
         max_waiters=int(args.max_waiters),
         prometheus_url=args.prometheus_url or None,
-        prometheus_selector=_fleet_option(args, "prometheus_selector", parser),
+        prometheus_selector=selector,
         web_config_file=args.web_config_file,
         auth_scope=args.auth_scope,
         choose_defaults=args.choose_defaults,
@@ -432,7 +427,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         log_format=args.log_format,
         slow_interval_seconds=max(float(args.slow_interval), interval),
         collect_disabled=tuple(g for g in GROUPS if not getattr(args, f"collect_{g}")),
-        fleet_rule_prefix=_fleet_option(args, "fleet_rule_prefix", parser),
+        fleet_rule_prefix=prefix,
         kubernetes_socket=args.kubernetes,
         kubernetes_poll_seconds=float(args.kubernetes_poll_interval),
     )
