@@ -36,6 +36,9 @@ from gpu_exporter.units import parse_bytes, parse_duration
 T = TypeVar("T")
 
 
+_DEFAULTS = ServeConfig()  # a flag's default is the config's, stated there once
+
+
 def _env(flag: str, default: str | None) -> str | None:
     return os.environ.get(
         "GPU_EXPORTER_" + flag.upper().replace("-", "_").replace(".", "_"), default
@@ -145,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-gpus-per-requester",
         type=int,
-        default=_env("max-gpus-per-requester", "0"),
+        default=_env("max-gpus-per-requester", str(_DEFAULTS.max_gpus_per_requester)),
         metavar="N",
         help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
     )
@@ -168,14 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--process-series-limit",
         type=int,
-        default=_env("process-series-limit", "64"),
+        default=_env("process-series-limit", str(_DEFAULTS.process_series_limit)),
         metavar="N",
         help="at most N process series per GPU or MIG device, largest first; 0 = none "
         "(default %(default)s)",
     )
     serve.add_argument(
         "--proc-root",
-        default=_env("proc-root", "/proc"),
+        default=_env("proc-root", _DEFAULTS.proc_root),
         metavar="DIR",
         help="where to read processes for --process-labels, e.g. /host/proc in a container "
         "(default %(default)s)",
@@ -217,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-requests-in-flight",
         type=int,
-        default=_env("max-requests-in-flight", "32"),
+        default=_env("max-requests-in-flight", str(_DEFAULTS.max_requests_in_flight)),
         metavar="N",
         help="requests handled at once; more are answered 503 with Retry-After at once "
         "(/healthz and /readyz are exempt and always get a thread) (default %(default)s)",
@@ -225,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-waiters",
         type=int,
-        default=_env("max-waiters", "8"),
+        default=_env("max-waiters", str(_DEFAULTS.max_waiters)),
         metavar="N",
         help="/choose?wait= requests that may wait for GPUs at once; more are answered 503 "
         "too_many_waiters; 0 disables waiting (default %(default)s)",
@@ -233,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-waiters-per-requester",
         type=int,
-        default=_env("max-waiters-per-requester", "2"),
+        default=_env("max-waiters-per-requester", str(_DEFAULTS.max_waiters_per_requester)),
         metavar="N",
         help="of those, how many one client address may have waiting at once; more are "
         "answered 429 too_many_waiters; 0: no limit per client (default %(default)s)",
@@ -281,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--auth-scope",
         choices=("all", "writes"),
-        default=_env("auth-scope", "all"),
+        default=_env("auth-scope", _DEFAULTS.auth_scope),
         help="which requests need basic auth when the web config has users: all (default; "
         "/healthz and /readyz stay open), or writes: only /choose that takes a lease, /leases and "
         "anything but GET/HEAD, so /metrics, /gpus, /readyz and / stay open",

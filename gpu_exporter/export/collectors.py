@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from gpu_exporter import __version__
 from gpu_exporter.collect.cache import SnapshotCache
+from gpu_exporter.config import DEFAULT_PROCESS_SERIES_LIMIT
 from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
 from gpu_exporter.export.spec import (
     BUILD_INFO,
@@ -57,8 +58,6 @@ from gpu_exporter.export.spec import (
 )
 from gpu_exporter.model import GpuSample, ProcessSample, Snapshot, all_devices
 from gpu_exporter.podallocations import PodAllocations, physical_id, process_owners, resolve
-
-DEFAULT_PROCESS_SERIES_LIMIT = 64
 
 
 class Leases(Protocol):
@@ -392,7 +391,10 @@ class PodCollector(Collector):
     """
 
     def __init__(
-        self, allocations: PodAllocations, cache: SnapshotCache, process_series_limit: int = 64
+        self,
+        allocations: PodAllocations,
+        cache: SnapshotCache,
+        process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
     ) -> None:
         self._allocations = allocations
         self._cache = cache
