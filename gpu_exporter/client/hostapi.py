@@ -233,12 +233,7 @@ def choose_raw(
     for attempt in (1, 2):
         try:
             resp = request(
-                "POST",
-                base,
-                "/choose",
-                params,
-                timeout=timeout + (waited or 0.0),
-                headers=headers,
+                "POST", base, "/choose", params, timeout=timeout + (waited or 0.0), headers=headers
             )
             break
         except ServerUnreachable as exc:
@@ -319,12 +314,7 @@ def renew(
         raise GpuExporterError("nothing to renew: this choice holds no lease")
     params = {"ttl": format_duration(ttl)} if ttl is not None else None
     resp = request(
-        "POST",
-        base,
-        _lease_path(ref, "/renew"),
-        params,
-        timeout=timeout,
-        lease_endpoint=True,
+        "POST", base, _lease_path(ref, "/renew"), params, timeout=timeout, lease_endpoint=True
     )
     return LeaseInfo.from_json(json_body(resp, f"{base}/leases/{lease_id_of(ref)}/renew"))
 

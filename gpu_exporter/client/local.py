@@ -41,11 +41,7 @@ OpenNvml: TypeAlias = "Callable[[], Nvml]"
 
 
 def choose_locally(
-    n: int,
-    filters: Mapping[str, FilterValue],
-    *,
-    url: str = "",
-    open_nvml: OpenNvml | None = None,
+    n: int, filters: Mapping[str, FilterValue], *, url: str = "", open_nvml: OpenNvml | None = None
 ) -> Choice:
     """Rank this host's GPUs through NVML, as the server would, but with no lease.
 

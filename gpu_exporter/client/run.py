@@ -30,11 +30,7 @@ from gpu_exporter.client.commands import (
 from gpu_exporter.client.hostapi import Choice, register_pids, release
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
 from gpu_exporter.client.session import LeaseKeeper, replaced_visible_devices
-from gpu_exporter.client.transport import (
-    DEFAULT_TIMEOUT_SECONDS,
-    GpuExporterError,
-    LeaseNotFound,
-)
+from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS, GpuExporterError, LeaseNotFound
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

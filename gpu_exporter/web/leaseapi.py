@@ -161,9 +161,7 @@ def cluster_choose_route() -> Response:
     cluster = services().cluster
     if cluster is None:
         raise ApiError(
-            404,
-            "not_configured",
-            "this exporter has no fleet view: start it with --prometheus-url",
+            404, "not_configured", "this exporter has no fleet view: start it with --prometheus-url"
         )
     result = cluster.choose(request.args.to_dict(), services().waiters)
     fmt = req.choose.format
