@@ -10,16 +10,9 @@
     gpu-exporter run -n 2 --min-free 20GiB --wait 10m -- python train.py
 
 This module holds the flags of all three (the filter flags come from
-:data:`gpu_exporter.choose.params.PARAMS`), ``choose`` and ``release``.
-
-With ``--prometheus URL`` (and/or ``--hosts a,b,c``) both choose across hosts instead
-(:mod:`gpu_exporter.client.fleet`, docs/cluster.md): all N GPUs on one host, leased by that host's
-exporter. ``choose`` then prints ``HOST GPU-a,GPU-b`` (``--format env`` adds ``GPU_HOST`` and
-``GPU_EXPORTER_URL``); ``run`` sets those two as well and holds the lease from here, while
-COMMAND is expected to go to ``$GPU_HOST`` (ssh, srun -w) to use the GPUs.
-
-Exit status of both, before any command runs: 3 when not enough GPUs qualify, 2 for bad
-arguments (ours or the server's 400), 1 for anything else (no server, 429, NVML down …).
+:data:`gpu_exporter.choose.params.PARAMS`; what each does, across hosts too, and the exit
+statuses are in their ``--help``), and runs ``choose`` and ``release``. Across hosts
+(``--prometheus``, ``--hosts``) the fleet is :mod:`gpu_exporter.client.fleet`'s.
 """
 
 from __future__ import annotations

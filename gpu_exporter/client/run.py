@@ -1,11 +1,9 @@
 """``gpu-exporter run``: lease GPUs for exactly as long as a command runs.
 
-The command gets ``CUDA_VISIBLE_DEVICES`` (UUIDs), ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and
-``GPU_LEASE`` in its environment; the lease is renewed while it runs (:class:`LeaseKeeper`)
-and released when it ends. SIGINT and SIGTERM are forwarded to it (once: a Ctrl-C the terminal
-already delivered is not sent again), and ``run`` exits with its exit status (128 + N when
-signal N killed it). If ``run`` itself is killed (SIGKILL), renewals stop and the lease
-expires by itself after its TTL. The flags are :mod:`gpu_exporter.client.commands`'s.
+What the command gets and how ``run`` exits are in ``gpu-exporter run --help``
+(:mod:`gpu_exporter.client.commands` holds the flags). The lease is renewed while the command
+runs (:class:`LeaseKeeper`); a Ctrl-C the terminal already delivered to it is not forwarded
+again. If ``run`` itself is killed (SIGKILL), renewals stop and the lease expires after its TTL.
 """
 
 from __future__ import annotations
