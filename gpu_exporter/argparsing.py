@@ -9,10 +9,11 @@ prints ``gpu-exporter choose: error: …`` and ``try 'gpu-exporter choose --help
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
 
 EXIT_USAGE = 2
+T = TypeVar("T")
 
 
 class Parser(argparse.ArgumentParser):
@@ -20,6 +21,18 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\ntry '{self.prog} --help'\n")
+
+
+def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` from a parser whose ValueError says what is wrong, as it says it."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

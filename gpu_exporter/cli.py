@@ -1,6 +1,8 @@
-"""Command line: argparse only. ``serve``'s flags become a :class:`~gpu_exporter.config.ServeConfig`
-for :func:`gpu_exporter.daemon.serve`; ``choose``, ``run`` and ``release`` are the client's
-(:mod:`gpu_exporter.client.cli`). Every ``serve`` flag can also be set as ``GPU_EXPORTER_<FLAG>``.
+"""The ``gpu-exporter`` command line, argparse only: its subcommands and ``serve``'s flags.
+
+``serve``'s flags become a :class:`~gpu_exporter.config.ServeConfig` for
+:func:`gpu_exporter.daemon.serve`, and each can also be set as ``GPU_EXPORTER_<FLAG>``;
+``choose``, ``run`` and ``release`` are the client's (:mod:`gpu_exporter.client.commands`).
 """
 
 from __future__ import annotations
@@ -8,11 +10,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from gpu_exporter import __version__, logs
-from gpu_exporter.argparsing import Parser, parse, parser_of
+from gpu_exporter.argparsing import Parser, checked, parse, parser_of
 from gpu_exporter.collect.groups import GROUPS
 from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
@@ -28,6 +31,12 @@ from gpu_exporter.config import (
     parse_user_list,
 )
 from gpu_exporter.logs import LOG_FORMATS, level_name
+from gpu_exporter.units import parse_bytes, parse_duration
+
+T = TypeVar("T")
+
+
+_DEFAULTS = ServeConfig()  # a flag's default is the config's, stated there once
 
 
 def _env(flag: str, default: str | None) -> str | None:
@@ -56,24 +65,6 @@ def _positive_seconds(text: str) -> float:
     if not 0.05 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"expected 0.05 to 3600 seconds, got {text!r}")
     return value
-
-
-def _duration(text: str) -> float:
-    from gpu_exporter.units import parse_duration
-
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _size(text: str) -> int:
-    from gpu_exporter.units import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bundled_scenarios() -> list[str]:
@@ -149,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-lease",
-        type=_duration,
+        type=checked(parse_duration),
         default=_env("max-lease", "1h"),
         metavar="DURATION",
         help="longest lease /choose grants, e.g. 10m or 2h (default %(default)s)",
@@ -157,13 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-gpus-per-requester",
         type=int,
-        default=_env("max-gpus-per-requester", "0"),
+        default=_env("max-gpus-per-requester", str(_DEFAULTS.max_gpus_per_requester)),
         metavar="N",
         help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
     )
     serve.add_argument(
         "--mem-headroom",
-        type=_size,
+        type=checked(parse_bytes),
         default=_env("mem-headroom", "512MiB"),
         metavar="SIZE",
         help="memory kept free on a card that memory leases (/choose?mem=) share "
@@ -180,14 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--process-series-limit",
         type=int,
-        default=_env("process-series-limit", "64"),
+        default=_env("process-series-limit", str(_DEFAULTS.process_series_limit)),
         metavar="N",
         help="at most N process series per GPU or MIG device, largest first; 0 = none "
         "(default %(default)s)",
     )
     serve.add_argument(
         "--proc-root",
-        default=_env("proc-root", "/proc"),
+        default=_env("proc-root", _DEFAULTS.proc_root),
         metavar="DIR",
         help="where to read processes for --process-labels, e.g. /host/proc in a container "
         "(default %(default)s)",
@@ -229,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-requests-in-flight",
         type=int,
-        default=_env("max-requests-in-flight", "32"),
+        default=_env("max-requests-in-flight", str(_DEFAULTS.max_requests_in_flight)),
         metavar="N",
         help="requests handled at once; more are answered 503 with Retry-After at once "
         "(/healthz and /readyz are exempt and always get a thread) (default %(default)s)",
@@ -237,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-waiters",
         type=int,
-        default=_env("max-waiters", "8"),
+        default=_env("max-waiters", str(_DEFAULTS.max_waiters)),
         metavar="N",
         help="/choose?wait= requests that may wait for GPUs at once; more are answered 503 "
         "too_many_waiters; 0 disables waiting (default %(default)s)",
@@ -245,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-waiters-per-requester",
         type=int,
-        default=_env("max-waiters-per-requester", "2"),
+        default=_env("max-waiters-per-requester", str(_DEFAULTS.max_waiters_per_requester)),
         metavar="N",
         help="of those, how many one client address may have waiting at once; more are "
         "answered 429 too_many_waiters; 0: no limit per client (default %(default)s)",
@@ -293,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--auth-scope",
         choices=("all", "writes"),
-        default=_env("auth-scope", "all"),
+        default=_env("auth-scope", _DEFAULTS.auth_scope),
         help="which requests need basic auth when the web config has users: all (default; "
         "/healthz and /readyz stay open), or writes: only /choose that takes a lease, /leases and "
         "anything but GET/HEAD, so /metrics, /gpus, /readyz and / stay open",
@@ -333,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logs.add_flags(serve, _env("log-level", None) or _env("log.level", "info"), _env)
 
-    from gpu_exporter.client.cli import add_choose_parser, add_release_parser, add_run_parser
+    from gpu_exporter.client.commands import add_choose_parser, add_release_parser, add_run_parser
 
     add_choose_parser(sub)
     add_run_parser(sub)
@@ -356,42 +347,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fleet_option(args: argparse.Namespace, name: str, parser: argparse.ArgumentParser) -> str:
-    """--prometheus-selector or --fleet-rule-prefix, checked ('' stays '')."""
-    from gpu_exporter.choose.fleetview import check_prefix
-    from gpu_exporter.choose.promql import check_selector
-
+def _checked(parser: argparse.ArgumentParser, flag: str, parse: Callable[[str], T], text: str) -> T:
+    """``parse(text)``; its ValueError is the usage error ``<flag>: <why>``."""
     try:
-        check = check_selector if name == "prometheus_selector" else check_prefix
-        return check(text) if (text := getattr(args, name)) else ""
+        return parse(text)
     except ValueError as exc:
-        parser.error(f"--{name.replace('_', '-')}: {exc}")
+        parser.error(f"{flag}: {exc}")
 
 
 def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
     prometheus = args.prometheus_url or ""
     if "://" in prometheus and not prometheus.lower().startswith(("http://", "https://")):
         parser.error(f"--prometheus-url: not an http:// or https:// URL: {prometheus}")
-    try:
-        host, port = parse_listen_address(args.listen_address)
-    except ValueError as exc:
-        parser.error(f"--listen-address: {exc}")
+    host, port = _checked(parser, "--listen-address", parse_listen_address, args.listen_address)
     if level_name(args.log_level) not in LOG_LEVELS:  # from the environment: not checked yet
         parser.error("--log.level must be one of debug, info, warn, error")
     if args.log_format not in LOG_FORMATS:  # from the environment
         parser.error(f"--log.format must be one of {', '.join(LOG_FORMATS)}")
-    try:
-        telemetry_path = parse_telemetry_path(args.telemetry_path)
-    except ValueError as exc:
-        parser.error(f"--web.telemetry-path: {exc}")
+    telemetry_path = _checked(
+        parser, "--web.telemetry-path", parse_telemetry_path, args.telemetry_path
+    )
     interval = float(args.interval)
     max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
     if args.max_gpus_per_requester < 0:
         parser.error("--max-gpus-per-requester must be 0 (no limit) or more")
-    try:
-        process_labels = parse_process_labels(args.process_labels)
-    except ValueError as exc:
-        parser.error(f"--process-labels: {exc}")
+    process_labels = _checked(parser, "--process-labels", parse_process_labels, args.process_labels)
     if args.process_series_limit < 0:
         parser.error("--process-series-limit must be 0 or more")
     if not 1 <= args.max_requests_in_flight <= 1024:
@@ -403,11 +383,11 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.auth_scope not in ("all", "writes"):  # from the environment
         parser.error("--auth-scope must be all or writes")
     from gpu_exporter.choose.defaults import parse_defaults
+    from gpu_exporter.choose.fleetview import check_prefix
+    from gpu_exporter.choose.promql import check_selector
 
-    try:
-        parse_defaults(args.choose_defaults)  # idle_for's limit is checked by build()
-    except ValueError as exc:
-        parser.error(f"--choose-defaults: {exc}")
+    # idle_for's limit is checked by build()
+    _checked(parser, "--choose-defaults", parse_defaults, args.choose_defaults)
     if args.web_config_file is not None:
         from gpu_exporter.web.webconfig import WebConfigError, load
 
@@ -417,6 +397,9 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f"--web-config-file {args.web_config_file}: {exc}")
     if args.kubernetes is not None and importlib.util.find_spec("grpc") is None:
         parser.error("--kubernetes needs grpcio: pip install 'gpu-exporter[kubernetes]'")
+    selector, prefix = args.prometheus_selector, args.fleet_rule_prefix
+    selector = selector and _checked(parser, "--prometheus-selector", check_selector, selector)
+    prefix = prefix and _checked(parser, "--fleet-rule-prefix", check_prefix, prefix)
     return ServeConfig(
         host,
         port,
@@ -437,7 +420,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_requests_in_flight=int(args.max_requests_in_flight),
         max_waiters=int(args.max_waiters),
         prometheus_url=args.prometheus_url or None,
-        prometheus_selector=_fleet_option(args, "prometheus_selector", parser),
+        prometheus_selector=selector,
         web_config_file=args.web_config_file,
         auth_scope=args.auth_scope,
         choose_defaults=args.choose_defaults,
@@ -447,7 +430,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         log_format=args.log_format,
         slow_interval_seconds=max(float(args.slow_interval), interval),
         collect_disabled=tuple(g for g in GROUPS if not getattr(args, f"collect_{g}")),
-        fleet_rule_prefix=_fleet_option(args, "fleet_rule_prefix", parser),
+        fleet_rule_prefix=prefix,
         kubernetes_socket=args.kubernetes,
         kubernetes_poll_seconds=float(args.kubernetes_poll_interval),
     )
@@ -465,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve(config)
     if args.command == "choose":
-        from gpu_exporter.client.cli import choose_main
+        from gpu_exporter.client.commands import choose_main
 
         return choose_main(args)
     if args.command == "run":
@@ -473,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_main(args)
     if args.command == "release":
-        from gpu_exporter.client.cli import release_main
+        from gpu_exporter.client.commands import release_main
 
         return release_main(args)
     if args.command == "hash-password":

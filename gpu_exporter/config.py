@@ -18,6 +18,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # 50 % memory). See gpu_exporter.choose.defaults.
 DEFAULT_CHOOSE_DEFAULTS = "max_util=50%&max_mem_util=50%"
 DEFAULT_TELEMETRY_PATH = "/metrics"
+DEFAULT_PROCESS_SERIES_LIMIT = 64  # --process-series-limit: per device, largest first
 DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"  # --kubernetes
 # The app's own paths (tests/test_logs.py checks them against its routes): the metrics can
 # be served at neither these nor a prefix of them (the dispatcher takes every path below).
@@ -40,7 +41,7 @@ class ServeConfig:
     max_gpus_per_requester: int = 0  # 0: no limit
     mem_headroom_bytes: int = 512 * 2**20  # kept free on a card memory leases share
     process_labels: tuple[str, ...] = ()  # opt-in attribution of GPU processes
-    process_series_limit: int = 64
+    process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT
     proc_root: str = "/proc"
     pcie_throughput: bool = False
     xid_events: bool = True

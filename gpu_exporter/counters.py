@@ -1,5 +1,8 @@
-"""Stores that background NVML threads write and the collector reads, behind one lock each.
+"""The exporter's counters: what threads and requests count, and the label values they use.
 
+Each store is behind one lock, and the collectors read it:
+
+* :class:`RequestCounter` — counts by one label value (``/choose`` results, rejections).
 * :class:`XidCounter` — Xid errors from the event listener (:mod:`gpu_exporter.collect.xid`):
   counts per (GPU, Xid) that only ever grow while the process lives, and when the last one
   arrived.
@@ -7,12 +10,11 @@
   (:mod:`gpu_exporter.collect.pcie`), kept off the main sampling path because NVML blocks ~20 ms per
   direction per GPU to measure it.
 
-Neither imports NVML; requests and the collector only read them.
-
-It also holds the closed label sets of the exporter's counters (:data:`CHOOSE_RESULTS`,
-:data:`REJECTION_REASONS`, :data:`RELEASE_REASONS`, :data:`RELOAD_RESULTS`): the code that
-counts names its values from here, and ``/metrics`` exports every one at 0 from the start, so
-``rate()`` panels and alerts work on a fresh exporter ("avoid missing metrics").
+None imports NVML. The closed label sets of the counters are here too
+(:data:`CHOOSE_RESULTS`, :data:`REJECTION_REASONS`, :data:`RELEASE_REASONS`,
+:data:`RELOAD_RESULTS`): the code that counts names its values from here, and ``/metrics``
+exports every one at 0 from the start, so ``rate()`` panels and alerts work on a fresh
+exporter ("avoid missing metrics").
 """
 
 from __future__ import annotations

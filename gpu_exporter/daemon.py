@@ -47,9 +47,8 @@ from gpu_exporter.collect.sampler import Sampler
 from gpu_exporter.collect.xid import XidListener
 from gpu_exporter.config import ServeConfig
 from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
-from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
+from gpu_exporter.export.collectors import GpuCollector, PodCollector, WebConfigCollector
 from gpu_exporter.export.exposition import Exposition
-from gpu_exporter.export.pods import PodCollector
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.revision import revision
 from gpu_exporter.units import plural

@@ -29,7 +29,7 @@ RETIREMENT_CAUSES = ("multiple_single_bit", "double_bit")
 PCIE_LINKS = ("current", "max")
 # Opt-in process attribution (--process-labels), in label order.
 PROCESS_LABELS = ("user", "command", "container", "slurm_job", "pod")
-VISIBILITIES = ("full", "partial", "none")
+VISIBILITIES = ("full", "partial", "none")  # process_visibility's answers
 
 
 _SHOWN = ("pid", "used_memory_bytes", *PROCESS_LABELS)
@@ -197,10 +197,6 @@ class GpuSample:
     @property
     def is_mig_device(self) -> bool:
         return self.parent_uuid is not None
-
-    def clock_hz(self, clock: str) -> float | None:
-        value: float | None = getattr(self, f"clock_{clock}_hz")
-        return value
 
     def devices(self) -> tuple[GpuSample, ...]:
         """This GPU followed by its MIG devices."""

@@ -9,6 +9,7 @@ to anyone typing a query), at most :data:`MAX_NUMBER_CHARS` long, and the value 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 _BYTE_UNITS = {
     "": 1,
@@ -40,14 +41,18 @@ def _number_unit(text: str, expected: str) -> tuple[float, str]:
     ``expected``."""
     m = _NUMBER_UNIT.match(text)
     if not m:
-        raise ValueError(f"expected {expected}, got {_shown(text)}")
+        raise ValueError(f"expected {expected}, got {shown(text)}")
     if len(m.group(1)) > MAX_NUMBER_CHARS:
         raise ValueError(f"at most {MAX_NUMBER_CHARS} digits, got {len(m.group(1))}")
     return float(m.group(1)), m.group(2)
 
 
-def _shown(text: str) -> str:
-    """``text`` for a message: quoted, cut short when long, and a hint for non-ASCII digits."""
+def shown(text: str) -> str:
+    """``text`` for a message: quoted, cut short when long, and a hint for non-ASCII digits.
+
+    >>> shown("²"), shown("9" * 50)[-17:]
+    ("'²' (ASCII digits only)", '… (50 characters)')
+    """
     hint = " (ASCII digits only)" if any(c.isdigit() and not c.isascii() for c in text) else ""
     shown = repr(text)
     if len(text) > 40 or len(shown) > 60:  # escapes make the quoted text up to 10x longer
@@ -62,13 +67,7 @@ def parse_bytes(text: str) -> int:
     (8589934592, 500000000, 1024)
     """
     expected = "a size such as 8GiB, 500MB or a byte count"
-    number, unit = _number_unit(text, expected)
-    if unit.lower() not in _BYTE_UNITS:
-        raise ValueError(f"expected {expected}, got {_shown(text)}")
-    value = number * _BYTE_UNITS[unit.lower()]
-    if value > MAX_BYTES:
-        raise ValueError(f"at most 1 EiB ({MAX_BYTES} bytes), got {_shown(text)}")
-    return int(value)
+    return int(_scaled(text, expected, _BYTE_UNITS, MAX_BYTES, f"1 EiB ({MAX_BYTES} bytes)"))
 
 
 def parse_ratio(text: str) -> float:
@@ -80,11 +79,11 @@ def parse_ratio(text: str) -> float:
     expected = "a ratio such as 0.3 or 30%"
     value, unit = _number_unit(text, expected)
     if unit not in ("", "%"):
-        raise ValueError(f"expected {expected}, got {_shown(text)}")
+        raise ValueError(f"expected {expected}, got {shown(text)}")
     if unit == "%":
         value /= 100.0
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"expected a ratio between 0 and 1 (or 0% and 100%), got {_shown(text)}")
+        raise ValueError(f"expected a ratio between 0 and 1 (or 0% and 100%), got {shown(text)}")
     return value
 
 
@@ -95,12 +94,17 @@ def parse_duration(text: str) -> float:
     (600.0, 1.5)
     """
     expected = "a duration such as 30s, 10m or 1h"
+    return _scaled(text, expected, _DURATION_UNITS, MAX_DURATION_SECONDS, "a year (8784h)")
+
+
+def _scaled(text: str, expected: str, units: Mapping[str, float], most: float, said: str) -> float:
+    """The number times its unit's factor (any case); at most ``most``, which ``said`` says."""
     number, unit = _number_unit(text, expected)
-    if unit.lower() not in _DURATION_UNITS:
-        raise ValueError(f"expected {expected}, got {_shown(text)}")
-    value = number * _DURATION_UNITS[unit.lower()]
-    if value > MAX_DURATION_SECONDS:
-        raise ValueError(f"at most a year (8784h), got {_shown(text)}")
+    if unit.lower() not in units:
+        raise ValueError(f"expected {expected}, got {shown(text)}")
+    value = number * units[unit.lower()]
+    if value > most:
+        raise ValueError(f"at most {said}, got {shown(text)}")
     return value
 
 

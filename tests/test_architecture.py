@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import doctest
 import importlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +18,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpu_exporter"
 ROOT_NAME = "gpu_exporter"
-MAX_LINES = 600
-LONG_LINES = 400
-MAX_LONG_MODULES = 3
+MAX_LINES = 800  # a smoke alarm, not a design rule: modules are cut where their concept ends
+SUMMARY_MAX_CHARS = 240
 CREATE_APP_MAX_LINES = 80
+# Names still used twice while the other parts of issue 29 land (the fleet and request-path
+# renames; export/cadence.py is folded into export/spec.py). The merger empties this.
+PENDING = {"fleet", "session", "gpu_exporter.export.cadence"}
 
 
 @dataclass(frozen=True)
@@ -245,21 +248,56 @@ def test_one_composition_root() -> None:
     assert builders == ["gpu_exporter.daemon"]
 
 
-def test_modules_stay_small() -> None:
+def test_no_module_is_alarmingly_long() -> None:
     sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
     assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
-    long = {n: s for n, s in sizes.items() if s > LONG_LINES}
-    # A declarative table may be longer; its docstring says so.
-    tables = {n for n in long if "declarative table" in (ast.get_docstring(_tree(n)) or "")}
-    assert len(set(long) - tables) <= MAX_LONG_MODULES, long
 
 
 def _tree(name: str) -> ast.Module:
     return ast.parse(MODULES[name].read_text())
 
 
-def test_every_module_says_what_it_holds() -> None:
-    assert [n for n in MODULES if not ast.get_docstring(_tree(n))] == []
+def summary(name: str) -> str:
+    """The first paragraph of a module's docstring, on one line."""
+    return " ".join((ast.get_docstring(_tree(name)) or "").split("\n\n")[0].split())
+
+
+def test_every_module_names_its_one_concept_in_one_sentence() -> None:
+    """The docstring's first paragraph says what the module is, as one short sentence; what
+    else it holds belongs to that concept (or to another module)."""
+    bad = {}
+    for name in MODULES:
+        text = summary(name)
+        one_sentence = text.endswith(".") and not re.search(r"[.!?] [A-Z`:]", text[:-1])
+        if name not in PENDING and not (one_sentence and len(text) <= SUMMARY_MAX_CHARS):
+            bad[name] = text
+    assert bad == {}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    stems: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        if path.stem != "__init__":
+            stems.setdefault(path.stem, []).append(name)
+    assert {s: m for s, m in stems.items() if len(m) > 1 and s not in PENDING} == {}
+
+
+def test_no_class_name_is_defined_twice() -> None:
+    """A class name says which concept it is wherever it is imported."""
+    defined: dict[str, list[str]] = {}
+    for name in MODULES:
+        for node in _tree(name).body:
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, []).append(name)
+    assert {c: m for c, m in defined.items() if len(m) > 1 and c not in PENDING} == {}
+
+
+def test_every_pending_name_is_still_pending() -> None:
+    """Once a rename lands, its entry must leave PENDING, so the allowlist only shrinks."""
+    stems = [p.stem for p in MODULES.values()]
+    classes = [n.name for m in MODULES for n in _tree(m).body if isinstance(n, ast.ClassDef)]
+    still = {s for s in PENDING if s in MODULES or stems.count(s) > 1 or classes.count(s) > 1}
+    assert still == PENDING
 
 
 def test_create_app_is_short() -> None:
@@ -288,11 +326,11 @@ def test_create_app_is_short() -> None:
         "choose.promql",
         "choose.values",
         "client.transport",
-        "client.api",
-        "client.params",
+        "client.hostapi",
+        "client.query",
         "collect.procinfo",
         "collect.podresources",
-        "pods",
+        "podallocations",
         "model",
     ],
 )

@@ -34,10 +34,10 @@ from gpu_exporter.client import (
     NotAnExporter,
     ServerError,
     ServerUnreachable,
-    api,
     choose,
     choose_raw,
     error_from_response,
+    hostapi,
     release,
     renew,
     resolve_url,
@@ -629,7 +629,7 @@ def test_an_exporter_that_answers_too_late_is_no_reason_to_choose_locally() -> N
     assert not any(key in os.environ for key in ENV_KEYS)
 
 
-@pytest.mark.parametrize("module", [transport, api])
+@pytest.mark.parametrize("module", [transport, hostapi])
 def test_doctests(module: ModuleType) -> None:
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -658,7 +658,7 @@ def test_the_client_loads_nothing_of_the_server() -> None:
     """Jobs import the client before (and without) any framework: no Flask, no NVML."""
     code = (
         "import sys\n"
-        "import gpu_exporter.client, gpu_exporter.client.cli, gpu_exporter.client.run\n"
+        "import gpu_exporter.client, gpu_exporter.client.commands, gpu_exporter.client.run\n"
         "server = ('flask', 'werkzeug', 'prometheus_client', 'pynvml')\n"
         "ours = ('gpu_exporter.nvml', 'gpu_exporter.collect', 'gpu_exporter.web')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in server or m.startswith(ours)))\n"

@@ -24,7 +24,7 @@ from gpu_exporter.collect.podresources import (
     encode_list_response,
 )
 from gpu_exporter.config import DEFAULT_KUBELET_SOCKET
-from gpu_exporter.pods import PodDevice, physical_id, resolve, taken_reasons
+from gpu_exporter.podallocations import PodDevice, physical_id, resolve, taken_reasons
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
 from harness import exporter, get
 from served import Served, served
@@ -372,7 +372,7 @@ def test_process_pods_are_named_where_the_allocations_pin_them_down(
 
 
 def test_inference_by_elimination_and_withdrawal() -> None:
-    from gpu_exporter.pods import _infer
+    from gpu_exporter.podallocations import _infer
 
     a, b, c = ("ns", "a"), ("ns", "b"), ("ns", "c")
     # b's own card names uid-b; the shared card then leaves c for uid-c.

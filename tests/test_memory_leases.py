@@ -385,7 +385,7 @@ def test_leased_and_overrun_bytes_are_exported_for_cards_with_memory_leases() ->
 
 def test_the_answers_match_their_openapi_schemas() -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    from gpu_exporter.web.openapi_schemas import LEASE, MEM
+    from gpu_exporter.web.openapi import LEASE, MEM
 
     s = idle(1)
     body = s.client.get("/choose?mem=8GiB&pid=4000&format=json").get_json()

@@ -13,10 +13,9 @@ from prometheus_client import generate_latest
 
 from conftest import Stack, build_stack, sim_of
 from conftest import without_process_metrics as bare
-from gpu_exporter.export.collectors import GpuCollector, WebConfigCollector
-from gpu_exporter.export.pods import PodCollector
+from gpu_exporter.export.collectors import GpuCollector, PodCollector, WebConfigCollector
 from gpu_exporter.export.spec import METRICS, SAMPLED, markdown_table
-from gpu_exporter.pods import PodAllocations
+from gpu_exporter.podallocations import PodAllocations
 from gpu_exporter.revision import revision
 from gpu_exporter.simulate import Fault, Load, SimGpu
 from gpu_exporter.web.webconfig import WebConfigWatcher

@@ -198,7 +198,7 @@ def test_every_code_choose_can_answer_is_a_known_result() -> None:
     """The choose path's error codes are literals spread over several modules; a new one
     must join CHOOSE_RESULTS (or be named here as not reachable from /choose)."""
     modules = ["choose/claim.py", "choose/request.py", "choose/params.py", "choose/leases.py"]
-    modules += ["choose/filters.py", "web/api.py"]
+    modules += ["choose/filters.py", "web/leaseapi.py"]
     codes = set().union(*(_error_codes(PACKAGE / m) for m in modules))
     assert codes, "found no error codes: did ApiError change its signature?"
     assert codes - NOT_FROM_CHOOSE <= set(CHOOSE_RESULTS), codes - set(CHOOSE_RESULTS)

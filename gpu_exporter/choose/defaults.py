@@ -1,12 +1,12 @@
 """What "free" means when a request does not say: the server's ``--choose-defaults``.
 
 By default a GPU is free under 50 % utilization and 50 % memory-bandwidth utilization
-(:data:`DEFAULT_CHOOSE_DEFAULTS`), as GPUtil's ``getAvailable`` has it: without it, a
-``/choose`` with no filters hands out the least-busy card even when every card is 97 % busy,
-and ``wait=`` never waits. The defaults are filters in the query string's syntax; each applies
-when a request does not give that parameter (``max_util=100%`` turns that one off), and a
-value a GPU cannot report (a MIG device has no utilization) passes a default, never a filter
-the request gave (:attr:`gpu_exporter.choose.filters.Filters.defaulted`).
+(:data:`~gpu_exporter.config.DEFAULT_CHOOSE_DEFAULTS`), as GPUtil's ``getAvailable`` has it:
+without it, a ``/choose`` with no filters hands out the least-busy card even when every card
+is 97 % busy, and ``wait=`` never waits. The defaults are filters in the query string's
+syntax; each applies when a request does not give that parameter (``max_util=100%`` turns that
+one off), and a value a GPU cannot report (a MIG device has no utilization) passes a default,
+never a filter the request gave (:attr:`gpu_exporter.choose.filters.Filters.defaulted`).
 
 The server parses its own (``gpu-exporter serve --choose-defaults``); clients that choose
 without a server's word — the cluster chooser, choosing from this host's NVML — use
@@ -21,8 +21,6 @@ from collections.abc import Mapping
 from gpu_exporter.choose.params import DEFAULTABLE, ApiError
 from gpu_exporter.choose.request import parse_choose_args
 from gpu_exporter.config import DEFAULT_CHOOSE_DEFAULTS
-
-__all__ = ["DEFAULT_CHOOSE_DEFAULTS", "SHIPPED_DEFAULTS", "parse_defaults"]
 
 
 def parse_defaults(text: str, *, max_idle_for_seconds: float | None = None) -> dict[str, str]:

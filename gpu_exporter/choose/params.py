@@ -9,7 +9,7 @@ applies. Everything else is built from it:
   which the server, the client's local fallback and the cluster chooser all read parameters
   through;
 * the OpenAPI document's parameter lists (:mod:`gpu_exporter.web.openapi`);
-* the filter flags of ``gpu-exporter choose`` and ``run`` (:mod:`gpu_exporter.client.cli`),
+* the filter flags of ``gpu-exporter choose`` and ``run`` (:mod:`gpu_exporter.client.commands`),
   the filters choosing locally can apply (:data:`LOCAL_FILTERS`) and those a host checks again
   when a cluster choice claims there (:data:`POINT_FILTERS`).
 
@@ -40,11 +40,10 @@ from gpu_exporter.choose.values import (
     positive,
     process_count,
     selectors,
-    shown,
     units,
     whole_number,
 )
-from gpu_exporter.units import format_bytes, parse_bytes, parse_duration, parse_ratio
+from gpu_exporter.units import format_bytes, parse_bytes, parse_duration, parse_ratio, shown
 
 MAX_N = 1024
 MAX_WAIT_SECONDS = 3600.0

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+from gpu_exporter.units import shown
+
 Reader: TypeAlias = Callable[[str, str], Any]
 """(parameter name, query value) → the value; ValueError says why not."""
 
@@ -76,18 +78,6 @@ def digits(text: str) -> int | None:
     if 0 < len(text) <= MAX_DIGITS and text.isascii() and text.isdigit():
         return int(text)
     return None
-
-
-def shown(text: str) -> str:
-    """``text`` for a message: quoted, cut short when long, and a hint for non-ASCII digits.
-
-    >>> shown("²"), shown("9" * 50)
-    ("'²' (ASCII digits only)", "'9999999999999999999999999999999999999999'… (50 characters)")
-    """
-    hint = " (ASCII digits only)" if any(c.isdigit() and not c.isascii() for c in text) else ""
-    if len(text) > 40:
-        return repr(text[:40]) + f"… ({len(text)} characters){hint}"
-    return repr(text) + hint
 
 
 def whole_number(least: int, most: int) -> Reader:

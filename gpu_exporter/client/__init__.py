@@ -37,33 +37,33 @@ is checked against the system CAs, or the file in ``$SSL_CERT_FILE``. Every fail
     expired, or let go by the server once the job's work showed on its GPUs).
 
 The modules, from the wire up: :mod:`~gpu_exporter.client.transport` (the one HTTP stack and
-the errors), :mod:`~gpu_exporter.client.params` (``/choose``'s query from Python values),
-:mod:`~gpu_exporter.client.api` (one exporter's endpoints),
+the errors), :mod:`~gpu_exporter.client.query` (``/choose``'s query from Python values),
+:mod:`~gpu_exporter.client.hostapi` (one exporter's endpoints),
 :mod:`~gpu_exporter.client.fleet` (across hosts), :mod:`~gpu_exporter.client.choosing`
 (:func:`choose`: one host or the fleet), :mod:`~gpu_exporter.client.local` (this host's NVML
 when no server answers), :mod:`~gpu_exporter.client.session` (:func:`use_gpus`), and
-:mod:`~gpu_exporter.client.cli` (``gpu-exporter choose``, ``run``, ``release``). None of them
+:mod:`~gpu_exporter.client.commands` (``gpu-exporter choose``, ``run``, ``release``). None of them
 imports Flask, werkzeug, prometheus_client or pynvml.
 """
 
 from __future__ import annotations
 
-from gpu_exporter.client.api import (
+from gpu_exporter.client.choosing import choose, choose_cluster
+from gpu_exporter.client.fleet import ClusterChoice
+from gpu_exporter.client.hostapi import (
     DEFAULT_LEASE,
     LEASE_HEADER,
     Choice,
     ChooseAnswer,
-    Lease,
+    LeaseInfo,
     choose_raw,
     leases,
     register_pids,
     release,
     renew,
 )
-from gpu_exporter.client.choosing import choose, choose_cluster
-from gpu_exporter.client.fleet import ClusterChoice
 from gpu_exporter.client.local import choose_locally, choose_or_fallback
-from gpu_exporter.client.params import Duration, FilterValue, duration_seconds, format_duration
+from gpu_exporter.client.query import Duration, FilterValue, duration_seconds, format_duration
 from gpu_exporter.client.session import (
     GpuSession,
     LeaseKeeper,
@@ -105,7 +105,7 @@ __all__ = [
     "GpuExporterError",
     "GpuExporterWarning",
     "GpuSession",
-    "Lease",
+    "LeaseInfo",
     "LeaseKeeper",
     "LeaseNotFound",
     "NoGpusAvailable",

@@ -2,7 +2,7 @@
 
 A memory lease is a promise the job must keep: the exporter reserves ``mem`` a card and never
 kills anything, so the framework has to be told. The environment (``format=env``,
-:meth:`Choice.env() <gpu_exporter.client.api.Choice.env>`) caps JAX by itself
+:meth:`Choice.env() <gpu_exporter.client.hostapi.Choice.env>`) caps JAX by itself
 (``XLA_PYTHON_CLIENT_MEM_FRACTION``, read when JAX starts); PyTorch and TensorFlow need a call
 in the process, before they allocate:
 
@@ -30,7 +30,7 @@ from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, JAX_FRACTION_ENVS
 from gpu_exporter.client.transport import GpuExporterError, GpuExporterWarning
 
 if TYPE_CHECKING:
-    from gpu_exporter.client.api import Choice
+    from gpu_exporter.client.hostapi import Choice
 
 FRAMEWORKS = ("torch", "tensorflow", "jax")
 MIB = 2**20

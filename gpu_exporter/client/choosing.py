@@ -1,8 +1,8 @@
 """The front door: :func:`choose` GPUs from one exporter or across a fleet, :func:`choose_cluster`.
 
-One exporter is :mod:`gpu_exporter.client.api`'s, a fleet :mod:`gpu_exporter.client.fleet`'s;
-both answer with the same :class:`~gpu_exporter.client.api.Choice`, so a job script need not care
-which it asked.
+One exporter is :mod:`gpu_exporter.client.hostapi`'s, a fleet :mod:`gpu_exporter.client.fleet`'s;
+both answer with the same :class:`~gpu_exporter.client.hostapi.Choice`, so a job script need
+not care which it asked.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import warnings
 from collections.abc import Iterable, Mapping
 
 from gpu_exporter.choose.params import ApiError
-from gpu_exporter.client.api import DEFAULT_LEASE, Choice, choose_host
 from gpu_exporter.client.fleet import ClusterChoice, choose_fleet
-from gpu_exporter.client.params import Duration, FilterValue, choose_params, format_duration
+from gpu_exporter.client.hostapi import DEFAULT_LEASE, Choice, choose_host
+from gpu_exporter.client.query import Duration, FilterValue, choose_params, format_duration
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,
     GpuExporterWarning,

@@ -42,7 +42,6 @@ from gpu_exporter.choose.fleetview import check_prefix
 from gpu_exporter.choose.params import POINT_FILTERS, ApiError
 from gpu_exporter.choose.promql import check_selector
 from gpu_exporter.choose.request import ClusterRequest, parse_cluster_args
-from gpu_exporter.client.api import DEFAULT_LEASE, Choice, Lease, choose_host, release
 from gpu_exporter.client.fleetread import (  # re-exported: where callers have found them
     DEFAULT_EXPORTER_PORT,
     Fetch,
@@ -53,6 +52,7 @@ from gpu_exporter.client.fleetread import (  # re-exported: where callers have f
     read_prometheus,
     refusal_counts,
 )
+from gpu_exporter.client.hostapi import DEFAULT_LEASE, Choice, LeaseInfo, choose_host, release
 from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS, GpuExporterError, ServerError
 from gpu_exporter.units import plural
 
@@ -124,7 +124,7 @@ class ClusterChoice:
         }
 
 
-def _lease_json(lease: Lease | None) -> dict[str, Any] | None:
+def _lease_json(lease: LeaseInfo | None) -> dict[str, Any] | None:
     if lease is None:
         return None
     return {

@@ -24,8 +24,8 @@ from gpu_exporter.choose.params import LOCAL_FILTERS, ApiError
 from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.rank import choose as rank_and_choose
 from gpu_exporter.choose.request import parse_choose_args
-from gpu_exporter.client.api import Choice, choose_host
-from gpu_exporter.client.params import Duration, FilterValue, filter_value
+from gpu_exporter.client.hostapi import Choice, choose_host
+from gpu_exporter.client.query import Duration, FilterValue, filter_value
 from gpu_exporter.client.transport import (
     GpuExporterError,
     GpuExporterWarning,
@@ -41,11 +41,7 @@ OpenNvml: TypeAlias = "Callable[[], Nvml]"
 
 
 def choose_locally(
-    n: int,
-    filters: Mapping[str, FilterValue],
-    *,
-    url: str = "",
-    open_nvml: OpenNvml | None = None,
+    n: int, filters: Mapping[str, FilterValue], *, url: str = "", open_nvml: OpenNvml | None = None
 ) -> Choice:
     """Rank this host's GPUs through NVML, as the server would, but with no lease.
 
@@ -132,7 +128,7 @@ def choose_or_fallback(
     stacklevel: int = 2,
     open_nvml: OpenNvml | None = None,
 ) -> Choice:
-    """:func:`~gpu_exporter.client.api.choose_host`; if no server answers and
+    """:func:`~gpu_exporter.client.hostapi.choose_host`; if no server answers and
     ``local_fallback``, :func:`choose_locally` (with NVML from ``open_nvml``).
 
     Only when the claim surely never reached a server (nothing listening, no route): an

@@ -1,11 +1,9 @@
 """``gpu-exporter run``: lease GPUs for exactly as long as a command runs.
 
-The command gets ``CUDA_VISIBLE_DEVICES`` (UUIDs), ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and
-``GPU_LEASE`` in its environment; the lease is renewed while it runs (:class:`LeaseKeeper`)
-and released when it ends. SIGINT and SIGTERM are forwarded to it (once: a Ctrl-C the terminal
-already delivered is not sent again), and ``run`` exits with its exit status (128 + N when
-signal N killed it). If ``run`` itself is killed (SIGKILL), renewals stop and the lease
-expires by itself after its TTL. The flags are :mod:`gpu_exporter.client.cli`'s.
+What the command gets and how ``run`` exits are in ``gpu-exporter run --help``
+(:mod:`gpu_exporter.client.commands` holds the flags). The lease is renewed while the command
+runs (:class:`LeaseKeeper`); a Ctrl-C the terminal already delivered to it is not forwarded
+again. If ``run`` itself is killed (SIGKILL), renewals stop and the lease expires after its TTL.
 """
 
 from __future__ import annotations
@@ -17,24 +15,20 @@ import os
 import signal
 import subprocess
 import sys
-import warnings
 from types import FrameType
 
-from gpu_exporter.client.api import Choice, register_pids, release
-from gpu_exporter.client.cli import (
-    EXIT_USAGE,
+from gpu_exporter.argparsing import EXIT_USAGE
+from gpu_exporter.client.commands import (
     across_hosts,
     choose_across_hosts,
     fail,
     filters_of,
+    warnings_printed,
 )
+from gpu_exporter.client.hostapi import Choice, register_pids, release
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
 from gpu_exporter.client.session import LeaseKeeper, replaced_visible_devices
-from gpu_exporter.client.transport import (
-    DEFAULT_TIMEOUT_SECONDS,
-    GpuExporterError,
-    LeaseNotFound,
-)
+from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS, GpuExporterError, LeaseNotFound
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -143,8 +137,7 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
             if across_hosts(args):
                 choice = choose_across_hosts(args, spread=False).placements[0]
             else:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
+                with warnings_printed(prefix):
                     choice = choose_or_fallback(
                         args.n,
                         args.url,
@@ -156,8 +149,6 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
                         filters=filters_of(args),
                         open_nvml=open_nvml,
                     )
-                for warning in caught:
-                    print(f"{prefix}warning: {warning.message}", file=sys.stderr)
             if choice.lease_id is not None:
                 if choice.host is None:  # COMMAND, our child, runs here: its work is the lease's
                     note = register_pids(choice, [os.getpid()])

@@ -7,22 +7,23 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 from gpu_exporter.choose.memory import MEM_ENV_NAMES
-from gpu_exporter.client.api import DEFAULT_LEASE, Choice, register_pids, release, renew
 from gpu_exporter.client.caps import FRAMEWORKS, apply
 from gpu_exporter.client.envcheck import near_miss_warning
+from gpu_exporter.client.hostapi import DEFAULT_LEASE, Choice, register_pids, release, renew
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
-from gpu_exporter.client.params import Duration, FilterValue, format_duration
+from gpu_exporter.client.query import Duration, FilterValue, format_duration
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,
     GpuExporterError,
@@ -167,38 +168,17 @@ class GpuSession:
 
     def __init__(
         self,
-        n: int,
+        choose: Callable[..., Choice],
         url: str | None,
-        *,
-        lease: Duration | None,
-        wait: Duration | None,
-        owner: str | None,
         timeout: float,
-        local_fallback: bool,
-        filters: Mapping[str, FilterValue],
-        open_nvml: OpenNvml | None = None,
-        on_unavailable: OnUnavailable = "error",
-        framework: str | None = None,
+        on_unavailable: OnUnavailable,
+        framework: str | None,
     ) -> None:
-        if on_unavailable not in ("error", "cpu"):
-            raise ValueError(f"on_unavailable must be 'error' or 'cpu', not {on_unavailable!r}")
-        if framework is not None and framework not in FRAMEWORKS:
-            raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)} or None")
-        if framework is not None and filters.get("mem") is None:
-            raise ValueError(f"framework={framework!r} caps memory: give mem= too")
-        self._framework = framework
-        self._on_unavailable = on_unavailable
-        self._args = (n, url)
-        self._kwargs: dict[str, Any] = {
-            "lease": lease,
-            "wait": wait,
-            "owner": owner,
-            "timeout": timeout,
-            "local_fallback": local_fallback,
-            "filters": dict(filters),
-            "open_nvml": open_nvml,
-        }
+        self._choose = choose  # choose_or_fallback with the request's arguments
+        self._url = url
         self._timeout = timeout
+        self._on_unavailable = on_unavailable
+        self._framework = framework
         self.choice: Choice | None = None
         self.keeper: LeaseKeeper | None = None
         self._saved: dict[str, str | None] = {}
@@ -219,7 +199,7 @@ class GpuSession:
         if typo is not None:
             warnings.warn(typo, GpuExporterWarning, stacklevel=2)
         try:
-            choice = choose_or_fallback(*self._args, **self._kwargs, stacklevel=3)
+            choice = self._choose(stacklevel=3)
         except GpuExporterError as exc:
             choice = self._cpu_instead(exc)
         self.choice = choice
@@ -252,7 +232,7 @@ class GpuSession:
         message = f"no GPU available ({exc}); running on the CPU: CUDA_VISIBLE_DEVICES=''"
         log.warning("%s", message)
         warnings.warn(message, GpuExporterWarning, stacklevel=3)
-        return Choice((), (), None, None, self._args[1] or "")
+        return Choice((), (), None, None, self._url or "")
 
     def __exit__(
         self,
@@ -334,7 +314,14 @@ def use_gpus(
     (:meth:`Choice.apply_tensorflow`, before TensorFlow initialises) or ``"jax"`` (the
     environment is the cap; warns if jax was imported already).
     """
-    return GpuSession(
+    if on_unavailable not in ("error", "cpu"):
+        raise ValueError(f"on_unavailable must be 'error' or 'cpu', not {on_unavailable!r}")
+    if framework is not None and framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)} or None")
+    if framework is not None and filters.get("mem") is None:
+        raise ValueError(f"framework={framework!r} caps memory: give mem= too")
+    choose = functools.partial(
+        choose_or_fallback,
         n,
         url,
         lease=lease,
@@ -342,8 +329,7 @@ def use_gpus(
         owner=owner,
         timeout=timeout,
         local_fallback=local_fallback,
-        filters=filters,
+        filters=dict(filters),
         open_nvml=open_nvml,
-        on_unavailable=on_unavailable,
-        framework=framework,
     )
+    return GpuSession(choose, url, timeout, on_unavailable, framework)

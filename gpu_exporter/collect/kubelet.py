@@ -3,8 +3,8 @@
 Every 10 s (never per scrape) :class:`PodResourcesPoller` calls the kubelet's PodResources v1
 ``List`` over its Unix socket (``/var/lib/kubelet/pod-resources/kubelet.sock``), with a
 deadline, and publishes the devices each container holds to a
-:class:`~gpu_exporter.pods.PodAllocations`. A missing socket, a kubelet that does not answer
-in time or answers garbage marks it down (``gpu_exporter_kubernetes_up 0``) and keeps the
+:class:`~gpu_exporter.podallocations.PodAllocations`. A missing socket, a kubelet that does not
+answer in time or answers garbage marks it down (``gpu_exporter_kubernetes_up 0``) and keeps the
 last answer; nothing else waits for it. The log says so once per change of state (down, and
 why; answering again), not every poll.
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from gpu_exporter.collect.background import BackgroundThread
 from gpu_exporter.collect.podresources import LIST_METHOD, DecodeError, decode_list_response
 from gpu_exporter.config import ServeConfig
-from gpu_exporter.pods import PodAllocations
+from gpu_exporter.podallocations import PodAllocations
 
 log = logging.getLogger(__name__)
 

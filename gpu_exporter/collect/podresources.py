@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from gpu_exporter.pods import PodDevice
+from gpu_exporter.podallocations import PodDevice
 
 LIST_METHOD = "/v1.PodResourcesLister/List"
 T = TypeVar("T")

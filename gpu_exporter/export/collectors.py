@@ -9,6 +9,7 @@ comes from the snapshot cache and the counters the background threads update.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import chain
 from typing import Protocol
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from gpu_exporter import __version__
 from gpu_exporter.collect.cache import SnapshotCache
+from gpu_exporter.config import DEFAULT_PROCESS_SERIES_LIMIT
 from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
 from gpu_exporter.export.spec import (
     BUILD_INFO,
@@ -32,9 +34,12 @@ from gpu_exporter.export.spec import (
     GPU_LEASED,
     GPU_MEMORY_LEASED,
     GPU_MIG_INFO,
+    GPU_POD_INFO,
+    GPU_PROCESS_POD_INFO,
     GPU_UP,
     GPU_VALUES,
     KUBERNETES_METRICS,
+    KUBERNETES_UP,
     LAST_SAMPLE,
     LAST_XID,
     LEASES_DROPPED,
@@ -51,9 +56,8 @@ from gpu_exporter.export.spec import (
     XID_ERRORS,
     MetricSpec,
 )
-from gpu_exporter.model import GpuSample, Snapshot, all_devices
-
-DEFAULT_PROCESS_SERIES_LIMIT = 64
+from gpu_exporter.model import GpuSample, ProcessSample, Snapshot, all_devices
+from gpu_exporter.podallocations import PodAllocations, physical_id, process_owners, resolve
 
 
 class Leases(Protocol):
@@ -109,6 +113,13 @@ def _family(
     )
 
 
+def _one(spec: MetricSpec, value: float, labels: list[str] | None = None) -> Metric:
+    """A family of one series: ``value``, with ``labels`` (none by default)."""
+    family = _family(spec)
+    family.add_metric(labels or [], value)
+    return family
+
+
 def gpu_families(
     snapshot: Snapshot, process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT
 ) -> Iterator[Metric]:
@@ -153,9 +164,9 @@ def gpu_families(
         for spec, family in zip(GPU_VALUES, values, strict=True):
             if spec.mig or not gpu.is_mig_device:
                 _add_values(spec, family, ids, gpu)
-        if gpu.processes and not (gpu.mig_devices and not gpu.is_mig_device):
-            # A GPU in MIG mode has its processes under its MIG devices, not twice.
-            _add_processes(procs, ids, gpu, snapshot.process_labels, process_series_limit)
+        for p in _largest_processes(gpu, process_series_limit):
+            labels = (p.label(name) for name in snapshot.process_labels)
+            procs.add_metric([*ids, str(p.pid), *labels], p.used_memory_bytes or 0)
     yield info
     yield up
     yield down
@@ -169,16 +180,14 @@ def _text(value: int | None) -> str:
     return "" if value is None else str(value)
 
 
-def _add_processes(
-    family: Metric, ids: list[str], gpu: GpuSample, labels: tuple[str, ...], limit: int
-) -> None:
-    """The ``limit`` largest processes of one device (unknown memory has no series)."""
+def _largest_processes(gpu: GpuSample, limit: int) -> list[ProcessSample]:
+    """The ``limit`` largest processes of one device (unknown memory has none); a GPU in MIG
+    mode has none: its processes are its MIG devices', not counted twice."""
+    if gpu.mig_devices and not gpu.is_mig_device:
+        return []
     known = [p for p in gpu.processes or () if p.used_memory_bytes is not None]
     known.sort(key=lambda p: (-(p.used_memory_bytes or 0), p.pid))
-    for p in known[:limit]:
-        family.add_metric(  # type: ignore[attr-defined]
-            [*ids, str(p.pid), *(p.label(name) for name in labels)], p.used_memory_bytes
-        )
+    return known[:limit]
 
 
 def _add_values(spec: MetricSpec, family: Metric, ids: list[str], gpu: GpuSample) -> None:
@@ -229,19 +238,11 @@ def pcie_families(pcie: PcieRates) -> Iterator[Metric]:
 def exporter_families(
     snapshot: Snapshot, version: str = __version__, revision: str = "unknown"
 ) -> Iterator[Metric]:
-    build = _family(BUILD_INFO)
-    build.add_metric([version, "simulated" if snapshot.simulated else "nvml", revision], 1)
-    yield build
-    nvml_up = _family(NVML_UP)
-    nvml_up.add_metric([], 1 if snapshot.nvml_up else 0)
-    yield nvml_up
+    yield _one(BUILD_INFO, 1, [version, "simulated" if snapshot.simulated else "nvml", revision])
+    yield _one(NVML_UP, 1 if snapshot.nvml_up else 0)
     if snapshot.sequence > 0:  # nothing sampled yet: no timestamp rather than a fake one
-        last = _family(LAST_SAMPLE)
-        last.add_metric([], snapshot.taken_at_seconds)
-        yield last
-        duration = _family(SAMPLE_DURATION)
-        duration.add_metric([], snapshot.sample_duration_seconds)
-        yield duration
+        yield _one(LAST_SAMPLE, snapshot.taken_at_seconds)
+        yield _one(SAMPLE_DURATION, snapshot.sample_duration_seconds)
     errors = _family(NVML_ERRORS)
     for function, error, count in snapshot.nvml_errors:
         errors.add_metric([function, error], count)
@@ -268,9 +269,7 @@ def lease_families(
         yield overrun
     yield _counts(CHOOSE_REQUESTS, requests.counts())
     yield _counts(LEASES_DROPPED, leases.dropped)
-    write_errors = _family(STATE_WRITE_ERRORS)
-    write_errors.add_metric([], leases.state_write_errors)
-    yield write_errors
+    yield _one(STATE_WRITE_ERRORS, leases.state_write_errors)
 
 
 def _counts(spec: MetricSpec, counts: Mapping[str, int]) -> Metric:
@@ -286,7 +285,7 @@ def _counts(spec: MetricSpec, counts: Mapping[str, int]) -> Metric:
 
 
 _WEB_CONFIG_METRICS = (WEB_CONFIG_RELOADS, WEB_CONFIG_OK)  # WebConfigCollector's
-_OWN_COLLECTORS = (*_WEB_CONFIG_METRICS, *KUBERNETES_METRICS)  # and export/pods.py's
+_OWN_COLLECTORS = (*_WEB_CONFIG_METRICS, *KUBERNETES_METRICS)  # and PodCollector's
 
 
 def _with_series(*families: Iterable[Metric]) -> Iterator[Metric]:
@@ -362,9 +361,7 @@ class GpuCollector(Collector):
         if self._rejections is not None:
             yield _counts(REQUESTS_REJECTED, self._rejections.counts())
         if self._waiters is not None:
-            gauge = _family(CHOOSE_WAITERS)
-            gauge.add_metric([], self._waiters.active)
-            yield gauge
+            yield _one(CHOOSE_WAITERS, self._waiters.active)
 
 
 class WebConfigCollector(Collector):
@@ -380,6 +377,70 @@ class WebConfigCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield _counts(WEB_CONFIG_RELOADS, self._watcher.reloads)
-        ok = _family(WEB_CONFIG_OK)
-        ok.add_metric([], 1 if self._watcher.last_reload_ok else 0)
-        yield ok
+        yield _one(WEB_CONFIG_OK, 1 if self._watcher.last_reload_ok else 0)
+
+
+class PodCollector(Collector):
+    """``gpu_pod_info`` and ``gpu_exporter_kubernetes_up`` (``--kubernetes``): the kubelet's
+    allocations (:class:`~gpu_exporter.podallocations.PodAllocations`) as info series to join
+    on, never as labels on the value series; GPU indexes from the cache's latest sample.
+
+    Registered, like :class:`WebConfigCollector`, only when the flag is given. The families
+    are built once per change of the allocations or of the sample, so a scrape only hands the
+    same objects to the encoder.
+    """
+
+    def __init__(
+        self,
+        allocations: PodAllocations,
+        cache: SnapshotCache,
+        process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
+    ) -> None:
+        self._allocations = allocations
+        self._cache = cache
+        self._limit = process_series_limit
+        self._lock = threading.Lock()
+        self._built: tuple[tuple[int, int], list[Metric]] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        """The names, for the ``name[]`` filter (see :meth:`GpuCollector.describe`)."""
+        for spec in KUBERNETES_METRICS:
+            yield _family(spec)
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._cache.get()
+        key = (self._allocations.version, snapshot.sequence)
+        with self._lock:
+            if self._built is None or self._built[0] != key:
+                self._built = (key, self._families(snapshot.gpus))
+            families = self._built[1]
+        return iter(families)
+
+    def _families(self, gpus: tuple[GpuSample, ...]) -> list[Metric]:
+        info = _family(GPU_POD_INFO)
+        seen: set[tuple[str, ...]] = set()
+        for gpu, device in resolve(self._allocations.devices, gpus):
+            # A device this host does not know still names its pod: gpu="" and the ID.
+            ids = [str(gpu.index), gpu.uuid] if gpu else ["", physical_id(device.device_id)]
+            labels = (*ids, device.namespace, device.pod, device.container)
+            if labels not in seen:  # two replicas of one card in one container: one series
+                seen.add(labels)
+                info.add_metric(list(labels), 1)
+        up = _one(KUBERNETES_UP, 1 if self._allocations.up else 0)
+        return [f for f in (info, up, self._processes(gpus)) if f.samples]
+
+    def _processes(self, gpus: tuple[GpuSample, ...]) -> Metric:
+        """``gpu_process_pod_info`` for the processes ``gpu_process_memory_used_bytes`` has
+        (the same ``limit`` largest per device) whose pod the allocations name."""
+        family = _family(GPU_PROCESS_POD_INFO)
+        uids, containers = process_owners(self._allocations.devices, gpus)
+        if not uids and not containers:
+            return family
+        for gpu in all_devices(gpus):
+            for p in _largest_processes(gpu, self._limit):
+                container = containers.get(p.container or "")
+                pod = container[:2] if container else uids.get(p.pod or "")
+                if pod is not None:
+                    name = container[2] if container and container[:2] == pod else ""
+                    family.add_metric([str(gpu.index), gpu.uuid, str(p.pid), *pod, name], 1)
+        return family

@@ -527,7 +527,7 @@ GPU_PROCESS_POD_INFO = MetricSpec(
     '(a card one pod holds, or the last unnamed pod of a shared one); `container` is "" '
     "where only the pod is known. At most --process-series-limit per device, largest first.",
 )
-KUBERNETES_METRICS = (GPU_POD_INFO, KUBERNETES_UP, GPU_PROCESS_POD_INFO)  # export/pods.py's
+KUBERNETES_METRICS = (GPU_POD_INFO, KUBERNETES_UP, GPU_PROCESS_POD_INFO)  # PodCollector's
 EXPORTER_METRICS = (
     BUILD_INFO,
     NVML_UP,

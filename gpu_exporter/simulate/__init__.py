@@ -12,12 +12,11 @@ Every value is a pure function of the simulator's clock, so a test with a fake c
 * :mod:`~gpu_exporter.simulate.scenario`: loads, health, faults (``HANG``), Xid events, the
   simulated GPUs, and the TOML scenario format (documented there).
 * :mod:`~gpu_exporter.simulate.state`: what a GPU reports at one moment.
-* :mod:`~gpu_exporter.simulate.machine`: the simulated host (GPUs, clock, faults, event sets).
-* :mod:`~gpu_exporter.simulate.library`: :class:`SimulatedNvml`, its pynvml functions.
+* :mod:`~gpu_exporter.simulate.library`: the simulated host (GPUs, clock, faults, event sets)
+  and :class:`SimulatedNvml`, its pynvml functions (one module: the host exists for them).
 """
 
-from gpu_exporter.simulate.library import SimulatedNvml
-from gpu_exporter.simulate.machine import SimEventSet, SimulatedMachine
+from gpu_exporter.simulate.library import SimEventSet, SimulatedMachine, SimulatedNvml
 from gpu_exporter.simulate.models import (
     COMPUTE_MODES,
     DEFAULT_MODEL,

@@ -1,5 +1,6 @@
-"""Simulated GPUs and what happens to them: loads, health, faults, Xid events, and the TOML
-scenario files that describe a fleet of them.
+"""A simulation scenario: the GPUs, what happens to them over time, and the TOML that says so.
+
+Each GPU has a load, a health, faults and Xid events; a scenario file describes a fleet of them.
 
 Scenario files are TOML::
 

@@ -1,9 +1,9 @@
-"""The HTTP API: a Flask app factory over one :class:`Services`. Requests never call NVML.
+"""The Flask app factory: the HTTP API over one :class:`Services`, whose requests never call NVML.
 
 * ``/metrics`` — Prometheus exposition of the latest snapshot (private registry).
 * ``/choose`` — the best free GPUs for a job script, as text or JSON, claimed with a lease;
   ``/leases`` to list, release and renew them; ``/cluster/choose`` across the fleet
-  (:mod:`gpu_exporter.web.api`).
+  (:mod:`gpu_exporter.web.leaseapi`).
 * ``/gpus`` — the snapshot as JSON; ``/healthz`` liveness; ``/readyz`` readiness;
   ``/`` a status page; ``/openapi.json`` (:mod:`gpu_exporter.web.pages`).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from flask import Flask
 
 from gpu_exporter.web import errors, middleware
-from gpu_exporter.web.api import api
+from gpu_exporter.web.leaseapi import api
 from gpu_exporter.web.pages import pages
 from gpu_exporter.web.services import EXTENSION, Services
 

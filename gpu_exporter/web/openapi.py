@@ -1,8 +1,10 @@
 """The OpenAPI 3 document for the HTTP API, served at ``/openapi.json``.
 
 The query parameters of ``/choose`` and ``/cluster/choose`` come from the table the handlers
-parse them with (:data:`gpu_exporter.choose.params.PARAMS`: names, help, schemas); the
-document is checked by tests against the Flask routes and by a schemathesis run against the app.
+parse them with (:data:`gpu_exporter.choose.params.PARAMS`: names, help, schemas); the answers'
+object schemas (a lease, a GPU, a choice, the cluster's placements, the snapshot, an error) are
+the ``components`` the paths refer to by ``#/components/schemas/<Name>``. The document is
+checked by tests against the Flask routes and by a schemathesis run against the app.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_exporter import __version__
+from gpu_exporter.choose.memory import MEM_ENV_NAMES
 from gpu_exporter.choose.params import BY_NAME, DURATION_SCHEMA, PARAMS
 from gpu_exporter.config import DEFAULT_CHOOSE_DEFAULTS
-from gpu_exporter.web.openapi_schemas import LEASE_REF, schemas
+from gpu_exporter.model import VISIBILITIES
 
 FREE_BY_DEFAULT = (
     "What 'free' means unless the request says otherwise: the exporter's --choose-defaults "
@@ -24,19 +27,189 @@ FREE_BY_DEFAULT = (
 )
 
 
+def _type(name: str | list[str], description: str | None = None) -> dict[str, Any]:
+    return {"type": name} | ({"description": description} if description else {})
+
+
+def _object(required: str, description: str = "", /, **properties: Any) -> dict[str, Any]:
+    """An object schema: its required properties (space-separated), then every property."""
+    schema = {"type": "object", "required": required.split(), "properties": properties}
+    return schema | ({"description": description} if description else {})
+
+
+def _array(items: Any, description: str | None = None) -> dict[str, Any]:
+    return _type("array", description) | {"items": items}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+STRING, INTEGER, NUMBER, BOOLEAN = "string", "integer", "number", "boolean"
+OPTIONAL_STRING, OPTIONAL_INTEGER = ["string", "null"], ["integer", "null"]
+FILTERS: dict[str, Any] = {
+    "type": "object",
+    "description": "The filters applied: {name: {value, from: request or default}}.",
+    "additionalProperties": _object(
+        "value from", value={}, **{"from": {"enum": ["request", "default"]}}
+    ),
+}
+ERROR = _object(
+    "error",
+    error=_object(
+        "code message param",
+        code=_type(STRING),
+        message=_type(STRING),
+        param=_type(OPTIONAL_STRING),
+    ),
+)
+LEASE = _object(
+    "id gpus indices created_at expires_at requester owner",
+    id=_type(STRING, "Public: shown on the status page and /leases."),
+    token=_type(
+        STRING,
+        "Renews and releases the lease (<id>.<secret>); only in the claim's answer, never in "
+        "/leases.",
+    ),
+    gpus=_array(_type(STRING)),
+    indices=_array(_type(INTEGER)),
+    created_at=_type(NUMBER),
+    expires_at=_type(NUMBER),
+    requester=_type(STRING),
+    owner=_type(OPTIONAL_STRING),
+    pids=_array(_type(INTEGER), "The job's processes registered with the lease."),
+    renewed=_type(BOOLEAN, "Renewed at least once: it then lasts until released or expired."),
+    mem_bytes=_type(
+        INTEGER,
+        "A memory lease (mem=): the bytes reserved on each of its cards, which it shares with "
+        "other memory leases. Absent for whole-card leases.",
+    ),
+    memory=_array(
+        _object(
+            "uuid index reserved_bytes attributed_bytes pids",
+            uuid=_type(STRING),
+            index=_type(INTEGER),
+            reserved_bytes=_type(INTEGER),
+            attributed_bytes=_type(INTEGER),
+            pids=_array(_type(INTEGER)),
+            committed_bytes=_type(INTEGER),
+            usable_bytes=_type(INTEGER),
+        ),
+        "GET /leases, memory leases only: per card, what is attributed to the lease now (its "
+        "registered PIDs, their descendants, their cgroup) and the card's committed and usable "
+        "memory.",
+    ),
+)
+MEM = _object(
+    "bytes fraction env",
+    "A memory lease's caps (mem= only): the bytes per card, the share less a 500 MiB CUDA "
+    "context allowance as a fraction of the largest chosen card's total (so the cap fits on "
+    f"each), and the environment format=env adds ({', '.join(MEM_ENV_NAMES)}).",
+    bytes=_type(INTEGER),
+    fraction={"type": NUMBER, "minimum": 0, "maximum": 1},
+    env={
+        "type": "object",
+        "propertyNames": {"enum": list(MEM_ENV_NAMES)},
+        "additionalProperties": _type(STRING),
+    },
+)
+GPU = _object(
+    "index uuid up",
+    index=_type(INTEGER),
+    uuid=_type(STRING),
+    up=_type(BOOLEAN),
+    name=_type(OPTIONAL_STRING),
+    memory_free_bytes=_type(OPTIONAL_INTEGER),
+    utilization_ratio=_type(["number", "null"]),
+    parent_uuid=_type(OPTIONAL_STRING, "Set on MIG devices."),
+    mig_devices=_array(_type("object")),
+    processes=_type(["array", "null"])
+    | {
+        "items": _object(
+            "pid used_memory_bytes", pid=_type(INTEGER), used_memory_bytes=_type(OPTIONAL_INTEGER)
+        )
+    },
+    process_visibility={"enum": [*VISIBILITIES, None]},
+)
+
+
+def schemas() -> dict[str, Any]:
+    """Every object schema, by the name the paths refer to (a new mapping on each call)."""
+    host_url = {"host": _type(STRING), "url": _type(STRING)}
+    return {
+        "Error": ERROR,
+        "Lease": LEASE,
+        "Gpu": GPU,
+        "Choice": _object(
+            "n chosen rejected lease snapshot_age_seconds",
+            n=_type(INTEGER),
+            sort=_type(STRING),
+            chosen=_array(_ref("Gpu")),
+            rejected=_array(
+                _object(
+                    "index uuid reasons",
+                    index=_type(INTEGER),
+                    uuid=_type(STRING),
+                    reasons=_array(_type(STRING)),
+                )
+            ),
+            lease={"oneOf": [_ref("Lease"), _type("null")]},
+            snapshot_age_seconds=_type(NUMBER),
+            filters=FILTERS,
+            mem=MEM,
+        ),
+        "Placements": _object(
+            "n spread source placements passed_over",
+            n=_type(INTEGER),
+            spread=_type(BOOLEAN),
+            source={"type": STRING, "enum": ["prometheus", "hosts"]},
+            evaluated_at=_type(["number", "null"]),
+            filters=FILTERS,
+            placements=_array(
+                _object(
+                    "host url uuids indices lease",
+                    **host_url,
+                    uuids=_array(_type(STRING)),
+                    indices=_array(_type(INTEGER)),
+                    lease=_type(["object", "null"]),
+                    chosen=_array(GPU),
+                )
+            ),
+            passed_over=_array(_object("host url reason", **host_url, reason=_type(STRING))),
+            notes=_array(_type(STRING)),
+        ),
+        "Snapshot": _object(
+            "simulated nvml_up gpus",
+            simulated=_type(BOOLEAN),
+            nvml_up=_type(BOOLEAN),
+            nvml_error=_type(OPTIONAL_STRING),
+            fields_updated=_type(
+                "object",
+                "When each field (as in gpu_exporter_field_supported) is read: every sample, "
+                "every --slow-interval, once, or off (--no-collect).",
+            )
+            | {"additionalProperties": _type(STRING)},
+            gpus=_array(_ref("Gpu")),
+        ),
+    }
+
+
 def _query_parameters(cluster: bool) -> list[dict[str, Any]]:
     """``/choose``'s (or ``/cluster/choose``'s) parameters, from :data:`PARAMS`."""
     return [
-        {
-            "name": p.name,
-            "in": "query",
-            "required": False,
-            "description": (p.cluster_help or p.help) if cluster else p.help,
-            "schema": dict(p.schema),
-        }
+        _parameter(
+            p.name, "query", dict(p.schema), (p.cluster_help or p.help) if cluster else p.help
+        )
         for p in PARAMS
         if (p.cluster if cluster else p.choose)
     ]
+
+
+def _parameter(
+    name: str, where: str, schema: Any, description: str = "", required: bool = False
+) -> dict[str, Any]:
+    described = {"description": description} if description else {}
+    return {"name": name, "in": where, "required": required, **described, "schema": schema}
 
 
 def _errors(*statuses: int, **override: str) -> dict[str, Any]:
@@ -59,40 +232,38 @@ def _errors(*statuses: int, **override: str) -> dict[str, Any]:
         "or renewed), or it is shutting down (shutting_down).",
     }
     described.update({int(k.removeprefix("s")): v for k, v in override.items()})
-    return {
-        str(s): {
-            "description": described[s],
-            "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/Error"}},
-                "text/plain": {"schema": {"type": "string"}},
-            },
-        }
-        for s in statuses
-    }
+    return {str(s): _answer(described[s], json=_ref("Error"), text=_type(STRING)) for s in statuses}
+
+
+def _answer(description: str, **schemas: Any) -> dict[str, Any]:
+    """A response: its description, and its schema by media type (``text``, ``json``, ``html``)."""
+    types = {"text": "text/plain", "json": "application/json", "html": "text/html"}
+    content = {types[t]: {"schema": s} for t, s in schemas.items()}
+    return {"description": description, "content": content}
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
+    return _answer(description, json=schema)
 
 
 def _text(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"text/plain": {"schema": {"type": "string"}}}}
+    return _answer(description, text=_type(STRING))
+
+
+def _header(description: str) -> dict[str, Any]:
+    return {"schema": _type(STRING), "description": description}
 
 
 def document() -> dict[str, Any]:
-    choose_ok = {
-        "description": "The chosen GPUs (and the lease, unless lease=0).",
+    choose_ok = _answer(
+        "The chosen GPUs (and the lease, unless lease=0).", text=_type(STRING), json=_ref("Choice")
+    ) | {
         "headers": {
-            "X-GPU-Lease": {
-                "schema": {"type": "string"},
-                "description": "The lease's token (<id>.<secret>): DELETE /leases/<token> "
-                "releases it. Not sent for lease=0 or HEAD.",
-            }
-        },
-        "content": {
-            "text/plain": {"schema": {"type": "string"}},
-            "application/json": {"schema": {"$ref": "#/components/schemas/Choice"}},
-        },
+            "X-GPU-Lease": _header(
+                "The lease's token (<id>.<secret>): DELETE /leases/<token> releases it. Not sent "
+                "for lease=0 or HEAD."
+            )
+        }
     }
     choose_op = {
         "summary": "Choose the freest GPUs and claim them with a lease",
@@ -102,15 +273,13 @@ def document() -> dict[str, Any]:
         "first try made (same GPUs, same token) while it is active.",
         "parameters": [
             *_query_parameters(cluster=False),
-            {
-                "name": "Idempotency-Key",
-                "in": "header",
-                "required": False,
-                "description": "Up to 255 visible ASCII characters, e.g. a quoted UUID "
-                '("8e03978e-…"); the IETF httpapi draft. Malformed: 400 '
-                "invalid_idempotency_key.",
-                "schema": {"type": "string", "maxLength": 257},
-            },
+            _parameter(
+                "Idempotency-Key",
+                "header",
+                {"type": STRING, "maxLength": 257},
+                'Up to 255 visible ASCII characters, e.g. a quoted UUID ("8e03978e-…"); the IETF '
+                "httpapi draft. Malformed: 400 invalid_idempotency_key.",
+            ),
         ],
         "responses": {"200": choose_ok, **_errors(400, 409, 414, 422, 429, 503)},
     }
@@ -121,19 +290,16 @@ def document() -> dict[str, Any]:
         "when it claims.",
         "parameters": _query_parameters(cluster=True),
         "responses": {
-            "200": {
-                "description": "Where the GPUs are, and the lease each host granted.",
+            "200": _answer(
+                "Where the GPUs are, and the lease each host granted.",
+                text=_type(STRING),
+                json=_ref("Placements"),
+            )
+            | {
                 "headers": {
-                    "X-GPU-Host": {"schema": {"type": "string"}, "description": "The host."},
-                    "X-GPU-Lease": {
-                        "schema": {"type": "string"},
-                        "description": "The lease's token, as from /choose.",
-                    },
-                },
-                "content": {
-                    "text/plain": {"schema": {"type": "string"}},
-                    "application/json": {"schema": {"$ref": "#/components/schemas/Placements"}},
-                },
+                    "X-GPU-Host": _header("The host."),
+                    "X-GPU-Lease": _header("The lease's token, as from /choose."),
+                }
             },
             **_errors(
                 400,
@@ -144,14 +310,14 @@ def document() -> dict[str, Any]:
             ),
         },
     }
-    lease_id = {
-        "name": "lease_id",
-        "in": "path",
-        "required": True,
-        "description": "The lease's token (X-GPU-Lease, $GPU_LEASE); its id alone only for "
-        "--lease-admins (or a lease from before tokens).",
-        "schema": {"type": "string"},
-    }
+    lease_id = _parameter(
+        "lease_id",
+        "path",
+        _type(STRING),
+        "The lease's token (X-GPU-Lease, $GPU_LEASE); its id alone only for --lease-admins (or "
+        "a lease from before tokens).",
+        required=True,
+    )
     return {
         "openapi": "3.1.0",
         "info": {
@@ -172,11 +338,7 @@ def document() -> dict[str, Any]:
                     "summary": "Active leases",
                     "responses": {
                         "200": _json(
-                            {
-                                "type": "object",
-                                "required": ["leases"],
-                                "properties": {"leases": {"type": "array", "items": LEASE_REF}},
-                            },
+                            _object("leases", leases=_array(_ref("Lease"))),
                             "Active leases, oldest first.",
                         ),
                         **_errors(400),
@@ -189,11 +351,7 @@ def document() -> dict[str, Any]:
                     "parameters": [lease_id],
                     "responses": {
                         "200": _json(
-                            {
-                                "type": "object",
-                                "required": ["released", "lease"],
-                                "properties": {"released": {"type": "string"}, "lease": LEASE_REF},
-                            },
+                            _object("released lease", released=_type(STRING), lease=_ref("Lease")),
                             "Released.",
                         ),
                         **_errors(400, 403, 404),
@@ -203,17 +361,9 @@ def document() -> dict[str, Any]:
             "/leases/{lease_id}/renew": {
                 "post": {
                     "summary": "Extend a lease",
-                    "parameters": [
-                        lease_id,
-                        {
-                            "name": "ttl",
-                            "in": "query",
-                            "required": False,
-                            "schema": DURATION_SCHEMA,
-                        },
-                    ],
+                    "parameters": [lease_id, _parameter("ttl", "query", DURATION_SCHEMA)],
                     "responses": {
-                        "200": _json(LEASE_REF, "The renewed lease."),
+                        "200": _json(_ref("Lease"), "The renewed lease."),
                         **_errors(400, 403, 404, 429, 503),
                     },
                 }
@@ -224,15 +374,10 @@ def document() -> dict[str, Any]:
                     "description": BY_NAME["pid"].help,
                     "parameters": [
                         lease_id,
-                        {
-                            "name": "pid",
-                            "in": "query",
-                            "required": True,
-                            "schema": BY_NAME["pid"].schema,
-                        },
+                        _parameter("pid", "query", BY_NAME["pid"].schema, required=True),
                     ],
                     "responses": {
-                        "200": _json(LEASE_REF, "The lease, with its registered pids."),
+                        "200": _json(_ref("Lease"), "The lease, with its registered pids."),
                         **_errors(400, 404),
                     },
                 }
@@ -240,22 +385,20 @@ def document() -> dict[str, Any]:
             "/gpus": {
                 "get": {
                     "summary": "The current snapshot",
-                    "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}, "")},
+                    "responses": {"200": _json(_ref("Snapshot"), "")},
                 }
             },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",
                     "parameters": [
-                        {
-                            "name": "name[]",
-                            "in": "query",
-                            "required": False,
-                            "description": "Serve only these metric (sample) names; repeatable.",
-                            "schema": {"type": "array", "items": {"type": "string"}},
-                            "style": "form",
-                            "explode": True,
-                        }
+                        _parameter(
+                            "name[]",
+                            "query",
+                            _array(_type(STRING)),
+                            "Serve only these metric (sample) names; repeatable.",
+                        )
+                        | {"style": "form", "explode": True}
                     ],
                     "responses": {"200": _text(""), **_errors(400)},
                 }
@@ -273,12 +416,7 @@ def document() -> dict[str, Any]:
             "/": {
                 "get": {
                     "summary": "Status page",
-                    "responses": {
-                        "200": {
-                            "description": "HTML",
-                            "content": {"text/html": {"schema": {"type": "string"}}},
-                        }
-                    },
+                    "responses": {"200": _answer("HTML", html=_type(STRING))},
                 }
             },
         },

@@ -1,5 +1,8 @@
 """The read-only pages: ``/`` (status), ``/gpus`` (the snapshot as JSON), ``/healthz``,
-``/readyz`` and ``/openapi.json``. Nothing here claims a GPU or changes a lease."""
+``/readyz`` and ``/openapi.json``.
+
+Nothing here claims a GPU or changes a lease.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +14,13 @@ from gpu_exporter import __version__
 from gpu_exporter.choose.claim import snapshot_problem
 from gpu_exporter.choose.request import check_params, parse_choose_args
 from gpu_exporter.counters import XidCounter
-from gpu_exporter.model import GpuSample, Snapshot
+from gpu_exporter.model import Snapshot
 from gpu_exporter.units import format_bytes
 from gpu_exporter.web.openapi import document as openapi_document
 from gpu_exporter.web.services import services
 from gpu_exporter.web.status import status_view
 
 pages = Blueprint("pages", __name__)
-
-
-def gpu_json(gpu: GpuSample) -> dict[str, Any]:
-    return gpu.to_json()
 
 
 def gpus_json(snapshot: Snapshot, xids: XidCounter | None = None) -> list[dict[str, Any]]:
@@ -31,7 +30,7 @@ def gpus_json(snapshot: Snapshot, xids: XidCounter | None = None) -> list[dict[s
         counts.setdefault(c.uuid, {})[str(c.xid)] = c.count
     out = []
     for gpu in snapshot.gpus:
-        data = gpu_json(gpu)
+        data = gpu.to_json()
         if xids is not None:
             data["xid_errors"] = counts.get(gpu.uuid, {})
         out.append(data)

@@ -41,10 +41,8 @@ class DeviceCells:
 @dataclass(frozen=True, slots=True)
 class GpuRow:
     gpu: GpuSample
-    memory_used_ratio: float | None  # used / total, 0–1
-    memory_text: str  # "12.0 GiB / 80.0 GiB", or "" when unknown
     holder: str | None  # "alice, 42 s left", when a lease holds the GPU
-    cells: DeviceCells | None = None
+    cells: DeviceCells
     migs: tuple[tuple[GpuSample, DeviceCells], ...] = ()  # shown grouped under the card
     # A card memory leases share: (committed / usable, "24.0 GiB of 79.5 GiB committed").
     committed: tuple[float, str] | None = None
@@ -162,10 +160,6 @@ def status_view(
     shared = memory_leases(leases)
     rows = []
     for gpu in snapshot.gpus:
-        used, total = gpu.memory_used_bytes, gpu.memory_total_bytes
-        ratio, text = None, ""
-        if used is not None and total:
-            ratio, text = used / total, f"{format_bytes(used)} / {format_bytes(total)}"
         lease = held.get(gpu.uuid)
         holder = (
             f"{_holder(lease)}, {max(0.0, lease.expires_at - wall_now):.0f} s left"
@@ -176,7 +170,7 @@ def status_view(
         if gpu.uuid in shared:
             holder, committed = _shared(gpu, shared[gpu.uuid])
         migs = tuple((m, device_cells(m)) for m in gpu.mig_devices)
-        rows.append(GpuRow(gpu, ratio, text, holder, device_cells(gpu), migs, committed))
+        rows.append(GpuRow(gpu, holder, device_cells(gpu), migs, committed))
     lease_rows = tuple(
         LeaseRow(
             lease.id,

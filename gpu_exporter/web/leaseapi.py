@@ -36,7 +36,6 @@ from gpu_exporter.choose.tokens import (
 from gpu_exporter.model import all_devices
 from gpu_exporter.units import parse_duration
 from gpu_exporter.web.gateway import CONNECTED
-from gpu_exporter.web.pages import gpu_json
 from gpu_exporter.web.services import services
 
 api = Blueprint("api", __name__)
@@ -121,7 +120,7 @@ def choose_route() -> Response:
     choice, lease, snapshot = claimed.choice, claimed.lease, claimed.snapshot
     if req.format == "json":
         chosen = [
-            {**gpu_json(g), "rank": place, "score": score(g, req.sort)}
+            {**g.to_json(), "rank": place, "score": score(g, req.sort)}
             for place, g in enumerate(choice.chosen, start=1)
         ]
         resp = jsonify(
@@ -162,9 +161,7 @@ def cluster_choose_route() -> Response:
     cluster = services().cluster
     if cluster is None:
         raise ApiError(
-            404,
-            "not_configured",
-            "this exporter has no fleet view: start it with --prometheus-url",
+            404, "not_configured", "this exporter has no fleet view: start it with --prometheus-url"
         )
     result = cluster.choose(request.args.to_dict(), services().waiters)
     fmt = req.choose.format

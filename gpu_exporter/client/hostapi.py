@@ -1,5 +1,7 @@
-"""One exporter's API: choose GPUs there (:func:`choose_host`, :func:`choose_raw`), and renew,
-release or list its leases; :class:`Choice` and :class:`Lease` are what comes back.
+"""One exporter's lease endpoints from Python: choose GPUs there, renew, release, list leases.
+
+:func:`choose_host` and :func:`choose_raw` claim, :func:`renew`, :func:`release` and
+:func:`leases` follow; :class:`Choice` and :class:`LeaseInfo` are what comes back.
 
 Choosing across a fleet (:mod:`gpu_exporter.client.fleet`) claims through
 :func:`choose_host` on the host it picked; :func:`gpu_exporter.client.choose` is the front door
@@ -25,7 +27,7 @@ from typing import Any, Final
 
 from gpu_exporter.choose.memory import caps_env
 from gpu_exporter.choose.tokens import IDEMPOTENCY_HEADER, lease_id_of
-from gpu_exporter.client.params import (
+from gpu_exporter.client.query import (
     Duration,
     FilterValue,
     choose_params,
@@ -53,7 +55,7 @@ LEASE_HEADER: Final = "X-GPU-Lease"  # the lease's token
 
 
 @dataclass(frozen=True, slots=True)
-class Lease:
+class LeaseInfo:
     """A claim on GPUs, as the server keeps it. Times are Unix seconds.
 
     ``id`` is public (the status page shows it); ``token`` renews and releases it, and is
@@ -75,7 +77,7 @@ class Lease:
         return max(0.0, self.expires_at - self.created_at)
 
     @classmethod
-    def from_json(cls, data: Any) -> Lease:
+    def from_json(cls, data: Any) -> LeaseInfo:
         try:
             return cls(
                 id=str(data["id"]),
@@ -106,7 +108,7 @@ class Choice:
     lease_id: str | None
     expires_at: float | None  # Unix time; None without a lease
     url: str  # the server asked (and to renew and release at)
-    lease: Lease | None = field(default=None, compare=False)
+    lease: LeaseInfo | None = field(default=None, compare=False)
     local: bool = False
     details: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The server's whole JSON answer: every chosen GPU's figures, why others were passed over."""
@@ -174,7 +176,7 @@ class Choice:
             raw_lease = data.get("lease")
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise GpuExporterError(f"unexpected answer from {url}/choose: {data!r}") from exc
-        lease = Lease.from_json(raw_lease) if raw_lease else None
+        lease = LeaseInfo.from_json(raw_lease) if raw_lease else None
         mem = data.get("mem") if isinstance(data, dict) else None
         token = (lease.token if lease is not None else None) or lease_header
         lease_id = lease.id if lease is not None else lease_id_of(token) if token else None
@@ -231,12 +233,7 @@ def choose_raw(
     for attempt in (1, 2):
         try:
             resp = request(
-                "POST",
-                base,
-                "/choose",
-                params,
-                timeout=timeout + (waited or 0.0),
-                headers=headers,
+                "POST", base, "/choose", params, timeout=timeout + (waited or 0.0), headers=headers
             )
             break
         except ServerUnreachable as exc:
@@ -280,7 +277,7 @@ def choose_host(
 
 
 def release(
-    choice_or_id: Choice | Lease | str,
+    choice_or_id: Choice | LeaseInfo | str,
     url: str | None = None,
     *,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
@@ -300,12 +297,12 @@ def release(
 
 
 def renew(
-    choice_or_id: Choice | Lease | str,
+    choice_or_id: Choice | LeaseInfo | str,
     ttl: Duration | None = None,
     url: str | None = None,
     *,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
-) -> Lease:
+) -> LeaseInfo:
     """Extend the lease to ``ttl`` from now (the server's default when None); the new lease.
 
     Raises :class:`~gpu_exporter.client.LeaseNotFound` once the lease has ended; if it
@@ -317,18 +314,13 @@ def renew(
         raise GpuExporterError("nothing to renew: this choice holds no lease")
     params = {"ttl": format_duration(ttl)} if ttl is not None else None
     resp = request(
-        "POST",
-        base,
-        _lease_path(ref, "/renew"),
-        params,
-        timeout=timeout,
-        lease_endpoint=True,
+        "POST", base, _lease_path(ref, "/renew"), params, timeout=timeout, lease_endpoint=True
     )
-    return Lease.from_json(json_body(resp, f"{base}/leases/{lease_id_of(ref)}/renew"))
+    return LeaseInfo.from_json(json_body(resp, f"{base}/leases/{lease_id_of(ref)}/renew"))
 
 
 def register_pids(
-    choice_or_id: Choice | Lease | str,
+    choice_or_id: Choice | LeaseInfo | str,
     pids: Iterable[int],
     url: str | None = None,
     *,
@@ -364,21 +356,21 @@ def register_pids(
     return None
 
 
-def leases(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> list[Lease]:
+def leases(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> list[LeaseInfo]:
     """Every lease the server holds now."""
     base = resolve_url(url)
     data = json_body(request("GET", base, "/leases", timeout=timeout), f"{base}/leases")
     try:
-        return [Lease.from_json(item) for item in data["leases"]]
+        return [LeaseInfo.from_json(item) for item in data["leases"]]
     except (KeyError, TypeError) as exc:
         raise GpuExporterError(f"unexpected answer from {base}/leases: {data!r}") from exc
 
 
-def _lease_ref(choice_or_id: Choice | Lease | str, url: str | None) -> tuple[str | None, str]:
+def _lease_ref(choice_or_id: Choice | LeaseInfo | str, url: str | None) -> tuple[str | None, str]:
     """What names the lease to the server (its token where known), and the server."""
     if isinstance(choice_or_id, Choice):
         return choice_or_id.lease_ref, url or choice_or_id.url
-    if isinstance(choice_or_id, Lease):
+    if isinstance(choice_or_id, LeaseInfo):
         return choice_or_id.token or choice_or_id.id, resolve_url(url)
     return choice_or_id, resolve_url(url)
 

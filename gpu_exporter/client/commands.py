@@ -10,16 +10,9 @@
     gpu-exporter run -n 2 --min-free 20GiB --wait 10m -- python train.py
 
 This module holds the flags of all three (the filter flags come from
-:data:`gpu_exporter.choose.params.PARAMS`), ``choose`` and ``release``.
-
-With ``--prometheus URL`` (and/or ``--hosts a,b,c``) both choose across hosts instead
-(:mod:`gpu_exporter.client.fleet`, docs/cluster.md): all N GPUs on one host, leased by that host's
-exporter. ``choose`` then prints ``HOST GPU-a,GPU-b`` (``--format env`` adds ``GPU_HOST`` and
-``GPU_EXPORTER_URL``); ``run`` sets those two as well and holds the lease from here, while
-COMMAND is expected to go to ``$GPU_HOST`` (ssh, srun -w) to use the GPUs.
-
-Exit status of both, before any command runs: 3 when not enough GPUs qualify, 2 for bad
-arguments (ours or the server's 400), 1 for anything else (no server, 429, NVML down …).
+:data:`gpu_exporter.choose.params.PARAMS`; what each does, across hosts too, and the exit
+statuses are in their ``--help``), and runs ``choose`` and ``release``. Across hosts
+(``--prometheus``, ``--hosts``) the fleet is :mod:`gpu_exporter.client.fleet`'s.
 """
 
 from __future__ import annotations
@@ -30,13 +23,14 @@ import os
 import signal
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
-from gpu_exporter.argparsing import Parser
+from gpu_exporter.argparsing import EXIT_USAGE, Parser, checked
 from gpu_exporter.choose.params import PARAMS
-from gpu_exporter.client.api import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.choosing import choose_cluster
 from gpu_exporter.client.fleet import ClusterChoice
+from gpu_exporter.client.hostapi import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.transport import (
     DEFAULT_URL,
     URL_ENV,
@@ -45,9 +39,9 @@ from gpu_exporter.client.transport import (
     NoGpusAvailable,
     ServerError,
 )
+from gpu_exporter.units import parse_duration
 
 EXIT_FAILURE = 1
-EXIT_USAGE = 2
 EXIT_NO_GPUS = 3
 EXIT_NO_LEASE = 4
 # The filters that have a flag: --min-free SIZE for /choose's min_free, and so on.
@@ -60,14 +54,10 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+@checked
 def _duration_text(text: str) -> str:
     """Checked like the server will, but passed on as typed."""
-    from gpu_exporter.units import parse_duration
-
-    try:
-        parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    parse_duration(text)
     return text
 
 
@@ -243,10 +233,19 @@ def across_hosts(args: argparse.Namespace) -> bool:
     return True
 
 
-def choose_across_hosts(args: argparse.Namespace, *, spread: bool) -> ClusterChoice:
+@contextlib.contextmanager
+def warnings_printed(prefix: str = "gpu-exporter: ") -> Iterator[None]:
+    """The warnings raised in the block, each printed as one ``<prefix>warning: …`` line."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = choose_cluster(
+        yield
+    for warning in caught:
+        print(f"{prefix}warning: {warning.message}", file=sys.stderr)
+
+
+def choose_across_hosts(args: argparse.Namespace, *, spread: bool) -> ClusterChoice:
+    with warnings_printed():
+        return choose_cluster(
             args.n,
             prometheus=args.prometheus,
             hosts=args.hosts,
@@ -259,9 +258,6 @@ def choose_across_hosts(args: argparse.Namespace, *, spread: bool) -> ClusterCho
             fleet_rule_prefix=args.fleet_rule_prefix,
             **filters_of(args),
         )
-    for warning in caught:
-        print(f"gpu-exporter: warning: {warning.message}", file=sys.stderr)
-    return result
 
 
 def choose_main(args: argparse.Namespace) -> int:

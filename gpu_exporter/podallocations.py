@@ -2,8 +2,9 @@
 :class:`PodAllocations` the ``--kubernetes`` poller publishes and the rest reads.
 
 Vocabulary only (no I/O): :mod:`gpu_exporter.collect.kubelet` fills a :class:`PodAllocations`
-from the kubelet's PodResources API every 10 s; ``gpu_pod_info`` (``export/pods.py``) and
-``/choose`` (through a callable :func:`gpu_exporter.daemon.build` injects) read it.
+from the kubelet's PodResources API every 10 s; ``gpu_pod_info``
+(:class:`~gpu_exporter.export.collectors.PodCollector`) and ``/choose`` (through a callable
+:func:`gpu_exporter.daemon.build` injects) read it.
 
 Device IDs are what the NVIDIA device plugin hands the kubelet: a GPU's UUID (``GPU-…``), a
 MIG device's UUID (``MIG-…``), either with a time-slicing replica suffix (``GPU-…::3``), or,

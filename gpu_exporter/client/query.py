@@ -1,6 +1,6 @@
 """``/choose``'s query from Python values: durations, filters and the owner's label.
 
-:func:`choose_params` builds the query :func:`~gpu_exporter.client.api.choose_raw` sends and
+:func:`choose_params` builds the query :func:`~gpu_exporter.client.hostapi.choose_raw` sends and
 :mod:`~gpu_exporter.client.choosing` sends across a fleet; :func:`filter_value` also feeds the
 local fallback (:mod:`~gpu_exporter.client.local`). A name the server does not know is sent
 on, for the server to refuse.
