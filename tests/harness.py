@@ -1,4 +1,4 @@
-"""Real processes for tests: `gpu-exporter serve` subprocesses and a real Prometheus.
+"""Real processes for tests: `gpu-exporter` commands, `serve` subprocesses, a real Prometheus.
 
 Everything binds to 127.0.0.1 on a free port and is stopped by the context managers, even
 when a test fails. Prometheus is the Debian package (``/usr/bin/prometheus``, installed by
@@ -320,3 +320,34 @@ def _vmalert(base: str, rule_files: Sequence[Path]) -> Iterator[None]:
         yield
     finally:
         stop(proc)
+
+
+# -- gpu-exporter commands ---------------------------------------------------------------
+
+
+def cli(*args: str, **popen: object) -> subprocess.Popen[str]:
+    """`gpu-exporter ARGS` in its own session (no controlling terminal), pipes for output."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpu_exporter", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        **popen,  # type: ignore[call-overload]
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"gpu-exporter did not finish: {out!r} {err!r}") from None
+    return proc.returncode, out, err
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    return finish(cli(*args))

@@ -200,6 +200,12 @@ def test_export_never_reaches_the_web_or_the_lease_logic_at_run_time() -> None:
     assert wrong_way(("export",), {"web", "client", "choose", "flask", "werkzeug"}) == []
 
 
+def test_the_status_view_is_pure() -> None:
+    """web/status.py turns a snapshot into rows for the page: no Flask, no driver."""
+    imported = {i.target for i in imports_of("gpu_exporter.web.status")}
+    assert not imported & {"flask", "pynvml", "gpu_exporter.nvml"}
+
+
 def test_requests_cannot_reach_nvml() -> None:
     # The web room and the exposition read snapshots only; the driver is the sampler's.
     bad = [

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_run import run as gpu_exporter_cli
 
 from gpu_exporter import client, use_gpus
 from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, MEM_ENV_NAMES
@@ -26,6 +25,7 @@ from gpu_exporter.client.fleet import choose_fleet
 from gpu_exporter.client.transport import GpuExporterError, GpuExporterWarning
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
 from harness import ROOT
+from harness import run as gpu_exporter_cli
 from served import Served, served
 
 GIB, MIB = 2**30, 2**20

@@ -26,7 +26,7 @@ from gpu_exporter.cli import build_parser, main
 from gpu_exporter.client.run import run_main
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import Fault, SimulatedNvml
-from harness import ROOT, free_port, get
+from harness import ROOT, cli, finish, free_port, get, run
 from harness import exporter as real_exporter
 from served import Served, served
 
@@ -41,34 +41,6 @@ def exporter(monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     with served() as ex:
         monkeypatch.setenv(client.URL_ENV, ex.url)
         yield ex
-
-
-def cli(*args: str, **popen: object) -> subprocess.Popen[str]:
-    """`gpu-exporter ARGS` in its own session (no controlling terminal), pipes for output."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "gpu_exporter", *args],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-        **popen,  # type: ignore[call-overload]
-    )
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"gpu-exporter did not finish: {out!r} {err!r}") from None
-    return proc.returncode, out, err
-
-
-def run(*args: str) -> tuple[int, str, str]:
-    return finish(cli(*args))
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float = 10) -> str:

@@ -22,7 +22,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_architecture import imports_of
 
 from conftest import Stack, build_stack, sim_of
 from gpu_exporter.simulate import Fault, Load, SimGpu, SimulatedNvml
@@ -31,11 +30,6 @@ from served import served
 
 FLEET = Path(__file__).resolve().parent.parent / "gpu_exporter/simulate/scenarios/fleet.toml"
 LAB = FLEET.with_name("lab.toml")
-
-
-def test_status_view_is_pure() -> None:
-    imported = {i.target for i in imports_of("gpu_exporter.web.status")}
-    assert not imported & {"flask", "pynvml", "gpu_exporter.nvml"}
 
 
 def test_page_shows_every_gpu_with_memory_and_utilization_bars(stack: Stack) -> None:

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from test_cli import start, stop
 from tls_certs import CA, Issued
 
 from conftest import build_stack
 from gpu_exporter.simulate import SimulatedNvml
 from gpu_exporter.web.webconfig import WebConfigWatcher
-from harness import free_port
+from harness import free_port, start, stop
 
 pytestmark = pytest.mark.slow
 
