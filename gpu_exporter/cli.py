@@ -275,13 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. 'job=\"gpu-shared\"' (default: every gpu-exporter Prometheus scrapes)",
     )
     serve.add_argument(
-        "--fleet-rule-prefix",
-        default=_env("fleet-rule-prefix", ""),
-        metavar="PREFIX",
-        help="/cluster/choose reads the recorded fleet view PREFIX:gpu/PREFIX:host (gpu_fleet: "
-        "deploy/prometheus/gpu-exporter.fleet.rules.yml) where present, else the raw series",
-    )
-    serve.add_argument(
         "--web-config-file",
         "--web.config.file",
         dest="web_config_file",
@@ -356,16 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fleet_option(args: argparse.Namespace, name: str, parser: argparse.ArgumentParser) -> str:
-    """--prometheus-selector or --fleet-rule-prefix, checked ('' stays '')."""
-    from gpu_exporter.choose.fleetview import check_prefix
-    from gpu_exporter.choose.promql import check_selector
+def _selector(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """--prometheus-selector, checked ('' stays '')."""
+    from gpu_exporter.fleet.queries import check_selector
 
     try:
-        check = check_selector if name == "prometheus_selector" else check_prefix
-        return check(text) if (text := getattr(args, name)) else ""
+        return check_selector(args.prometheus_selector or "")
     except ValueError as exc:
-        parser.error(f"--{name.replace('_', '-')}: {exc}")
+        parser.error(f"--prometheus-selector: {exc}")
 
 
 def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
@@ -437,7 +428,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_requests_in_flight=int(args.max_requests_in_flight),
         max_waiters=int(args.max_waiters),
         prometheus_url=args.prometheus_url or None,
-        prometheus_selector=_fleet_option(args, "prometheus_selector", parser),
+        prometheus_selector=_selector(args, parser),
         web_config_file=args.web_config_file,
         auth_scope=args.auth_scope,
         choose_defaults=args.choose_defaults,
@@ -447,7 +438,6 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         log_format=args.log_format,
         slow_interval_seconds=max(float(args.slow_interval), interval),
         collect_disabled=tuple(g for g in GROUPS if not getattr(args, f"collect_{g}")),
-        fleet_rule_prefix=_fleet_option(args, "fleet_rule_prefix", parser),
         kubernetes_socket=args.kubernetes,
         kubernetes_poll_seconds=float(args.kubernetes_poll_interval),
     )

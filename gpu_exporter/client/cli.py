@@ -13,7 +13,7 @@ This module holds the flags of all three (the filter flags come from
 :data:`gpu_exporter.choose.params.PARAMS`), ``choose`` and ``release``.
 
 With ``--prometheus URL`` (and/or ``--hosts a,b,c``) both choose across hosts instead
-(:mod:`gpu_exporter.client.fleet`, docs/cluster.md): all N GPUs on one host, leased by that host's
+(:mod:`gpu_exporter.fleet`, docs/cluster.md): all N GPUs on one host, leased by that host's
 exporter. ``choose`` then prints ``HOST GPU-a,GPU-b`` (``--format env`` adds ``GPU_HOST`` and
 ``GPU_EXPORTER_URL``); ``run`` sets those two as well and holds the lease from here, while
 COMMAND is expected to go to ``$GPU_HOST`` (ssh, srun -w) to use the GPUs.
@@ -36,7 +36,6 @@ from gpu_exporter.argparsing import Parser
 from gpu_exporter.choose.params import PARAMS
 from gpu_exporter.client.api import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.choosing import choose_cluster
-from gpu_exporter.client.fleet import ClusterChoice
 from gpu_exporter.client.transport import (
     DEFAULT_URL,
     URL_ENV,
@@ -45,6 +44,7 @@ from gpu_exporter.client.transport import (
     NoGpusAvailable,
     ServerError,
 )
+from gpu_exporter.fleet.placing import ClusterChoice
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -124,14 +124,6 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MATCHERS",
         help="with --prometheus: only the targets these label matchers select, "
         "e.g. 'job=\"gpu-shared\"'",
-    )
-    fleet.add_argument(
-        "--fleet-rule-prefix",
-        default=None,
-        metavar="PREFIX",
-        help="with --prometheus: read the recorded fleet view PREFIX:gpu/PREFIX:host "
-        "(deploy/prometheus/gpu-exporter.fleet.rules.yml: gpu_fleet) where it is there, "
-        "the raw series otherwise",
     )
     fleet.add_argument(
         "--max-age",
@@ -226,16 +218,9 @@ def fail(exc: GpuExporterError, prefix: str = "") -> int:
 def across_hosts(args: argparse.Namespace) -> bool:
     """Across hosts? Then --url makes no sense."""
     if not (args.prometheus or args.hosts):
-        if (
-            args.max_age is not None
-            or args.selector
-            or args.fleet_rule_prefix
-            or getattr(args, "spread", False)
-        ):
+        if args.max_age is not None or args.selector or getattr(args, "spread", False):
             raise ServerError(
-                400,
-                "--max-age, --selector, --fleet-rule-prefix and --spread need --prometheus "
-                "or --hosts",
+                400, "--max-age, --selector and --spread need --prometheus or --hosts"
             )
         return False
     if args.url is not None:
@@ -256,7 +241,6 @@ def choose_across_hosts(args: argparse.Namespace, *, spread: bool) -> ClusterCho
             owner=args.owner,
             max_age=args.max_age,
             selector=args.selector,
-            fleet_rule_prefix=args.fleet_rule_prefix,
             **filters_of(args),
         )
     for warning in caught:
