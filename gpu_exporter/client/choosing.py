@@ -65,9 +65,12 @@ def choose(
     if prometheus or hosts:
         if url is not None:
             raise TypeError("give url (one host) or prometheus/hosts (a fleet), not both")
-        options = {"lease": lease, "wait": wait, "owner": owner, "max_age": max_age}
-        across = (prometheus, hosts, False, selector, timeout, 3)
-        return _choose_cluster(n, *across, options, filters).placements[0]
+        fleet = choose_cluster(
+            n, prometheus=prometheus, hosts=hosts, spread=False, lease=lease, wait=wait,
+            owner=owner, max_age=max_age, selector=selector, timeout=timeout, _stacklevel=3,
+            **filters,
+        )  # fmt: skip
+        return fleet.placements[0]
     return choose_host(n, url, lease=lease, wait=wait, owner=owner, timeout=timeout, **filters)
 
 
@@ -83,6 +86,7 @@ def choose_cluster(
     max_age: Duration | None = None,
     selector: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    _stacklevel: int = 2,  # where a warning points: the caller's line
     **filters: FilterValue,
 ) -> ClusterChoice:
     """Choose and lease ``n`` GPUs across hosts, reading the fleet from Prometheus.
@@ -97,22 +101,6 @@ def choose_cluster(
     Raises :class:`NoGpusAvailable` (the message has every host's reason) and
     :class:`ServerError` (400 bad argument, 503 ``prometheus_unavailable``).
     """
-    options = {"lease": lease, "wait": wait, "owner": owner, "max_age": max_age}
-    return _choose_cluster(n, prometheus, hosts, spread, selector, timeout, 3, options, filters)
-
-
-def _choose_cluster(
-    n: int,
-    prometheus: str | None,
-    hosts: Iterable[str] | str | None,
-    spread: bool,
-    selector: str | None,
-    timeout: float,
-    stacklevel: int,
-    options: Mapping[str, Any],
-    filters: Mapping[str, FilterValue],
-) -> ClusterChoice:
-    lease, wait, owner, max_age = (options[k] for k in ("lease", "wait", "owner", "max_age"))
     params = choose_params(n, "json", lease, wait, owner, filters)
     if spread:
         params["spread"] = "1"
@@ -138,7 +126,7 @@ def _choose_cluster(
         where = prometheus or ",".join(host_list)
         raise cls(exc.status, exc.message, code=exc.code, param=exc.param, url=where) from None
     for note in result.notes:
-        warnings.warn(note, GpuExporterWarning, stacklevel=stacklevel)
+        warnings.warn(note, GpuExporterWarning, stacklevel=_stacklevel)
     return result
 
 

@@ -1,25 +1,15 @@
-"""The packed series' layout: one recorded series per GPU that can be handed out (pure).
+"""The layout of ``gpu_fleet:packed``: one recorded series per GPU that can be handed out,
+and the query that filters it in the store (pure).
 
-``gpu_fleet:packed`` (``deploy/prometheus/gpu-exporter.fleet.rules.yml``, generated from
-:data:`FIELDS` by ``scripts/generate_deploy.py``) is recorded for every whole card with
-``gpu_up`` 1, not leased and not allocated to a Kubernetes pod. Its float64 value packs the
-figures a choice filters and ranks on, each a whole number in its own decimal digits, most
-significant first::
-
-    utilization %          (0-100)       × 10^13   tested, then dropped
-    memory utilization %   (0-100)       × 10^10
-    compute processes      (capped at 9) × 10^9
-    free memory, whole MiB (capped)      × 10^3
-    utilization %          (0-100)       × 1       kept for the ranking
-
-The largest value is below 2^53, so every value, ``%`` and comparison is exact. A choice is
-one selector with scalar arithmetic (:func:`packed_query`): a comparison tests the field at
-the top of what is left, ``%`` drops the fields above the next one tested, and what is left,
-``free MiB × 1000 + utilization %``, is what the ranking orders by (:func:`unpack`).
-Utilization is tested first because it leaves out the most cards.
-
-Exact where the thresholds fit the packing (:func:`packable`); other requests take the full
-read. ``gpu_fleet:problem`` (same group) records only the exporters that cannot serve.
+The fleet rules (``deploy/prometheus/gpu-exporter.fleet.rules.yml``, generated from
+:data:`FIELDS` by ``scripts/generate_deploy.py``) record one series per whole card with
+``gpu_up`` 1, not leased and not allocated to a Kubernetes pod. Its value packs the figures a
+choice filters and ranks on, each a whole number in its own decimal digits (:data:`FIELDS`,
+most significant first; utilization twice: tested at the top, kept at the bottom); every value
+is below 2^53, so exact in float64. :func:`packed_query` filters it with comparisons (a
+comparison tests the field at the top of what is left) and ``%`` (which drops the fields above
+the next one tested); what is left, ``free MiB × 1000 + utilization %``, is what the ranking
+orders by (:func:`unpack`). Exact where the thresholds fit the packing (:func:`packable`).
 """
 
 from __future__ import annotations
@@ -40,8 +30,7 @@ SORTS: Final = ("free", "util", "pack")  # the orders free memory and utilizatio
 
 @dataclass(frozen=True, slots=True)
 class Field:
-    """One figure in the packed value: its lowest decimal digit, largest value, and the
-    PromQL of the whole number the rule records."""
+    """One figure in the packed value: its lowest digit, largest value, and its PromQL."""
 
     name: str
     low: int
@@ -49,8 +38,7 @@ class Field:
     source: str
 
     @property
-    def high(self) -> int:
-        """One past its highest digit."""
+    def high(self) -> int:  # one past its highest digit
         return self.low + len(str(self.top))
 
 

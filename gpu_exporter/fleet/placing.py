@@ -1,11 +1,10 @@
-"""The claim loop across hosts: read the fleet, rank it, claim on the best host's own
-``/choose``, and again every few seconds with ``wait``.
+"""The claim loop across hosts: read the fleet, rank it, claim on the best host, and again
+every few seconds with ``wait``.
 
-The store is the fleet's view, each host's exporter the authority: the claim goes to the
-chosen host with ``include=<the GPUs that qualified there>``, ``n`` and a lease; the host checks
-the point filters again on its own fresh sample and refuses if someone just took them. A
-refusal (taken, host down, stale, 429) moves on to the next host. How a claim and a release
-are sent is the caller's (the client's HTTP calls): this room knows no exporter client.
+The store is the fleet's view, each host's exporter the authority: the claim asks the chosen
+host's ``/choose`` for ``n`` of the GPUs that qualified there, re-checked on its own fresh
+sample; a refusal (taken meanwhile, down, stale, 429) moves on to the next host. How a claim
+and a release are sent is the caller's (the client's HTTP calls): this room imports no client.
 """
 
 from __future__ import annotations
@@ -46,13 +45,11 @@ class ClaimRefused(Exception):
     """The host did not grant the claim (taken meanwhile, down, stale, 429): try the next."""
 
 
+# Claim n of these UUIDs on the host; raises ClaimRefused (or ApiError 400, a bad parameter).
 Claim = Callable[[Host, int, tuple[str, ...]], "Choice"]
-"""Claim ``n`` of these UUIDs on the host; raises
-:class:`ClaimRefused`, or ApiError 400 for a parameter the host refuses."""
+# The Claim for one request: its args, the parsed request, the fleet read, a timeout.
 Claimer = Callable[[Mapping[str, str], ClusterRequest, Fleet, float], Claim]
-"""The :data:`Claim` for one request: its args, parsed request, the fleet read, a timeout."""
-Release = Callable[["Choice"], None]
-"""Give a claim back (spread that could not get all ``n``); raises on failure."""
+Release = Callable[["Choice"], None]  # give a claim back (spread short of n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +97,13 @@ class ClusterChoice:
             "spread": self.spread,
             "source": self.source,
             "evaluated_at": self.evaluated_at,
-            "placements": [
+            "placements": [  # the lease with its token: to the claimant only, as /choose's
                 {
                     "host": c.host,
                     "url": c.url,
                     "uuids": list(c.uuids),
                     "indices": list(c.indices),
-                    "lease": lease(c),  # with its token: to the claimant only, as /choose's
+                    "lease": lease(c),
                     "chosen": list(c.details.get("chosen", ())),
                 }
                 for c in self.placements
@@ -204,16 +201,8 @@ def choose_fleet(
         placements, passed = place(ranking, c.n, spread=req.spread, claim=claim, release=release)
         passed_over = tuple((h.name, h.url, why) for h, why in passed)
         if placements:
-            return ClusterChoice(
-                tuple(placements),
-                fleet.source,
-                passed_over,
-                tuple(notes),
-                spread=req.spread,
-                n=c.n,
-                evaluated_at=fleet.evaluated_at,
-                filters=c.filters_json(),
-            )
+            found = (tuple(placements), fleet.source, passed_over, tuple(notes), req.spread, c.n)
+            return ClusterChoice(*found, fleet.evaluated_at, c.filters_json())
         remaining = deadline - monotonic()
         if remaining <= 0:
             where = "on one host" if not req.spread else "in the fleet"

@@ -1,4 +1,4 @@
-"""Hosts ordered by what they can serve (pure): every host's GPUs go through the same
+"""Hosts ordered by what they can serve (pure), each host's GPUs through the same
 :func:`gpu_exporter.choose.rank.rank` ``/choose`` uses.
 
 By default all ``n`` GPUs must be on ONE host; hosts are ordered by their n-th best GPU (then
@@ -8,20 +8,13 @@ from several hosts, filling the best host first. A host with a problem is passed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.rank import (
-    NotEnoughGpus,
-    Ranking,
-    SortKey,
-    how_many_qualify,
-    rank,
-    sort_key,
-)
+from gpu_exporter.choose.rank import NotEnoughGpus, Ranking, how_many_qualify, rank, sort_key
 from gpu_exporter.fleet.inventory import Fleet, Host
 from gpu_exporter.model import GpuSample
 from gpu_exporter.units import plural
@@ -64,59 +57,28 @@ def rank_fleet(
         if host.problem is not None:
             passed.append((host, host.problem))
             continue
-        leased = {u: held for u in host.leased}
-        leased.update(host.allocated)
-        ranked = partial(rank, filters=filters, sort=sort, window=host.window, leased=leased)
-        qualified: tuple[GpuSample, ...]
-        why: Callable[[], str]
         if fleet.filtered:  # every GPU passed the store's filters: only order them
             qualified = tuple(sorted(host.gpus, key=partial(sort_key, sort=sort)))
-            why = partial(passing, len(qualified), 0)
-            if len(qualified) < needed:
-                passed.append((host, passing(len(qualified), needed)))
-                continue
+            why: Callable[[], str] = partial(passing, len(qualified), 0)
+            too_few = partial(passing, len(qualified), needed)
         else:
-            # The GPUs that surely fail are left out first: formatting why would cost a third
-            # of ranking 100,000 GPUs, and only a host passed over shows it.
-            maybe = (
-                host.gpus
-                if filters.mig != "deny"
-                else [g for g in host.gpus if _may_pass(g, filters)]
-            )
-            qualified = ranked(maybe).qualified
-            if len(qualified) < needed:
-                passed.append((host, str(NotEnoughGpus(needed, ranked(host.gpus)))))
-                continue
-            why = partial(_shortfall_of, ranked, host.gpus)
-        keys: tuple[SortKey, ...]
-        if spread:
-            keys = (sort_key(qualified[0], sort),)
-        else:  # the weakest of the n picks decides, then the stronger ones
-            keys = tuple(sort_key(g, sort) for g in reversed(qualified[:n]))
-        candidates.append(Candidate(host, qualified, (keys, host.url), why))
+            leased = {u: held for u in host.leased} | dict(host.allocated)
+            ranking = rank(host.gpus, filters, sort=sort, window=host.window, leased=leased)
+            qualified, why = ranking.qualified, partial(shortfall, ranking)
+            too_few = partial(_not_enough, needed, ranking)
+        if len(qualified) < needed:
+            passed.append((host, too_few()))
+            continue
+        # The weakest of the n picks decides, then the stronger ones (spread: the best).
+        picks = qualified[:1] if spread else tuple(reversed(qualified[:n]))
+        key = (tuple(sort_key(g, sort) for g in picks), host.url)
+        candidates.append(Candidate(host, qualified, key, why))
     candidates.sort(key=lambda c: c.key)
     return FleetRanking(tuple(candidates), tuple(passed))
 
 
-def _may_pass(gpu: GpuSample, filters: Filters) -> bool:
-    """False only where :func:`~gpu_exporter.choose.filters.rejection_reasons` surely rejects
-    the GPU (down, or a known figure past a limit), without formatting why."""
-    if not gpu.up:
-        return False
-    free, util, procs = gpu.memory_free_bytes, gpu.utilization_ratio, gpu.compute_processes
-    mem, f = gpu.memory_utilization_ratio, filters
-    return not (
-        (f.min_free_bytes is not None and free is not None and free < f.min_free_bytes)
-        or (f.max_util_ratio is not None and util is not None and util > f.max_util_ratio)
-        or (f.max_procs is not None and procs is not None and procs > f.max_procs)
-        or (f.max_mem_util_ratio is not None and mem is not None and mem > f.max_mem_util_ratio)
-    )
-
-
-def _shortfall_of(
-    ranked: Callable[[Sequence[GpuSample]], Ranking], gpus: Sequence[GpuSample]
-) -> str:
-    return shortfall(ranked(gpus))
+def _not_enough(needed: int, ranking: Ranking) -> str:
+    return str(NotEnoughGpus(needed, ranking))  # every rejected GPU's reasons
 
 
 def shortfall(ranking: Ranking) -> str:

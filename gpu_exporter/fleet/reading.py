@@ -19,7 +19,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Final
 
 from gpu_exporter.choose.filters import Window
@@ -310,6 +310,35 @@ def _window(
     return Window(seconds, covered, ((seconds, tuple(past)),), worst_case=True)
 
 
+_DEFAULTS: Final = {f.name: f.default for f in fields(GpuSample)}
+_READ_WHILE_RANKING: Final = ("memory_total_bytes", "gpu_instance_id", "compute_instance_id")
+
+
+class PassingGpu(GpuSample):
+    """A GPU the packed read let through: index, UUID, free memory and utilization set, every
+    other figure its default. A plain GpuSample's ``__init__`` sets all its fields (10 µs:
+    0.3 s for the 31,000 GPUs that pass among 100,000); this sets the ranking's few."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, index: int, uuid: str, free_bytes: int, util: float) -> PassingGpu:
+        gpu = object.__new__(cls)
+        for name, value in (("index", index), ("uuid", uuid), ("up", True)):
+            object.__setattr__(gpu, name, value)
+        object.__setattr__(gpu, "memory_free_bytes", free_bytes)
+        object.__setattr__(gpu, "utilization_ratio", util)
+        for name in _READ_WHILE_RANKING:  # set, so that ranking asks no __getattr__
+            object.__setattr__(gpu, name, None)
+        return gpu
+
+    def __getattr__(self, name: str) -> Any:  # only for the fields left unset
+        try:
+            return _DEFAULTS[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 def parse_packed(answers: Mapping[str, Any], evaluated_at: float, max_age_seconds: float) -> Fleet:
     """The fleet from the ``scraped``, ``packed`` and ``problems`` answers: every exporter,
     with only the GPUs that passed (free memory in whole GiB and utilization), or its problem
@@ -326,11 +355,8 @@ def parse_packed(answers: Mapping[str, Any], evaluated_at: float, max_age_second
         where = labels.get(URL_LABEL) or labels.get("instance", "")
         url = urls.get(where) or urls.setdefault(where, exporter_url(labels))
         scraped.setdefault(url, (labels.get("instance", url), None))
-        free_gib, util = unpack(value)
-        gpu = GpuSample(
-            card[1], card[0], True, memory_free_bytes=free_gib * GIB, utilization_ratio=util
-        )
-        gpus.setdefault(url, []).append(gpu)
+        free, util = unpack(value)
+        gpus.setdefault(url, []).append(PassingGpu.of(card[1], card[0], free * GIB, util))
     flagged: dict[str, dict[str, Any]] = {}
     for sample in answers.get("problems", ()):
         labels = sample.get("metric", {})
