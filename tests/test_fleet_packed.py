@@ -382,3 +382,26 @@ def test_leaving_out_the_gpus_that_surely_fail_never_changes_a_ranking() -> None
         for host, why in ranking.passed_over:  # every GPU's reasons, as before
             held = dict.fromkeys(host.leased, "leased (at the last scrape)")
             assert why == str(NotEnoughGpus(n, rank(host.gpus, filters, leased=held)))
+
+
+def test_reading_leaves_the_garbage_collector_alone() -> None:
+    """No process-wide switch from a library: the collector stays as the caller set it."""
+    import gc
+
+    results = random_fleet(random.Random(5), hosts=6)
+    seen: list[bool] = []
+    store = packed_fetch(results, [])
+
+    def fetch(url: str, timeout: float) -> Any:
+        seen.append(gc.isenabled())
+        return store(url, timeout)
+
+    reader = PrometheusReader("prom:9090", fetch=fetch, packed=True)
+    choose_fleet(
+        {"n": "1", "max_util": "10%", "max_mem_util": "100%"},
+        prometheus=reader,
+        claimer=fixed_claimer,
+        release=client.release,
+        wall_clock=lambda: NOW,
+    )
+    assert seen and all(seen) and gc.isenabled()

@@ -29,7 +29,7 @@ SORTS: Final = ("free", "util", "pack")  # the orders free memory and utilizatio
 
 
 @dataclass(frozen=True, slots=True)
-class Field:
+class PackedField:
     """One figure in the packed value: its lowest digit, largest value, and its PromQL."""
 
     name: str
@@ -44,11 +44,11 @@ class Field:
 
 UTIL_PCT: Final = "round(gpu_utilization_ratio * 100)"
 FIELDS: Final = (
-    Field("utilization_pct_test", 13, 100, UTIL_PCT),
-    Field("memory_utilization_pct", 10, 100, "round(gpu_memory_utilization_ratio * 100)"),
-    Field("compute_processes", 9, 9, "gpu_compute_processes"),
-    Field("memory_free_mib", 3, 999_999, "floor(gpu_memory_free_bytes / 1048576)"),
-    Field("utilization_pct", 0, 100, UTIL_PCT),
+    PackedField("utilization_pct_test", 13, 100, UTIL_PCT),
+    PackedField("memory_utilization_pct", 10, 100, "round(gpu_memory_utilization_ratio * 100)"),
+    PackedField("compute_processes", 9, 9, "gpu_compute_processes"),
+    PackedField("memory_free_mib", 3, 999_999, "floor(gpu_memory_free_bytes / 1048576)"),
+    PackedField("utilization_pct", 0, 100, UTIL_PCT),
 )
 BY_NAME: Final = {f.name: f for f in FIELDS}
 assert sum(f.top * 10**f.low for f in FIELDS) < 2**53  # every value is an exact float64
