@@ -1,7 +1,7 @@
 """One exporter's API: choose GPUs there (:func:`choose_host`, :func:`choose_raw`), and renew,
 release or list its leases; :class:`Choice` and :class:`Lease` are what comes back.
 
-Choosing across a fleet (:mod:`gpu_exporter.client.fleet`) claims through
+Choosing across a fleet (:mod:`gpu_exporter.fleet`) claims through
 :func:`choose_host` on the host it picked; :func:`gpu_exporter.client.choose` is the front door
 to both.
 

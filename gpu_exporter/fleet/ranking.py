@@ -8,7 +8,7 @@ from several hosts, filling the best host first. A host with a problem is passed
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
@@ -63,9 +63,14 @@ def rank_fleet(
             too_few = partial(passing, len(qualified), needed)
         else:
             leased = {u: held for u in host.leased} | dict(host.allocated)
-            ranking = rank(host.gpus, filters, sort=sort, window=host.window, leased=leased)
-            qualified, why = ranking.qualified, partial(shortfall, ranking)
-            too_few = partial(_not_enough, needed, ranking)
+            ranked = partial(rank, filters=filters, sort=sort, window=host.window, leased=leased)
+            # The GPUs that surely fail are left out first: formatting why costs a third of
+            # ranking; every GPU is ranked again only for a message that shows it.
+            deny = filters.mig == "deny"
+            maybe = [g for g in host.gpus if _may_pass(g, filters)] if deny else host.gpus
+            qualified = ranked(maybe).qualified
+            why = partial(_shortfall, ranked, host.gpus)
+            too_few = partial(_not_enough, needed, ranked, host.gpus)
         if len(qualified) < needed:
             passed.append((host, too_few()))
             continue
@@ -77,8 +82,28 @@ def rank_fleet(
     return FleetRanking(tuple(candidates), tuple(passed))
 
 
-def _not_enough(needed: int, ranking: Ranking) -> str:
-    return str(NotEnoughGpus(needed, ranking))  # every rejected GPU's reasons
+def _may_pass(gpu: GpuSample, f: Filters) -> bool:
+    """False only where the filters surely reject the GPU (down, or a known figure past a
+    limit), without formatting why."""
+    free, util, procs = gpu.memory_free_bytes, gpu.utilization_ratio, gpu.compute_processes
+    mem = gpu.memory_utilization_ratio
+    return gpu.up and not (
+        (f.min_free_bytes is not None and free is not None and free < f.min_free_bytes)
+        or (f.max_util_ratio is not None and util is not None and util > f.max_util_ratio)
+        or (f.max_procs is not None and procs is not None and procs > f.max_procs)
+        or (f.max_mem_util_ratio is not None and mem is not None and mem > f.max_mem_util_ratio)
+    )
+
+
+Ranked = Callable[[Sequence[GpuSample]], Ranking]
+
+
+def _not_enough(needed: int, ranked: Ranked, gpus: Sequence[GpuSample]) -> str:
+    return str(NotEnoughGpus(needed, ranked(gpus)))  # every rejected GPU's reasons
+
+
+def _shortfall(ranked: Ranked, gpus: Sequence[GpuSample]) -> str:
+    return shortfall(ranked(gpus))
 
 
 def shortfall(ranking: Ranking) -> str:

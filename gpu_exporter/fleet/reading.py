@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
@@ -74,6 +72,9 @@ class SourceUnavailable(Exception):
 def get_json(url: str, timeout: float) -> Any:
     """The default :data:`Fetch`: a GET without credentials (neither the store nor a host's
     ``/gpus`` needs any), never through a proxy to a loopback address."""
+    import urllib.error  # here: ``import gpu_exporter.client`` need not load them
+    import urllib.request
+
     split = urllib.parse.urlsplit(url)
     local = split.hostname in ("localhost", "::1") or (split.hostname or "").startswith("127.")
     opener = urllib.request.build_opener(*([urllib.request.ProxyHandler({})] if local else []))
