@@ -58,9 +58,12 @@ def rank_fleet(
             passed.append((host, host.problem))
             continue
         if fleet.filtered:  # every GPU passed the store's filters: only order them
+            if len(host.gpus) < needed:
+                passed.append((host, passing(len(host.gpus), needed)))
+                continue
             qualified = tuple(sorted(host.gpus, key=partial(sort_key, sort=sort)))
             why: Callable[[], str] = partial(passing, len(qualified), 0)
-            too_few = partial(passing, len(qualified), needed)
+            too_few = why
         else:
             leased = {u: held for u in host.leased} | dict(host.allocated)
             ranked = partial(rank, filters=filters, sort=sort, window=host.window, leased=leased)
