@@ -615,6 +615,19 @@ def test_serve_refuses_a_selector_that_is_not_label_matchers(
     assert "--prometheus-selector: expected label matchers" in capsys.readouterr().err
 
 
+def test_the_removed_fleet_rule_prefix_flag_is_refused_clearly(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The recorded view is gone: the packed series are read wherever the store has them."""
+    from gpu_exporter.cli import main
+
+    for argv in (["serve"], ["choose", "--prometheus", "p:9090"]):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, "--fleet-rule-prefix", "gpu_fleet"])
+        assert info.value.code == 2
+        assert "unrecognized arguments: --fleet-rule-prefix" in capsys.readouterr().err
+
+
 # -- /cluster/choose waits as /choose does -------------------------------------------------
 
 
