@@ -3,29 +3,19 @@
 against it at several sizes.
 
 Per size (GPUs), each the median of ``repeat`` runs over loopback HTTP, through the chooser's
-own functions (those :func:`gpu_exporter.client.fleet.choose_fleet` calls, in its order):
+own code (what :func:`gpu_exporter.fleet.placing.choose_fleet` runs, but the claim):
 
-* **query**: :func:`~gpu_exporter.client.fleetread.query_prometheus`: the store selecting and
-  encoding the series, the transfer, the JSON decoding;
-* **parse**: :func:`~gpu_exporter.choose.promql.parse_fleet` (after
-  :func:`~gpu_exporter.choose.fleetview.from_view` for the recorded view);
-* **rank**: :func:`~gpu_exporter.choose.fleet.rank_fleet` (query, parse and rank with the
-  cyclic garbage collector paused, as the chooser reads and ranks);
-* **end to end**: the three together (the claim, one HTTP round trip to one host, is not in
-  it), and the chooser's **memory**: the peak of Python allocations during one choice
-  (tracemalloc, run apart from the timed runs).
+* **read**: :meth:`gpu_exporter.fleet.reading.PrometheusReader.read`: the store selecting and
+  encoding the series, the transfer, the JSON decoding and the parsing into a fleet;
+* **rank**: :func:`~gpu_exporter.fleet.ranking.rank_fleet`;
+* **end to end**: the two together, and the chooser's **memory**: the peak of Python
+  allocations during one choice (tracemalloc, run apart from the timed runs).
 
-Five paths: **raw** (the three queries of :func:`~gpu_exporter.choose.promql.fleet_queries`),
-**view** (the one query of :func:`~gpu_exporter.choose.fleetview.view_query`, over the
-series deploy/prometheus/gpu-exporter.fleet.rules.yml records, loaded here as the rules would
-have written them), and both **sieved** (:mod:`gpu_exporter.choose.fleetsieve`: the
-exporters' scrape times, then only the GPUs that pass the filters and the exporters with a
-problem), as the chooser reads a fleet past 500 exporters, and **packed**
-(:mod:`gpu_exporter.choose.fleetpacked`: the view's scrape times, then one read of
-``gpu_fleet:packed``, the one series per GPU the fleet rules record, filtered with
-comparisons and ``%``, and the exporters' problems the rules record, all three at once, as
-a chooser reads a fleet it has seen past 500 exporters). All five must rank the same best 20 hosts,
-each with the same GPUs.
+Two paths: **full** (every series, ``packed=False``) and **packed** (``gpu_fleet:packed``,
+loaded here as the fleet rules would have written it, read as a chooser that has seen the
+fleet past 500 exporters reads it: the scrape times, the packed series and the recorded
+problems at once). Both must rank the same best 20 hosts, each with the same GPUs. The
+garbage collector stays on, as in any process the chooser runs in.
 """
 
 from __future__ import annotations
@@ -35,6 +25,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -46,23 +37,17 @@ from typing import Any
 
 import servers
 
-from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.fleet import rank_fleet
-from gpu_exporter.choose.fleetpacked import pack, packed_query, recorded_problems_query
-from gpu_exporter.choose.fleetpacked import unpack as unpack_packed
-from gpu_exporter.choose.fleetsieve import (
-    Names,
-    hosts_query,
-    parse_sieve,
-    problems_query,
-    sieve_query,
-)
-from gpu_exporter.choose.fleetview import FIELDS, from_view, view_query
-from gpu_exporter.choose.promql import fleet_queries, parse_fleet
-from gpu_exporter.client.fleetread import gc_paused, http_get_json, query_prometheus
+from gpu_exporter.choose.request import parse_cluster_args
+from gpu_exporter.fleet.ranking import rank_fleet
+from gpu_exporter.fleet.reading import PrometheusReader, get_json
 
-# every series; or only those that pass, joined in the store or from the packed series
-PATHS = ("raw", "view", "raw sieve", "view sieve", "packed")
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
+from fleet_packing import pack
+
+# Only the GPUs that pass, from the packed series; every series. The packed read first: a
+# chooser at 100,000 GPUs reads nothing else, and a VictoriaMetrics that has just served the
+# full read's 530,000 series answered it up to 3x slower (docs/cluster.md).
+PATHS = ("packed", "full")
 SCRAPES = 4  # samples per series, 15 s apart, the last at the host's scrape time
 BATCH_HOSTS = 500  # hosts per import request
 Answers = Callable[[int, int, float], dict[str, dict[str, Any]]]  # (hosts, first, at) → answers
@@ -74,9 +59,8 @@ def _labels(metric: dict[str, str]) -> tuple[str, str]:
     return name, ",".join(f'{k}="{v}"' for k, v in labels.items())
 
 
-def exposition(answers: dict[str, dict[str, Any]], *, view: bool) -> Iterator[str]:
-    """Prometheus text lines (``name{labels} value ms``) for one batch of the fleet: the raw
-    series as scraped, or (``view``) what the fleet rules record from them."""
+def exposition(answers: dict[str, dict[str, Any]]) -> Iterator[str]:
+    """Prometheus text lines (``name{labels} value ms``) for one batch of the fleet's series."""
     result = {name: doc["data"]["result"] for name, doc in answers.items()}
     scraped_at = {s["metric"]["instance"]: float(s["value"][1]) for s in result["scraped"]}
 
@@ -90,23 +74,13 @@ def exposition(answers: dict[str, dict[str, Any]], *, view: bool) -> Iterator[st
         name, text = _labels(sample["metric"])
         last = scraped_at[sample["metric"]["instance"]]
         value = float(sample["value"][1])
-        moving = name.endswith("timestamp_seconds")
-        if view:
-            kind = "gpu" if "uuid" in sample["metric"] else "host"
-            name, text = f"gpu_fleet:{kind}", f'field="{FIELDS[name]}",{text}'
-        yield from lines(name, text, value, last, moving)
+        yield from lines(name, text, value, last, name.endswith("timestamp_seconds"))
     for instance, last in scraped_at.items():
         _, text = _labels({"instance": instance, "job": "gpu"})
-        if view:
-            yield from lines("gpu_fleet:host", f'field="scraped_at",{text}', last, last, True)
-            yield from lines("gpu_fleet:host", f'field="target_up",{text}', 1, last, False)
-        else:
-            yield from lines("up", text, 1, last, False)
+        yield from lines("up", text, 1, last, False)
     for sample in result["down"]:
         _, text = _labels(sample["metric"])
-        at = float(sample["value"][0])
-        name = "gpu_fleet:host" if view else "up"
-        yield from lines(name, ('field="target_up",' if view else "") + text, 0, at, False)
+        yield from lines("up", text, 0, float(sample["value"][0]), False)
 
 
 def packed_exposition(answers: dict[str, dict[str, Any]]) -> Iterator[str]:
@@ -179,16 +153,11 @@ def victoria_metrics() -> Iterator[str]:
 
 
 def load_victoria_metrics(base: str, answers: Answers, hosts: int, at: float) -> dict[str, float]:
-    """Import the fleet (raw, view and packed) in batches; returns seconds and samples
-    imported."""
+    """Import the fleet (raw and packed) in batches; returns seconds and samples imported."""
     start, samples = time.perf_counter(), 0
     for first in range(0, hosts, BATCH_HOSTS):
         batch = answers(min(BATCH_HOSTS, hosts - first), first, at)
-        for lines in (
-            exposition(batch, view=False),
-            exposition(batch, view=True),
-            packed_exposition(batch),
-        ):
+        for lines in (exposition(batch), packed_exposition(batch)):
             body = "\n".join(lines) + "\n"
             samples += body.count("\n")
             _post(base + "/api/v1/import/prometheus", body.encode())
@@ -198,11 +167,11 @@ def load_victoria_metrics(base: str, answers: Answers, hosts: int, at: float) ->
 def wait_visible(base: str, at: float, gpus: int, timeout: float = 300) -> None:
     """Until the store answers with every GPU (imports become searchable within seconds)."""
     deadline = time.monotonic() + timeout
-    wanted = {"count(gpu_up)": gpus, 'count(gpu_fleet:gpu{field="up"})': gpus}
+    wanted = {"count(gpu_up)": gpus}
     wanted["count(gpu_fleet:packed)"] = int(gpus * 0.9)  # less the leased ones (5 %)
     for expr, least in wanted.items():
         while True:
-            doc = http_get_json(
+            doc = get_json(
                 f"{base}/api/v1/query?"
                 + urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"}),
                 60,
@@ -215,110 +184,49 @@ def wait_visible(base: str, at: float, gpus: int, timeout: float = 300) -> None:
             time.sleep(1)
 
 
-def _read(
-    base: str, at: float, filters: Filters, *, view: bool, sieve: bool, packed: bool = False
-) -> Any:
-    """The fleet's answers as read_prometheus() asks for them (every series, the sieve, or
-    the packed series)."""
-
-    def ask(queries: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
-        return query_prometheus(base, queries, at, fetch=http_get_json, timeout=600)
-
-    if packed:  # as read_prometheus() reads a fleet it knows is large: all three at once
-        names = Names("gpu_fleet")
-        return ask(
-            {
-                "hosts": hosts_query(names),
-                "sieve": packed_query("gpu_fleet", filters, names),
-                "problems": recorded_problems_query("gpu_fleet", "", 60),
-            }
-        )
-    if sieve:
-        names = Names("gpu_fleet" if view else "")
-        hosts = ask({"hosts": hosts_query(names)})
-        return {
-            **hosts,
-            **ask({"sieve": sieve_query(names, filters), "problems": problems_query(names, 60)}),
-        }
-    if view:
-        return ask({"view": view_query("gpu_fleet", filters, "free")})
-    return ask(fleet_queries(filters, "free", None))
-
-
-def choice(
-    base: str,
-    at: float,
-    filters: Filters,
-    n: int,
-    *,
-    view: bool,
-    sieve: bool = False,
-    packed: bool = False,
-) -> dict[str, Any]:
+def choice(reader: PrometheusReader, at: float, args: dict[str, str]) -> dict[str, Any]:
     """One choice's reading and ranking, each step timed (ms)."""
+    req = parse_cluster_args(args)
     t0 = time.perf_counter()
-    with gc_paused():  # as choose_fleet() reads and ranks
-        got = _read(base, at, filters, view=view, sieve=sieve, packed=packed)
-        t1 = time.perf_counter()
-        if packed:
-            fleet = parse_sieve(got, evaluated_at=at, max_age_seconds=60, unpack=unpack_packed)
-        elif sieve:
-            fleet = parse_sieve(got, evaluated_at=at, max_age_seconds=60)
-        else:
-            results = from_view(got["view"]) if view else got
-            fleet = parse_fleet(results, evaluated_at=at, max_age_seconds=60)
-        series = sum(len(r) for r in got.values())
-        del got  # as read_prometheus() returns only the fleet
-        t2 = time.perf_counter()
-        ranking = rank_fleet(fleet, n, filters)
-        t3 = time.perf_counter()
+    fleet = reader.read(req, at)
+    t1 = time.perf_counter()
+    ranking = rank_fleet(fleet, req.choose.n, req.choose.filters)
+    t2 = time.perf_counter()
     return {
-        "query": (t1 - t0) * 1000,
-        "parse": (t2 - t1) * 1000,
-        "rank": (t3 - t2) * 1000,
-        "end_to_end": (t3 - t0) * 1000,
-        "series": series,
+        "read": (t1 - t0) * 1000,
+        "rank": (t2 - t1) * 1000,
+        "end_to_end": (t2 - t0) * 1000,
+        "gpus_read": sum(len(h.gpus) for h in fleet.hosts),
         "candidates": len(ranking.candidates),
         "chosen": ranking.candidates[0].host.url if ranking.candidates else None,
         "top": [(c.host.url, [g.uuid for g in c.qualified]) for c in ranking.candidates[:20]],
     }
 
 
-def measure(
-    base: str,
-    at: float,
-    filters: Filters,
-    n: int,
-    repeat: int,
-    *,
-    view: bool,
-    sieve: bool,
-    packed: bool = False,
-) -> dict[str, Any]:
-    how = {"view": view, "sieve": sieve, "packed": packed}
-    runs = [choice(base, at, filters, n, **how) for _ in range(repeat)]
+def measure(base: str, at: float, args: dict[str, str], repeat: int, path: str) -> dict[str, Any]:
+    reader = PrometheusReader(base, timeout=600, packed=path == "packed")
+    reader.was_large = True  # a chooser that has seen the fleet: no first read of its size
+    runs = [choice(reader, at, args) for _ in range(repeat)]
     out: dict[str, Any] = {
         step: {
             "median_ms": round(statistics.median(r[step] for r in runs), 1),
             "fastest_ms": round(min(r[step] for r in runs), 1),
         }
-        for step in ("query", "parse", "rank", "end_to_end")
+        for step in ("read", "rank", "end_to_end")
     }
-    out["series"] = runs[0]["series"]
-    out["candidate_hosts"] = runs[0]["candidates"]
-    out["chosen"] = runs[0]["chosen"]
-    out["top"] = runs[0]["top"]
+    for key in ("gpus_read", "candidates", "chosen", "top"):
+        out[key] = runs[0][key]
     tracemalloc.start()
-    choice(base, at, filters, n, **how)
+    choice(reader, at, args)
     out["peak_python_mib"] = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
     tracemalloc.stop()
     return out
 
 
 def measure_victoria_metrics(
-    answers: Answers, sizes: list[int], per_host: int, filters: Filters, n: int, repeat: int
+    answers: Answers, sizes: list[int], per_host: int, args: dict[str, str], repeat: int
 ) -> dict[str, Any]:
-    """Each size in a fresh VictoriaMetrics: import, then the raw and the view path."""
+    """Each size in a fresh VictoriaMetrics: import, then the full and the packed read."""
     at = float(int(time.time()) - 600)  # well past -search.latencyOffset
     by_size: dict[str, Any] = {}
     for gpus in sizes:
@@ -328,22 +236,10 @@ def measure_victoria_metrics(
             loaded = load_victoria_metrics(base, answers, hosts, at)
             # GPUs that are up (1 % are down) on hosts scraped recently enough to be seen
             wait_visible(base, at, int(gpus * 0.97))
-            paths = {
-                path: measure(
-                    base,
-                    at,
-                    filters,
-                    n,
-                    repeat,
-                    view="view" in path,
-                    sieve="sieve" in path,
-                    packed=path == "packed",
-                )
-                for path in PATHS
-            }
+            paths = {path: measure(base, at, args, repeat, path) for path in PATHS}
             tops = {path: p.pop("top") for path, p in paths.items()}
-            # Every path ranks the same best 20 hosts, each with the same GPUs in order.
-            assert all(t == tops["raw"] for t in tops.values()), {p: t[:2] for p, t in tops.items()}
+            # Both paths rank the same best 20 hosts, each with the same GPUs in order.
+            assert tops["full"] == tops["packed"], {p: t[:2] for p, t in tops.items()}
             load = {"load_average_1m": [load_before, round(os.getloadavg()[0], 2)]}
             by_size[str(gpus)] = {"hosts": hosts, **loaded, **load, **paths}
     return by_size
@@ -351,9 +247,8 @@ def measure_victoria_metrics(
 
 def table(by_size: dict[str, Any]) -> str:
     rows = [
-        "| GPUs (hosts) | path | series | query ms | parse ms | rank ms | end to end ms "
-        "| peak MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| GPUs (hosts) | path | GPUs read | read ms | rank ms | end to end ms | peak MiB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for gpus, r in by_size.items():
         for path in PATHS:
@@ -361,10 +256,10 @@ def table(by_size: dict[str, Any]) -> str:
             cells = [
                 f"{int(gpus):,} ({r['hosts']:,})",
                 path,
-                f"{p['series']:,}",
+                f"{p['gpus_read']:,}",
                 *(
                     f"{p[s]['median_ms']} / {p[s]['fastest_ms']}"
-                    for s in ("query", "parse", "rank", "end_to_end")
+                    for s in ("read", "rank", "end_to_end")
                 ),
                 str(p["peak_python_mib"]),
             ]

@@ -266,13 +266,6 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. 'job=\"gpu-shared\"' (default: every gpu-exporter Prometheus scrapes)",
     )
     serve.add_argument(
-        "--fleet-rule-prefix",
-        default=_env("fleet-rule-prefix", ""),
-        metavar="PREFIX",
-        help="/cluster/choose reads the recorded fleet view PREFIX:gpu/PREFIX:host (gpu_fleet: "
-        "deploy/prometheus/gpu-exporter.fleet.rules.yml) where present, else the raw series",
-    )
-    serve.add_argument(
         "--web-config-file",
         "--web.config.file",
         dest="web_config_file",
@@ -383,8 +376,7 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.auth_scope not in ("all", "writes"):  # from the environment
         parser.error("--auth-scope must be all or writes")
     from gpu_exporter.choose.defaults import parse_defaults
-    from gpu_exporter.choose.fleetview import check_prefix
-    from gpu_exporter.choose.promql import check_selector
+    from gpu_exporter.fleet.queries import check_selector
 
     # idle_for's limit is checked by build()
     _checked(parser, "--choose-defaults", parse_defaults, args.choose_defaults)
@@ -397,9 +389,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f"--web-config-file {args.web_config_file}: {exc}")
     if args.kubernetes is not None and importlib.util.find_spec("grpc") is None:
         parser.error("--kubernetes needs grpcio: pip install 'gpu-exporter[kubernetes]'")
-    selector, prefix = args.prometheus_selector, args.fleet_rule_prefix
+    selector = args.prometheus_selector
     selector = selector and _checked(parser, "--prometheus-selector", check_selector, selector)
-    prefix = prefix and _checked(parser, "--fleet-rule-prefix", check_prefix, prefix)
     return ServeConfig(
         host,
         port,
@@ -430,7 +421,6 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         log_format=args.log_format,
         slow_interval_seconds=max(float(args.slow_interval), interval),
         collect_disabled=tuple(g for g in GROUPS if not getattr(args, f"collect_{g}")),
-        fleet_rule_prefix=prefix,
         kubernetes_socket=args.kubernetes,
         kubernetes_poll_seconds=float(args.kubernetes_poll_interval),
     )

@@ -61,8 +61,6 @@ class ServeConfig:
     # Health fields (collect.groups.SLOW) are read this often; the fast ones every interval.
     slow_interval_seconds: float = 30.0
     collect_disabled: tuple[str, ...] = ()  # --no-collect.<group>: not read, not exported
-    # /cluster/choose reads the recorded fleet view <prefix>:gpu/:host where the store has it
-    fleet_rule_prefix: str = ""
     # --kubernetes: the kubelet's PodResources socket (None: off), asked every poll interval
     kubernetes_socket: str | None = None
     kubernetes_poll_seconds: float = 10.0

@@ -254,14 +254,13 @@ def build(
 
     cluster = None
     if config.prometheus_url:
+        from gpu_exporter.client.choosing import http_claimer
+        from gpu_exporter.client.hostapi import release
+        from gpu_exporter.fleet.reading import PrometheusReader
         from gpu_exporter.web.cluster import ClusterService
 
-        cluster = ClusterService(
-            config.prometheus_url,
-            config.prometheus_selector,
-            defaults=choose_defaults,
-            rule_prefix=config.fleet_rule_prefix,
-        )
+        reader = PrometheusReader(config.prometheus_url, config.prometheus_selector)
+        cluster = ClusterService(reader, http_claimer, release, defaults=choose_defaults)
     taken = kubelet.allocations.taken if kubelet is not None else None  # pods hold these GPUs
     claimer = Claimer(
         cache, leases, waiters, clock=clock, max_age_seconds=config.max_age_seconds, taken=taken

@@ -23,7 +23,7 @@ SUMMARY_MAX_CHARS = 240
 CREATE_APP_MAX_LINES = 80
 # Names still used twice while the other parts of issue 29 land (the fleet and request-path
 # renames; export/cadence.py is folded into export/spec.py). The merger empties this.
-PENDING = {"fleet", "session", "gpu_exporter.export.cadence"}
+PENDING = {"session", "gpu_exporter.export.cadence"}
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,23 @@ def test_choose_is_plain_python() -> None:
     assert wrong_way(("choose",), banned) == []
 
 
+def test_the_fleet_is_plain_python_beside_the_client_and_the_web() -> None:
+    """gpu_exporter/fleet/ (reading, ranking and claiming across hosts) uses choose/ and the
+    model; the client and /cluster/choose use it, never the other way round. The claim's
+    HTTP is given by its caller (daemon.py wires the client's), so neither the fleet nor
+    /cluster/choose imports the client."""
+    banned = {"flask", "werkzeug", "prometheus_client", "pynvml", "collect", "web", "export"}
+    banned |= {"client", "simulate", "gpu_exporter.nvml", "gpu_exporter.daemon"}
+    assert wrong_way(("fleet",), banned) == []
+    assert [i for i in wrong_way(("web",), {"client"}) if "web.cluster" in i] == []
+
+
+def test_no_two_modules_of_the_fleet_share_a_file_name() -> None:
+    names = [p.name for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    fleet = {p.name for p in (PACKAGE / "fleet").glob("*.py")} - {"__init__.py"}
+    assert all(names.count(name) == 1 for name in fleet)
+
+
 def test_export_never_reaches_the_web_or_the_lease_logic_at_run_time() -> None:
     assert wrong_way(("export",), {"web", "client", "choose", "flask", "werkzeug"}) == []
 
@@ -328,8 +345,10 @@ def test_create_app_is_short() -> None:
         "choose.filters",
         "choose.defaults",
         "choose.selectors",
-        "choose.fleet",
-        "choose.promql",
+        "fleet.inventory",
+        "fleet.queries",
+        "fleet.packing",
+        "fleet.ranking",
         "choose.values",
         "client.transport",
         "client.hostapi",

@@ -12,8 +12,8 @@ from types import ModuleType
 import pytest
 
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.fleet import rank_fleet
-from gpu_exporter.choose.promql import parse_fleet
+from gpu_exporter.fleet.ranking import rank_fleet
+from gpu_exporter.fleet.reading import parse_full
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "cluster.py"
 
@@ -51,7 +51,7 @@ def test_the_synthetic_fleet_has_stale_down_and_leased_gpus_that_are_passed_over
     bench = load_bench()
     answers = bench.synthetic_answers(400)
     results = {name: doc["data"]["result"] for name, doc in answers.items()}
-    fleet = parse_fleet(results, evaluated_at=bench.NOW, max_age_seconds=60)
+    fleet = parse_full(results, bench.NOW, 60)
     problems = [h.problem for h in fleet.hosts if h.problem]
     assert sum("target down" in p for p in problems) == 4
     assert sum("400 s old" in p for p in problems) == 2
@@ -73,15 +73,12 @@ def test_quick_store_mode_times_the_chooser_against_a_real_victoria_metrics(
     store = json.loads(out.read_text())["store"]
     assert store["name"] == "victoria-metrics" and list(store["by_gpus"]) == ["400"]
     size = store["by_gpus"]["400"]
-    assert size["hosts"] == 50 and size["samples"] > 2 * 4 * 2000  # raw and view, 4 scrapes
-    for path in ("raw", "view", "raw sieve", "view sieve", "packed"):  # sieve, packed: large
+    assert size["hosts"] == 50 and size["samples"] > 4 * 2000  # raw and packed, 4 scrapes
+    for path in ("full", "packed"):
         figures = size[path]
-        if path in ("raw", "view"):
-            assert figures["series"] > 2000  # every GPU's series came back from the store
-        for step in ("query", "parse", "rank", "end_to_end"):
+        for step in ("read", "rank", "end_to_end"):
             assert figures[step]["median_ms"] > 0
-        assert figures["peak_python_mib"] > 0 and figures["candidate_hosts"] > 0
-    # The same choice every way (the bench itself checks the best 20 hosts and their GPUs).
-    assert size["raw"]["chosen"] == size["view"]["chosen"] == size["raw sieve"]["chosen"]
-    assert size["view sieve"]["chosen"] == size["packed"]["chosen"] == size["raw"]["chosen"]
-    assert size["raw sieve"]["series"] < size["raw"]["series"] / 2  # only the GPUs that pass
+        assert figures["peak_python_mib"] > 0 and figures["candidates"] > 0
+    # The same choice both ways (the bench itself checks the best 20 hosts and their GPUs).
+    assert size["full"]["chosen"] == size["packed"]["chosen"]
+    assert size["packed"]["gpus_read"] < size["full"]["gpus_read"] / 2  # only those that pass

@@ -13,18 +13,15 @@ import pytest
 from conftest import build_stack
 from gpu_exporter import client
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.fleet import Fleet, Host, rank_fleet
 from gpu_exporter.choose.params import ApiError
-from gpu_exporter.choose.promql import fleet_queries, parse_fleet
 from gpu_exporter.choose.request import parse_cluster_args
-from gpu_exporter.client import Choice, ServerUnreachable
-from gpu_exporter.client.fleet import (
-    ClusterChoice,
-    SourceUnavailable,
-    choose_fleet,
-    http_claimer,
-    place,
-)
+from gpu_exporter.client import Choice
+from gpu_exporter.client.choosing import http_claimer
+from gpu_exporter.fleet.inventory import Fleet, Host
+from gpu_exporter.fleet.placing import ClaimRefused, ClusterChoice, choose_fleet, place
+from gpu_exporter.fleet.queries import full_queries, scraped_query
+from gpu_exporter.fleet.ranking import rank_fleet
+from gpu_exporter.fleet.reading import PrometheusReader, SourceUnavailable, parse_full
 from gpu_exporter.simulate import SimulatedNvml
 from gpu_exporter.web.cluster import ClusterService
 from harness import ROOT
@@ -32,6 +29,12 @@ from harness import ROOT
 NOW = 1_800_000_000.0
 GIB = 2**30
 A100 = "NVIDIA A100-SXM4-80GB"
+
+
+def fleet_queries(
+    filters: Filters, sort: str, idle_for: float | None, selector: str = ""
+) -> dict[str, str]:
+    return {**full_queries(filters, sort, idle_for, selector), "scraped": scraped_query(selector)}
 
 
 def uuid(host: str, index: int) -> str:
@@ -101,7 +104,7 @@ def host_results(
 
 
 def fleet_of(results: Mapping[str, Any], **kwargs: Any) -> Fleet:
-    return parse_fleet(results, evaluated_at=NOW, max_age_seconds=60, **kwargs)
+    return parse_full(results, NOW, 60, **kwargs)
 
 
 def by_url(fleet: Fleet) -> dict[str, Host]:
@@ -175,7 +178,7 @@ def test_stale_figures_are_never_used_even_when_they_look_best() -> None:
         "http://unknown:9400",
     }
     # A larger bound accepts the old host, and then it wins.
-    relaxed = parse_fleet(results, evaluated_at=NOW, max_age_seconds=400)
+    relaxed = parse_full(results, NOW, 400)
     assert rank_fleet(relaxed, 1, Filters()).candidates[0].host.url == "http://old:9400"
 
 
@@ -257,10 +260,7 @@ def test_cards_the_kubelet_allocated_to_pods_are_passed_over_as_on_the_host() ->
     assert [g.index for g in candidate.qualified] == [1]  # the better card is the pod's
     (passed,) = rank_fleet(fleet, 2, Filters()).passed_over
     assert "gpu 0: allocated to pod ml/train-0" in passed[1]
-    # Past 500 exporters the store leaves them out: the sieve, the packed series' rule.
-    from gpu_exporter.choose.fleetsieve import Names, sieve_query
-
-    assert "unless on(instance, job, uuid) gpu_pod_info" in sieve_query(Names(), Filters())
+    # Past 500 exporters the store leaves them out: the packed series' rule.
     rules = (ROOT / "deploy" / "prometheus" / "gpu-exporter.fleet.rules.yml").read_text()
     assert "unless on(instance, job, uuid) gpu_pod_info" in rules
 
@@ -338,11 +338,15 @@ def test_a_refusing_host_is_passed_over_and_the_next_one_claimed() -> None:
     def claim(host: Host, n: int, include: tuple[str, ...]) -> Choice:
         calls.append((host.url, n, include))
         if host.url == "http://a:9400":
-            raise client.NoGpusAvailable(503, "0 of 2 GPUs qualify", code="not_enough_gpus")
+            raise ClaimRefused("0 of 2 GPUs qualify")
         return claimed(host, n, include)
 
     placements, passed = place(
-        rank_fleet(fleet_of(results), 2, Filters()), 2, spread=False, claim=claim
+        rank_fleet(fleet_of(results), 2, Filters()),
+        2,
+        spread=False,
+        claim=claim,
+        release=client.release,
     )
     assert [c[0] for c in calls] == ["http://a:9400", "http://b:9400"]
     assert calls[1][1:] == (2, (uuid("b:9400", 1), uuid("b:9400", 0)))  # best first
@@ -360,16 +364,16 @@ def test_spread_fills_the_best_host_first_and_gives_back_a_partial_claim() -> No
         }
     )
     ranking = rank_fleet(fleet_of(results), 3, Filters(), spread=True)
-    placements, _ = place(ranking, 3, spread=True, claim=claimed)
+    placements, _ = place(ranking, 3, spread=True, claim=claimed, release=client.release)
     assert [(p.host, len(p.uuids)) for p in placements] == [("a", 2), ("b", 1)]
     no_lease = [Choice(("GPU-x",), (0,), None, None, "http://a:9400")]
 
     def partial(host: Host, n: int, include: tuple[str, ...]) -> Choice:
         if host.url == "http://b:9400":
-            raise ServerUnreachable(host.url, "connection refused")
+            raise ClaimRefused(f"cannot reach {host.url}: connection refused")
         return no_lease.pop()
 
-    placements, passed = place(ranking, 3, spread=True, claim=partial)
+    placements, passed = place(ranking, 3, spread=True, claim=partial, release=client.release)
     assert placements == [] and "connection refused" in passed[-1][1]
 
 
@@ -410,6 +414,7 @@ def test_choose_fleet_end_to_end_over_a_synthetic_prometheus() -> None:
         prometheus="prom:9090",
         fetch=fake_fetch({"prometheus": results}),
         claimer=fixed_claimer,
+        release=client.release,
         wall_clock=lambda: NOW,
     )
     assert result.source == "prometheus" and not result.notes
@@ -425,6 +430,7 @@ def test_choose_fleet_end_to_end_over_a_synthetic_prometheus() -> None:
             prometheus="prom:9090",
             fetch=fake_fetch({"prometheus": results}),
             claimer=fixed_claimer,
+            release=client.release,
             wall_clock=lambda: NOW,
         )
     assert info.value.status == 503 and info.value.code == "not_enough_gpus"
@@ -459,6 +465,7 @@ def test_without_prometheus_the_named_hosts_are_asked_directly() -> None:
         hosts=["a", "b:9401", "c"],
         fetch=fake_fetch(answers),
         claimer=claimer,
+        release=client.release,
         wall_clock=lambda: NOW,
     )
     assert result.source == "hosts" and result.placements[0].url == "http://a:9400"
@@ -467,7 +474,13 @@ def test_without_prometheus_the_named_hosts_are_asked_directly() -> None:
     assert "leased" in passed["http://b:9401"]  # b's GPU-1 is held
     assert "connection refused" in passed["http://c:9400"]
     with pytest.raises(ApiError) as info:
-        choose_fleet(args, prometheus="http://prom:9090", fetch=fake_fetch(answers))
+        choose_fleet(
+            args,
+            prometheus="http://prom:9090",
+            fetch=fake_fetch(answers),
+            claimer=fixed_claimer,
+            release=client.release,
+        )
     assert (info.value.status, info.value.code) == (503, "prometheus_unavailable")
 
 
@@ -530,6 +543,7 @@ def test_wait_reads_the_fleet_again_until_gpus_qualify() -> None:
         prometheus="prom:9090",
         fetch=fake_fetch(answers),
         claimer=fixed_claimer,
+        release=client.release,
         wall_clock=lambda: NOW,
         monotonic=lambda: now[0],
         sleep=sleep,
@@ -542,6 +556,7 @@ def test_wait_reads_the_fleet_again_until_gpus_qualify() -> None:
             prometheus="prom:9090",
             fetch=fake_fetch({"prometheus": busy}),
             claimer=fixed_claimer,
+            release=client.release,
             wall_clock=lambda: NOW,
             monotonic=lambda: now[0],
             sleep=lambda s: now.__setitem__(0, now[0] + s),
@@ -580,6 +595,7 @@ def test_the_json_answer_keeps_to_the_openapi_schema() -> None:
         prometheus="prom:9090",
         fetch=fake_fetch({"prometheus": results}),
         claimer=fixed_claimer,
+        release=client.release,
         wall_clock=lambda: NOW,
     )
     schema = document()["components"]["schemas"]["Placements"]
@@ -599,6 +615,19 @@ def test_serve_refuses_a_selector_that_is_not_label_matchers(
     assert "--prometheus-selector: expected label matchers" in capsys.readouterr().err
 
 
+def test_the_removed_fleet_rule_prefix_flag_is_refused_clearly(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The recorded view is gone: the packed series are read wherever the store has them."""
+    from gpu_exporter.cli import main
+
+    for argv in (["serve"], ["choose", "--prometheus", "p:9090"]):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, "--fleet-rule-prefix", "gpu_fleet"])
+        assert info.value.code == 2
+        assert "unrecognized arguments: --fleet-rule-prefix" in capsys.readouterr().err
+
+
 # -- /cluster/choose waits as /choose does -------------------------------------------------
 
 
@@ -606,7 +635,11 @@ def cluster_stack(**config: Any) -> Any:
     """An exporter serving /cluster/choose over a fleet where no GPU qualifies (all busy)."""
     s = build_stack(lambda c: SimulatedNvml.with_gpus(1, clock=c.monotonic), **config)
     busy = host_results({"a:9400": gpu("a:9400", 0, util=0.9)})
-    s.daemon.services.cluster = ClusterService("prom:9090", fetch=fake_fetch({"prometheus": busy}))
+    s.daemon.services.cluster = ClusterService(
+        PrometheusReader("prom:9090", fetch=fake_fetch({"prometheus": busy})),
+        fixed_claimer,
+        client.release,
+    )
     return s
 
 

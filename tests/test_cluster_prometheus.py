@@ -33,8 +33,9 @@ import pytest
 from gpu_exporter import client
 from gpu_exporter.choose.params import ApiError
 from gpu_exporter.client import GpuExporterWarning, NoGpusAvailable
-from gpu_exporter.client.fleet import choose_fleet
-from gpu_exporter.client.fleetread import http_get_json
+from gpu_exporter.client.choosing import http_claimer
+from gpu_exporter.fleet.placing import choose_fleet
+from gpu_exporter.fleet.reading import PrometheusReader, get_json
 from harness import (
     ROOT,
     Exporter,
@@ -67,11 +68,10 @@ class Fleet:
 
     def wait_until_no_leases(self) -> None:
         """The store's view catches up with released leases: every GPU's latest sample
-        says not leased, in the raw series and in the recorded view (vmalert evaluates a
+        says not leased, in the raw series and in the packed series (vmalert evaluates a
         few seconds behind; VictoriaMetrics makes each series' new samples searchable a
         second or two apart, so a sum could miss one)."""
         self.prom.wait_for("count(gpu_leased == 0) == 12")
-        self.prom.wait_for('count(gpu_fleet:gpu{field="leased"} == 0) == 12')
         self.prom.wait_for("count(gpu_fleet:packed) == 12")  # every card can be handed out
 
 
@@ -163,52 +163,10 @@ def test_the_host_with_the_requested_free_gpus_is_chosen(fleet: Fleet) -> None:
         client.choose(1, prometheus=fleet.prom.base, selector='job="other"', lease=0)
 
 
-def test_the_recorded_fleet_view_gives_the_same_choices_and_refusals(fleet: Fleet) -> None:
-    fleet.wait_until_no_leases()
-    fleet.prom.wait_for('count(gpu_fleet:gpu{field="up"} == 1) == 12')
-    fleet.prom.wait_for('count(gpu_fleet:host{field="scraped_at"}) == 3')
-    answers = {}
-    for prefix in ("gpu_fleet", ""):
-        asked: list[str] = []
-
-        def fetch(url: str, timeout: float, asked: list[str] = asked) -> Any:
-            asked.append(url)
-            return http_get_json(url, timeout)
-
-        store = fleet.prom.base
-        advice = choose_fleet(
-            {"n": "3", "max_util": "10%", "lease": "0"},
-            prometheus=store,
-            rule_prefix=prefix,
-            fetch=fetch,
-        )
-        assert advice.placements[0].url == fleet.b.base
-        with pytest.raises(ApiError) as info:
-            choose_fleet(
-                {"n": "5", "lease": "0"}, prometheus=store, rule_prefix=prefix, fetch=fetch
-            )
-        answers[prefix] = (asked, info.value.message)
-    view_asked, view_refusal = answers["gpu_fleet"]
-    assert view_refusal == answers[""][1]
-    assert "gpu_fleet" in view_asked[0]
-    assert len(view_asked) == 4  # per choice: the view's scrape times, then the view
-    # Without the rules (another prefix here) the view is empty: the raw series are read.
-    asked_raw: list[str] = []
-
-    def counted(url: str, timeout: float) -> Any:
-        asked_raw.append(url)
-        return http_get_json(url, timeout)
-
-    args = {"n": "3", "max_util": "10%", "lease": "0"}
-    advice = choose_fleet(args, prometheus=fleet.prom.base, rule_prefix="no_such", fetch=counted)
-    assert advice.placements[0].url == fleet.b.base and len(asked_raw) == 4
-
-
-def test_the_store_filtered_read_gives_the_same_choices(fleet: Fleet) -> None:
-    """What a fleet past 500 exporters reads (gpu_exporter.choose.fleetsieve): only the GPUs
-    that pass, filtered by the store's PromQL, raw and recorded, and with the rule prefix
-    from the one packed series per GPU (gpu_exporter.choose.fleetpacked) the rule records
-    there (Prometheus, or vmalert over VictoriaMetrics); the same choices."""
+def test_the_packed_read_gives_the_same_choices(fleet: Fleet) -> None:
+    """What a fleet past 500 exporters reads (gpu_exporter.fleet.packing): only the GPUs
+    that pass, from the one packed series per GPU the rule records (Prometheus, or vmalert
+    over VictoriaMetrics); the same choices as the full read, and its refusals counted."""
     fleet.wait_until_no_leases()
     requests = [
         {"n": "3", "max_util": "10%"},
@@ -218,42 +176,42 @@ def test_the_store_filtered_read_gives_the_same_choices(fleet: Fleet) -> None:
         {"n": "1", "model": "no such model"},
     ]
     packed_reads = 0
-    for prefix in ("", "gpu_fleet"):
-        for args in requests:
-            picks = {}
-            for sieve in (False, True):
-                asked: list[str] = []
+    for args in requests:
+        picks = {}
+        for packed in (False, True):
+            asked: list[str] = []
 
-                def fetch(url: str, timeout: float, asked: list[str] = asked) -> Any:
-                    asked.append(url)
-                    return http_get_json(url, timeout)
+            def fetch(url: str, timeout: float, asked: list[str] = asked) -> Any:
+                asked.append(url)
+                return get_json(url, timeout)
 
-                try:
-                    advice = choose_fleet(
-                        {**args, "lease": "0"},
-                        prometheus=fleet.prom.base,
-                        rule_prefix=prefix,
-                        sieve=sieve,
-                        fetch=fetch,
-                    )
-                    picks[sieve] = [(p.url, sorted(p.uuids)) for p in advice.placements]
-                except ApiError as exc:  # with sieve, the store counted why
-                    counted = "counted in the store" in exc.message
-                    picks[sieve] = [("refused", exc.code, counted == sieve)]
-            assert picks[True] == picks[False], (prefix, args, picks)
-            packed_reads += sum("gpu_fleet%3Apacked" in url for url in asked)
-            if prefix and sieve:  # the packed series answered: no sieve joined five metrics
-                assert not any("query=floor" in url for url in asked), asked
-    assert packed_reads >= 5  # every request fits the packing: each read it with the prefix
+            try:
+                advice = choose_fleet(
+                    {**args, "lease": "0"},
+                    prometheus=PrometheusReader(fleet.prom.base, fetch=fetch, packed=packed),
+                    claimer=http_claimer,
+                    release=client.release,
+                )
+                picks[packed] = [(p.url, sorted(p.uuids)) for p in advice.placements]
+            except ApiError as exc:  # packed, the store counted why
+                counted = "counted in the store" in exc.message
+                picks[packed] = [("refused", exc.code, counted == packed)]
+        assert picks[True] == picks[False], (args, picks)
+        packed_reads += sum("gpu_fleet%3Apacked" in url for url in asked)
+        assert not any("__name__" in url for url in asked), asked  # no full read
+    assert packed_reads >= 5  # every request fits the packing
     with pytest.raises(ApiError, match=r"of 12 GPUs \(counted in the store.*, 12 of a model"):
-        choose_fleet({"n": "1", "model": "no such"}, prometheus=fleet.prom.base, sieve=True)
+        choose_fleet(
+            {"n": "1", "model": "no such"},
+            prometheus=PrometheusReader(fleet.prom.base, packed=True),
+            claimer=http_claimer,
+            release=client.release,
+        )
 
 
 def test_the_cluster_endpoint_of_an_exporter_with_a_prometheus_url(fleet: Fleet) -> None:
     fleet.wait_until_no_leases()
-    # The recorded view (the raw series where a store has none).
-    view = ("--fleet-rule-prefix", "gpu_fleet")
-    with exporter("--simulate", "1", "--prometheus-url", fleet.prom.base, *view) as front:
+    with exporter("--simulate", "1", "--prometheus-url", fleet.prom.base) as front:
         status, body = get(front.base + "/cluster/choose?n=3&max_util=10%25&format=json")
         assert status == 200, body
         answer = json.loads(body)
@@ -330,13 +288,6 @@ def test_a_host_whose_exporter_is_down_is_skipped(fleet: Fleet) -> None:
     assert later.placements[0].url == fleet.c.base
     reasons = {url: why for _, url, why in later.passed_over}
     assert "target down" in reasons[fleet.b.base]
-    # The recorded view sees it once the rules ran again (vmalert: a few seconds later).
-    fleet.prom.wait_for(f'gpu_fleet:host{{field="target_up",instance="{fleet.b.address}"}} == 0')
-    viewed = client.choose_cluster(
-        2, prometheus=fleet.prom.base, max_util=0.1, lease=0, fleet_rule_prefix="gpu_fleet"
-    )
-    assert viewed.placements[0].url == fleet.c.base
-    assert "target down" in {url: why for _, url, why in viewed.passed_over}[fleet.b.base]
     # Past 500 exporters (forced here): the packed series, and the problem the rules record.
     down = f'gpu_fleet:problem{{fleet_problem="target_down",instance="{fleet.b.address}"}}'
     fleet.prom.wait_for(f"{down} == 0")
@@ -344,9 +295,9 @@ def test_a_host_whose_exporter_is_down_is_skipped(fleet: Fleet) -> None:
     def packed_choice() -> Any:
         return choose_fleet(
             {"n": "2", "max_util": "10%", "lease": "0"},
-            prometheus=fleet.prom.base,
-            rule_prefix="gpu_fleet",
-            sieve=True,
+            prometheus=PrometheusReader(fleet.prom.base, packed=True),
+            claimer=http_claimer,
+            release=client.release,
         )
 
     # VictoriaMetrics once answered the problems read without B's record right after the

@@ -13,7 +13,7 @@ import pytest
 
 from gpu_exporter.cli import main
 from gpu_exporter.client import Choice
-from gpu_exporter.client.fleet import ClusterChoice
+from gpu_exporter.fleet.placing import ClusterChoice
 from served import Served, served
 
 EVERY_GPU = ["--max-util", "100%", "--max-mem-util", "100%"]

@@ -1,8 +1,8 @@
-"""One recorded series per GPU (gpu_exporter.choose.fleetpacked): the store filters
+"""One recorded series per GPU (gpu_exporter.fleet.packing): the store filters
 ``gpu_fleet:packed`` with comparisons and ``%`` only, and the chooser ranks what passes; the
 same choices as from every series.
 
-The packed series are written here as the rule writes them (:func:`pack`), and the query
+The packed series are written here as the rule writes them (tests/fleet_packing.py), and the query
 :func:`packed_query` builds is evaluated on them by a small evaluator of its own arithmetic;
 tests/test_cluster_prometheus.py runs the rule and the query in Prometheus and in
 VictoriaMetrics (vmalert), and deploy/prometheus/gpu-exporter.fleet.rules.test.yml the rule
@@ -18,26 +18,52 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from fleet_packing import pack
 from test_cluster import NOW, fixed_claimer, scraped, series
-from test_fleet_sieve import figures, problems
 
+from gpu_exporter import client
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.fleet import rank_fleet
-from gpu_exporter.choose.fleetpacked import (
-    LARGEST,
-    MIB,
-    pack,
-    packable,
-    packed_query,
-    presence_query,
-    unpack,
-)
-from gpu_exporter.choose.fleetsieve import Names, parse_sieve
-from gpu_exporter.choose.promql import parse_fleet
-from gpu_exporter.client.fleet import choose_fleet
+from gpu_exporter.fleet.packing import FIELDS, MIB, packable, packed_query, unpack
+from gpu_exporter.fleet.placing import choose_fleet
+from gpu_exporter.fleet.queries import reasons_text
+from gpu_exporter.fleet.ranking import rank_fleet
+from gpu_exporter.fleet.reading import PrometheusReader, parse_full, parse_packed
 
 GIB = 2**30
 MODELS = ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3")
+
+
+def figures(results: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(instance, uuid) → {labels, metric name → value} from raw ``values``."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for sample in results["values"]:
+        labels = sample["metric"]
+        if "uuid" not in labels:
+            continue
+        entry = out.setdefault((labels["instance"], labels["uuid"]), {"labels": labels})
+        entry[labels["__name__"]] = float(sample["value"][1])
+    return out
+
+
+def problems(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What problems_query answers: NVML down, stuck samplers, failed scrapes."""
+    scraped_at = {s["metric"]["instance"]: float(s["value"][1]) for s in results["scraped"]}
+    out = []
+    for sample in results["values"]:
+        labels = sample["metric"]
+        value = float(sample["value"][1])
+        target = {"instance": labels["instance"], "job": labels["job"]}
+        if labels["__name__"] == "gpu_exporter_nvml_up" and value == 0:
+            out.append({"metric": {**target, "fleet_problem": "nvml_down"}, "value": [NOW, "0"]})
+        if labels["__name__"] == "gpu_exporter_last_sample_timestamp_seconds":
+            lag = scraped_at.get(labels["instance"], value) - value
+            if lag > 60:
+                problem = {**target, "fleet_problem": "stuck"}
+                out.append({"metric": problem, "value": [NOW, str(lag)]})
+    for sample in results["down"]:
+        labels = {**sample["metric"], "fleet_problem": "target_down"}
+        out.append({"metric": labels, "value": [NOW, "0"]})
+    return out
 
 
 def random_fleet(rnd: random.Random, hosts: int = 40) -> dict[str, list[dict[str, Any]]]:
@@ -139,7 +165,7 @@ def evaluate(expr: str, results: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_the_packing_is_exact_and_unpacks() -> None:
-    assert LARGEST < 2**53
+    assert sum(f.top * 10**f.low for f in FIELDS) < 2**53
     value = pack(
         memory_free_bytes=79 * GIB + 5,
         utilization_ratio=0.97,
@@ -152,23 +178,23 @@ def test_the_packing_is_exact_and_unpacks() -> None:
 
 
 def test_only_what_the_packing_tests_exactly_is_packed() -> None:
-    assert packable(Filters(min_free_bytes=40 * GIB, max_procs=0, model="A100"), "free", None)
-    assert not packable(Filters(min_free_bytes=40 * 10**9), "free", None)  # not whole MiB
-    assert not packable(Filters(max_procs=9), "free", None)  # capped at 9
-    assert not packable(Filters(min_total_bytes=80 * GIB), "free", None)
-    assert not packable(Filters(), "power", None) and not packable(Filters(), "free", 60)
-    assert not packable(Filters(include=("0",)), "free", None)
-    query = packed_query("gpu_fleet", Filters(model="A100"), Names("gpu_fleet", 'pool="a"'))
+    assert packable(Filters(min_free_bytes=40 * GIB, max_procs=0, model="A100"), "free", None, 60)
+    assert not packable(Filters(min_free_bytes=40 * 10**9), "free", None, 60)  # not whole MiB
+    assert not packable(Filters(max_procs=9), "free", None, 60)  # capped at 9
+    assert not packable(Filters(min_total_bytes=80 * GIB), "free", None, 60)
+    assert not packable(Filters(), "power", None, 60) and not packable(Filters(), "free", 60, 60)
+    assert not packable(Filters(include=("0",)), "free", None, 60)
+    assert not packable(Filters(), "free", None, 4)  # the rule records lags past 5 s only
+    query = packed_query(Filters(model="A100"), 'pool="a"')
     assert query.startswith('(gpu_fleet:packed{pool="a"} % 1000000000) and on(instance, job, uuid)')
-    assert 'gpu_fleet:gpu{field="info", uuid!~"MIG-.*", name=~"(?i).*A100.*", pool="a"}' in query
-    assert presence_query("gpu_fleet", 'pool="a"') == 'count(gpu_fleet:packed{pool="a"})'
+    assert 'gpu_info{name=~"(?i).*A100.*", pool="a"}' in query
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_packed_read_chooses_exactly_as_every_series_does(seed: int) -> None:
     rnd = random.Random(seed)
     results = random_fleet(rnd)
-    full_fleet = parse_fleet(results, evaluated_at=NOW, max_age_seconds=60)
+    full_fleet = parse_full(results, NOW, 60)
     for _ in range(6):
         filters = Filters(
             min_free_bytes=rnd.choice((None, 40 * GIB, 40 * GIB - MIB, 41 * GIB, 70 * GIB)),
@@ -178,13 +204,13 @@ def test_the_packed_read_chooses_exactly_as_every_series_does(seed: int) -> None
             model=rnd.choice((None, None, "a100", "H100")),
         )
         n, spread, sort = rnd.choice((1, 2, 3, 4)), rnd.random() < 0.3, rnd.choice(("free", "util"))
-        assert packable(filters, sort, None)
+        assert packable(filters, sort, None, 60)
         answers = {
-            "hosts": results["scraped"],
-            "sieve": evaluate(packed_query("gpu_fleet", filters), results),
+            "scraped": results["scraped"],
+            "packed": evaluate(packed_query(filters), results),
             "problems": problems(results),
         }
-        packed = parse_sieve(answers, evaluated_at=NOW, max_age_seconds=60, unpack=unpack)
+        packed = parse_packed(answers, NOW, 60)
         full = rank_fleet(full_fleet, n, filters, sort=sort, spread=spread)
         quick = rank_fleet(packed, n, filters, sort=sort, spread=spread)
         case = (seed, filters, n, spread, sort)
@@ -196,12 +222,11 @@ def test_the_packed_read_chooses_exactly_as_every_series_does(seed: int) -> None
 
 def packed_fetch(results: Mapping[str, Any], asked: list[str], *, recorded: bool = True) -> Any:
     """A store with the fleet rules loaded (or, ``recorded=False``, without gpu_fleet:packed)."""
-    from test_fleet_sieve import sieved
 
     def fetch(url: str, timeout: float) -> Any:
         expr = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["query"][0]
         asked.append(expr)
-        if expr.startswith("timestamp(") or expr == 'gpu_fleet:host{field="scraped_at"}':
+        if expr.startswith("timestamp("):
             result = results["scraped"]
         elif expr.startswith("gpu_fleet:problem"):  # the stuck ones past max_age 60
             result = problems(results) if recorded else []
@@ -209,87 +234,174 @@ def packed_fetch(results: Mapping[str, Any], asked: list[str], *, recorded: bool
             result = [{"metric": {}, "value": [NOW, "3"]}] if recorded else []
         elif "gpu_fleet:packed" in expr:
             result = evaluate(expr, results) if recorded else []
-        elif expr.startswith("floor("):
-            result = sieved(results, Filters(max_util_ratio=0.1))
-        elif "fleet_problem" in expr:
-            result = problems(results)
         elif "fleet_reason" in expr:
             result = [{"metric": {"fleet_reason": "gpus"}, "value": [NOW, "3"]}]
-        elif expr.startswith("{__name__") and "gpu_fleet" not in expr:  # every raw series
+        elif expr.startswith("{__name__"):  # every series
             result = results["values"]
-        elif expr.startswith("up"):
+        else:
+            assert expr.startswith("up"), expr
             result = results["down"]
-        else:  # the view's other series are not loaded here
-            result = []
         return {"status": "success", "data": {"resultType": "vector", "result": result}}
 
     return fetch
 
 
-def test_a_choice_reads_the_packed_series_and_falls_back_to_the_sieve_without_them() -> None:
+def test_a_choice_reads_the_packed_series_and_reads_every_series_without_them() -> None:
     results = random_fleet(random.Random(7), hosts=6)
     args = {"n": "1", "max_util": "10%", "max_mem_util": "100%"}
     picks = {}
     for recorded_there in (True, False):
         asked: list[str] = []
+        fetch = packed_fetch(results, asked, recorded=recorded_there)
         choice = choose_fleet(
             args,
-            prometheus="prom:9090",
-            rule_prefix="gpu_fleet",
-            sieve=True,
-            fetch=packed_fetch(results, asked, recorded=recorded_there),
+            prometheus=PrometheusReader("prom:9090", fetch=fetch, packed=True),
             claimer=fixed_claimer,
+            release=client.release,
             wall_clock=lambda: NOW,
         )
         picks[recorded_there] = [(p.url, p.uuids) for p in choice.placements]
-        read = [e for e in asked if "gpu_fleet:packed" in e or e.startswith("floor(")]
+        read = [e for e in asked if "gpu_fleet:packed" in e]
         if recorded_there:  # one read of one metric, no join
-            assert len(read) == 1 and read[0] == "(gpu_fleet:packed < 110000000000000) % 1000000000"
-        else:  # an empty answer, nothing recorded: the sieve
-            assert read[0].startswith("(gpu_fleet:packed") and read[-1].startswith("floor(")
+            assert read == ["(gpu_fleet:packed < 110000000000000) % 1000000000"]
+            assert not any(e.startswith("{__name__") for e in asked)
+        else:  # an empty answer, nothing recorded: every series
             assert "count(gpu_fleet:packed)" in asked
-    assert picks[True] and picks[False]  # (the canned sieve answer here knows no pods)
-    # No GPU passes, yet the series are there: a refusal, counted in the store as before.
-    asked = []
+            assert any(e.startswith("{__name__") for e in asked)
+    assert picks[True] == picks[False]
+    # No GPU passes, yet the series are there: a refusal, with the reasons counted.
     with pytest.raises(Exception, match="counted in the store"):
         choose_fleet(
             {"n": "9"},
-            prometheus="prom:9090",
-            rule_prefix="gpu_fleet",
-            sieve=True,
-            fetch=packed_fetch(results, asked),
+            prometheus=PrometheusReader("prom:9090", fetch=packed_fetch(results, []), packed=True),
             claimer=fixed_claimer,
+            release=client.release,
             wall_clock=lambda: NOW,
         )
-    assert not any(e.startswith("floor(") for e in asked)
 
 
-def test_a_chooser_that_saw_a_large_fleet_reads_the_packed_series_with_the_scrape_times() -> None:
-    from gpu_exporter.client import fleetread
-
-    where = ("http://prom:9090", "", "gpu_fleet")
-    fleetread._LARGE_FLEETS.discard(where)
+def test_the_reader_remembers_a_large_fleet_and_reads_it_all_at_once() -> None:
+    asked: list[str] = []
+    reader = PrometheusReader("prom:9090")
 
     def choose(hosts: int) -> list[str]:
-        asked: list[str] = []
+        asked.clear()
+        reader.fetch = packed_fetch(random_fleet(random.Random(3), hosts=hosts), asked)
         choose_fleet(
             {"n": "1", "max_util": "10%", "max_mem_util": "100%"},
-            prometheus="prom:9090",
-            rule_prefix="gpu_fleet",
-            fetch=packed_fetch(random_fleet(random.Random(3), hosts=hosts), asked),
+            prometheus=reader,
             claimer=fixed_claimer,
+            release=client.release,
             wall_clock=lambda: NOW,
         )
-        return asked
+        return sorted(e.split("{")[0].split(" ")[0] for e in asked)
 
-    for _ in range(2):  # past DETAIL_UP_TO_HOSTS
-        asked = choose(510)
-        assert where in fleetread._LARGE_FLEETS  # remembered: the next read asks all at once
-        # the same three reads either way; the second time together
-        assert sorted(e.split("{")[0].split(" ")[0] for e in asked) == [
-            "(gpu_fleet:packed",
-            "gpu_fleet:host",
-            "gpu_fleet:problem",
-        ]
-    choose(20)  # a fleet that shrank below the size is read in full again, and forgotten
-    assert where not in fleetread._LARGE_FLEETS
+    packed = [
+        "(gpu_fleet:packed",
+        "gpu_fleet:problem",
+        "timestamp(gpu_exporter_last_sample_timestamp_seconds)",
+    ]
+    assert choose(510) == packed  # past 500 exporters: the scrape times, then the packed read
+    assert reader.was_large  # remembered by the caller's reader: the next read asks at once
+    assert choose(510) == packed
+    assert "" in choose(20)  # a fleet that shrank is read in full again: {__name__=~"…"}
+    assert not reader.was_large
+
+
+def test_refusal_reasons_are_counted_in_the_store() -> None:
+    samples = [
+        {"metric": {"fleet_reason": "gpus"}, "value": [NOW, "100000"]},
+        {"metric": {"fleet_reason": "down"}, "value": [NOW, "1000"]},
+        {"metric": {"fleet_reason": "min_free"}, "value": [NOW, "35000"]},
+    ]
+    text = reasons_text(samples, Filters(min_free_bytes=40 * GIB))
+    assert text == (
+        "of 100,000 GPUs (counted in the store; one may fail several filters): "
+        "1,000 down, 35,000 with free memory < min_free 40.0 GiB"
+    )
+
+
+def test_the_committed_fleet_rules_equal_the_generators_output() -> None:
+    import importlib.util
+    import sys
+
+    from harness import ROOT
+
+    spec = importlib.util.spec_from_file_location("gen", ROOT / "scripts/generate_deploy.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gen
+    spec.loader.exec_module(gen)
+    assert gen.FLEET_RULES.read_text() == gen.fleet_rules(), "run scripts/generate_deploy.py"
+
+
+def test_leaving_out_the_gpus_that_surely_fail_never_changes_a_ranking() -> None:
+    import random
+
+    from gpu_exporter.choose.rank import NotEnoughGpus, rank
+    from gpu_exporter.fleet.inventory import Fleet, Host
+    from gpu_exporter.fleet.ranking import shortfall
+    from gpu_exporter.model import GpuSample
+
+    rnd = random.Random(19)
+
+    def maybe(value: Any) -> Any:
+        return None if rnd.random() < 0.1 else value
+
+    hosts = []
+    for h in range(60):
+        gpus = tuple(
+            GpuSample(
+                index=i,
+                uuid=f"GPU-{h}-{i}",
+                up=rnd.random() > 0.05,
+                memory_free_bytes=maybe(rnd.choice((8, 40, 41, 79)) * GIB),
+                utilization_ratio=maybe(rnd.choice((0.0, 0.05, 0.1, 0.5, 0.97))),
+                memory_utilization_ratio=maybe(rnd.choice((0.0, 0.5, 0.9))),
+                compute_processes=maybe(rnd.choice((0, 0, 1, 2))),
+            )
+            for i in range(8)
+        )
+        leased = tuple(g.uuid for g in gpus if rnd.random() < 0.05)
+        hosts.append(Host(f"http://h{h}:9400", f"h{h}", gpus, leased))
+    fleet = Fleet(tuple(hosts), "prometheus", NOW)
+    for n, filters in (
+        (1, Filters()),
+        (2, Filters(min_free_bytes=40 * GIB, max_util_ratio=0.1, max_procs=0)),
+        (3, Filters(max_util_ratio=0.5, max_mem_util_ratio=0.5, defaulted=("max_util",))),
+    ):
+        ranking = rank_fleet(fleet, n, filters)
+        for candidate in ranking.candidates:
+            full = rank(
+                candidate.host.gpus,
+                filters,
+                leased=dict.fromkeys(candidate.host.leased, "leased (at the last scrape)"),
+            )
+            assert candidate.qualified == full.qualified
+            assert candidate.shortfall == shortfall(full)
+        for host, why in ranking.passed_over:  # every GPU's reasons, as before
+            held = dict.fromkeys(host.leased, "leased (at the last scrape)")
+            assert why == str(NotEnoughGpus(n, rank(host.gpus, filters, leased=held)))
+
+
+def test_reading_leaves_the_garbage_collector_alone() -> None:
+    """No process-wide switch from a library: the collector stays as the caller set it."""
+    import gc
+
+    results = random_fleet(random.Random(5), hosts=6)
+    seen: list[bool] = []
+    store = packed_fetch(results, [])
+
+    def fetch(url: str, timeout: float) -> Any:
+        seen.append(gc.isenabled())
+        return store(url, timeout)
+
+    reader = PrometheusReader("prom:9090", fetch=fetch, packed=True)
+    choose_fleet(
+        {"n": "1", "max_util": "10%", "max_mem_util": "100%"},
+        prometheus=reader,
+        claimer=fixed_claimer,
+        release=client.release,
+        wall_clock=lambda: NOW,
+    )
+    assert seen and all(seen) and gc.isenabled()

@@ -19,12 +19,13 @@ from test_cluster import NOW, claimed, fake_fetch, gpu, host_results
 from conftest import build_stack, sim_of
 from gpu_exporter import client
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS, parse_defaults
-from gpu_exporter.choose.fleet import Fleet, Host
 from gpu_exporter.choose.params import ApiError
 from gpu_exporter.choose.request import parse_choose_args, parse_cluster_args
 from gpu_exporter.client import Choice, NoGpusAvailable
-from gpu_exporter.client.fleet import choose_fleet, http_claimer
+from gpu_exporter.client.choosing import http_claimer
 from gpu_exporter.daemon import BuildError
+from gpu_exporter.fleet.inventory import Fleet, Host
+from gpu_exporter.fleet.placing import choose_fleet
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import Load, SimGpu, SimulatedNvml
 from served import served
@@ -151,6 +152,7 @@ def test_the_cluster_chooser_applies_the_same_defaults() -> None:
         "prometheus": "prom:9090",
         "fetch": fetch,
         "claimer": lambda *_: claimed,
+        "release": client.release,
         "wall_clock": lambda: NOW,
     }
     with pytest.raises(ApiError, match=r"utilization 0\.90 > max_util 0\.50"):

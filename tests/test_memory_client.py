@@ -21,8 +21,9 @@ import pytest
 
 from gpu_exporter import client, use_gpus
 from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, MEM_ENV_NAMES
-from gpu_exporter.client.fleet import choose_fleet
+from gpu_exporter.client.choosing import http_claimer
 from gpu_exporter.client.transport import GpuExporterError, GpuExporterWarning
+from gpu_exporter.fleet.placing import choose_fleet
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
 from harness import ROOT
 from harness import run as gpu_exporter_cli
@@ -155,7 +156,8 @@ def test_choose_with_mem_prints_the_env_line(exporter: Served) -> None:
 def test_a_cluster_choice_passes_mem_to_the_hosts_claim(exporter: Served) -> None:
     """/cluster/choose?mem= (here through the client's fleet chooser, which the server's
     endpoint runs too): the fleet picks the host, the host admits the share."""
-    result = choose_fleet({"n": "1", "mem": "8GiB", "lease": "60s"}, hosts=[exporter.url])
+    args = {"n": "1", "mem": "8GiB", "lease": "60s"}
+    result = choose_fleet(args, hosts=[exporter.url], claimer=http_claimer, release=client.release)
     (placed,) = result.placements
     assert placed.mem_bytes == 8 * GIB and placed.mem_fraction == 0.0938
     assert placed.env()["GPU_MEM_LIMIT_BYTES"] == str(8 * GIB)
@@ -176,9 +178,8 @@ def test_without_a_server_a_memory_lease_is_refused_not_chosen_locally(
 
 
 def test_cluster_choose_takes_mem_and_hands_it_to_the_claim() -> None:
-    from gpu_exporter.choose.fleet import Fleet, Host
     from gpu_exporter.choose.request import parse_cluster_args
-    from gpu_exporter.client.fleet import http_claimer
+    from gpu_exporter.fleet.inventory import Fleet, Host
 
     args = {"n": "1", "mem": "8GiB", "lease": "10m"}
     req = parse_cluster_args(args, defaults={"max_util": "50%"})

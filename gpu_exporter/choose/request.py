@@ -3,7 +3,7 @@
 Every parameter is read through its :class:`~gpu_exporter.choose.params.Param` in
 :data:`~gpu_exporter.choose.params.PARAMS`: the server (:mod:`gpu_exporter.web.leaseapi`), the
 client's local fallback (:mod:`gpu_exporter.client.local`) and the cluster chooser
-(:mod:`gpu_exporter.client.fleet`) all parse through :func:`parse_choose_args` /
+(:mod:`gpu_exporter.fleet.placing`) all parse through :func:`parse_choose_args` /
 :func:`parse_cluster_args`, so a value means the same everywhere and is refused with the same
 message.
 

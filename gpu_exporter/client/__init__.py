@@ -39,9 +39,9 @@ is checked against the system CAs, or the file in ``$SSL_CERT_FILE``. Every fail
 The modules, from the wire up: :mod:`~gpu_exporter.client.transport` (the one HTTP stack and
 the errors), :mod:`~gpu_exporter.client.query` (``/choose``'s query from Python values),
 :mod:`~gpu_exporter.client.hostapi` (one exporter's endpoints),
-:mod:`~gpu_exporter.client.fleet` (across hosts), :mod:`~gpu_exporter.client.choosing`
-(:func:`choose`: one host or the fleet), :mod:`~gpu_exporter.client.local` (this host's NVML
-when no server answers), :mod:`~gpu_exporter.client.session` (:func:`use_gpus`), and
+:mod:`~gpu_exporter.client.choosing` (:func:`choose`: one host, or the fleet through
+:mod:`gpu_exporter.fleet`), :mod:`~gpu_exporter.client.local` (this host's NVML when no
+server answers), :mod:`~gpu_exporter.client.session` (:func:`use_gpus`), and
 :mod:`~gpu_exporter.client.commands` (``gpu-exporter choose``, ``run``, ``release``). None of them
 imports Flask, werkzeug, prometheus_client or pynvml.
 """
@@ -49,7 +49,6 @@ imports Flask, werkzeug, prometheus_client or pynvml.
 from __future__ import annotations
 
 from gpu_exporter.client.choosing import choose, choose_cluster
-from gpu_exporter.client.fleet import ClusterChoice
 from gpu_exporter.client.hostapi import (
     DEFAULT_LEASE,
     LEASE_HEADER,
@@ -88,6 +87,7 @@ from gpu_exporter.client.transport import (
     is_loopback,
     resolve_url,
 )
+from gpu_exporter.fleet.placing import ClusterChoice
 
 __all__ = [
     "DEFAULT_LEASE",

@@ -1,25 +1,29 @@
 """The front door: :func:`choose` GPUs from one exporter or across a fleet, :func:`choose_cluster`.
 
-One exporter is :mod:`gpu_exporter.client.hostapi`'s, a fleet :mod:`gpu_exporter.client.fleet`'s;
-both answer with the same :class:`~gpu_exporter.client.hostapi.Choice`, so a job script need
-not care which it asked.
+One exporter is :mod:`gpu_exporter.client.hostapi`'s, a fleet :mod:`gpu_exporter.fleet`'s, which
+claims on the chosen host through :func:`http_claimer` here; both answer with the same
+:class:`~gpu_exporter.client.hostapi.Choice`, so a job script need not care which it asked.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-from gpu_exporter.choose.params import ApiError
-from gpu_exporter.client.fleet import ClusterChoice, choose_fleet
-from gpu_exporter.client.hostapi import DEFAULT_LEASE, Choice, choose_host
+from gpu_exporter.choose.params import POINT_FILTERS, ApiError
+from gpu_exporter.choose.request import ClusterRequest
+from gpu_exporter.client.hostapi import DEFAULT_LEASE, Choice, choose_host, release
 from gpu_exporter.client.query import Duration, FilterValue, choose_params, format_duration
 from gpu_exporter.client.transport import (
     DEFAULT_TIMEOUT_SECONDS,
+    GpuExporterError,
     GpuExporterWarning,
     NoGpusAvailable,
     ServerError,
 )
+from gpu_exporter.fleet.inventory import Fleet, Host
+from gpu_exporter.fleet.placing import Claim, ClaimRefused, ClusterChoice, choose_fleet
 
 
 def choose(
@@ -34,7 +38,6 @@ def choose(
     hosts: Iterable[str] | str | None = None,
     max_age: Duration | None = None,
     selector: str | None = None,
-    fleet_rule_prefix: str | None = None,
     **filters: FilterValue,
 ) -> Choice:
     """Choose ``n`` GPUs and lease them for ``lease`` (``0``: advice only, nothing reserved).
@@ -62,21 +65,11 @@ def choose(
     if prometheus or hosts:
         if url is not None:
             raise TypeError("give url (one host) or prometheus/hosts (a fleet), not both")
-        fleet = _choose_cluster(
-            n,
-            prometheus=prometheus,
-            hosts=hosts,
-            spread=False,
-            lease=lease,
-            wait=wait,
-            owner=owner,
-            max_age=max_age,
-            selector=selector,
-            fleet_rule_prefix=fleet_rule_prefix,
-            timeout=timeout,
-            filters=filters,
-            stacklevel=3,
-        )
+        fleet = choose_cluster(
+            n, prometheus=prometheus, hosts=hosts, spread=False, lease=lease, wait=wait,
+            owner=owner, max_age=max_age, selector=selector, timeout=timeout, _stacklevel=3,
+            **filters,
+        )  # fmt: skip
         return fleet.placements[0]
     return choose_host(n, url, lease=lease, wait=wait, owner=owner, timeout=timeout, **filters)
 
@@ -93,7 +86,7 @@ def choose_cluster(
     max_age: Duration | None = None,
     selector: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
-    fleet_rule_prefix: str | None = None,
+    _stacklevel: int = 2,  # where a warning points: the caller's line
     **filters: FilterValue,
 ) -> ClusterChoice:
     """Choose and lease ``n`` GPUs across hosts, reading the fleet from Prometheus.
@@ -103,46 +96,11 @@ def choose_cluster(
     :class:`GpuExporterWarning`. All ``n`` GPUs come from one host unless ``spread``; each
     host's own exporter grants the lease. ``max_age`` (default 60 s): figures older than this
     are never used. ``selector`` (label matchers, ``'job="gpu-shared"'``) narrows the fleet
-    Prometheus shows to those targets. ``fleet_rule_prefix`` (``"gpu_fleet"``) reads the
-    recorded fleet view of deploy/prometheus/gpu-exporter.fleet.rules.yml where the store has
-    it (one query), the raw series otherwise. Filters as for :func:`choose`.
+    Prometheus shows to those targets. Filters as for :func:`choose`.
 
     Raises :class:`NoGpusAvailable` (the message has every host's reason) and
     :class:`ServerError` (400 bad argument, 503 ``prometheus_unavailable``).
     """
-    return _choose_cluster(
-        n,
-        prometheus=prometheus,
-        hosts=hosts,
-        spread=spread,
-        lease=lease,
-        wait=wait,
-        owner=owner,
-        max_age=max_age,
-        selector=selector,
-        fleet_rule_prefix=fleet_rule_prefix,
-        timeout=timeout,
-        filters=filters,
-        stacklevel=3,
-    )
-
-
-def _choose_cluster(
-    n: int,
-    *,
-    prometheus: str | None,
-    hosts: Iterable[str] | str | None,
-    spread: bool,
-    lease: Duration | None,
-    wait: Duration | None,
-    owner: str | None,
-    max_age: Duration | None,
-    selector: str | None,
-    timeout: float,
-    filters: Mapping[str, FilterValue],
-    stacklevel: int,
-    fleet_rule_prefix: str | None = None,
-) -> ClusterChoice:
     params = choose_params(n, "json", lease, wait, owner, filters)
     if spread:
         params["spread"] = "1"
@@ -154,19 +112,53 @@ def _choose_cluster(
     try:
         result = choose_fleet(
             params,
+            claimer=http_claimer,
+            release=release,
             prometheus=prometheus,
             hosts=host_list,
             selector=selector or "",
-            rule_prefix=fleet_rule_prefix or "",
             timeout=timeout,
         )
     except ApiError as exc:
-        raise _from_api_error(exc, prometheus or ",".join(host_list)) from None
+        cls = (
+            NoGpusAvailable if exc.status == 503 and exc.code == "not_enough_gpus" else ServerError
+        )
+        where = prometheus or ",".join(host_list)
+        raise cls(exc.status, exc.message, code=exc.code, param=exc.param, url=where) from None
     for note in result.notes:
-        warnings.warn(note, GpuExporterWarning, stacklevel=stacklevel)
+        warnings.warn(note, GpuExporterWarning, stacklevel=_stacklevel)
     return result
 
 
-def _from_api_error(exc: ApiError, url: str) -> ServerError:
-    cls = NoGpusAvailable if exc.status == 503 and exc.code == "not_enough_gpus" else ServerError
-    return cls(exc.status, exc.message, code=exc.code, param=exc.param, url=url)
+def http_claimer(
+    args: Mapping[str, str],
+    req: ClusterRequest,
+    fleet: Fleet,
+    timeout: float,
+    *,
+    choose_on_host: Callable[..., Choice] = choose_host,
+) -> Claim:
+    """Claims through the host's own ``/choose`` (``choose_on_host``), which re-checks the
+    point filters. ``idle_for`` goes to the host only when the fleet could not judge it
+    (``--hosts``): the store's history may reach further back than a host's own."""
+    passed_on: dict[str, Any] = {k: args[k] for k in POINT_FILTERS if k in args}
+    if "idle_for" in args and not fleet.window_checked:
+        passed_on["idle_for"] = args["idle_for"]
+    if "sort" in args:
+        passed_on["sort"] = args["sort"]
+
+    def claim(host: Host, n: int, include: tuple[str, ...]) -> Choice:
+        lease = args.get("lease", DEFAULT_LEASE)
+        try:
+            return choose_on_host(
+                n, host.url, lease=lease, wait=None, owner=req.choose.owner,
+                timeout=timeout, include=include, **passed_on,
+            )  # fmt: skip
+        except ServerError as exc:
+            if exc.status == 400:
+                raise ApiError(400, exc.code or "invalid_parameter", str(exc), exc.param) from None
+            raise ClaimRefused(str(exc)) from None
+        except GpuExporterError as exc:
+            raise ClaimRefused(str(exc)) from None
+
+    return claim

@@ -10,9 +10,16 @@
     gpu-exporter run -n 2 --min-free 20GiB --wait 10m -- python train.py
 
 This module holds the flags of all three (the filter flags come from
-:data:`gpu_exporter.choose.params.PARAMS`; what each does, across hosts too, and the exit
-statuses are in their ``--help``), and runs ``choose`` and ``release``. Across hosts
-(``--prometheus``, ``--hosts``) the fleet is :mod:`gpu_exporter.client.fleet`'s.
+:data:`gpu_exporter.choose.params.PARAMS`), ``choose`` and ``release``.
+
+With ``--prometheus URL`` (and/or ``--hosts a,b,c``) both choose across hosts instead
+(:mod:`gpu_exporter.fleet`, docs/cluster.md): all N GPUs on one host, leased by that host's
+exporter. ``choose`` then prints ``HOST GPU-a,GPU-b`` (``--format env`` adds ``GPU_HOST`` and
+``GPU_EXPORTER_URL``); ``run`` sets those two as well and holds the lease from here, while
+COMMAND is expected to go to ``$GPU_HOST`` (ssh, srun -w) to use the GPUs.
+
+Exit status of both, before any command runs: 3 when not enough GPUs qualify, 2 for bad
+arguments (ours or the server's 400), 1 for anything else (no server, 429, NVML down …).
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from typing import Any
 from gpu_exporter.argparsing import EXIT_USAGE, Parser, checked
 from gpu_exporter.choose.params import PARAMS
 from gpu_exporter.client.choosing import choose_cluster
-from gpu_exporter.client.fleet import ClusterChoice
 from gpu_exporter.client.hostapi import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.transport import (
     DEFAULT_URL,
@@ -39,6 +45,7 @@ from gpu_exporter.client.transport import (
     NoGpusAvailable,
     ServerError,
 )
+from gpu_exporter.fleet.placing import ClusterChoice
 from gpu_exporter.units import parse_duration
 
 EXIT_FAILURE = 1
@@ -114,14 +121,6 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MATCHERS",
         help="with --prometheus: only the targets these label matchers select, "
         "e.g. 'job=\"gpu-shared\"'",
-    )
-    fleet.add_argument(
-        "--fleet-rule-prefix",
-        default=None,
-        metavar="PREFIX",
-        help="with --prometheus: read the recorded fleet view PREFIX:gpu/PREFIX:host "
-        "(deploy/prometheus/gpu-exporter.fleet.rules.yml: gpu_fleet) where it is there, "
-        "the raw series otherwise",
     )
     fleet.add_argument(
         "--max-age",
@@ -216,16 +215,9 @@ def fail(exc: GpuExporterError, prefix: str = "") -> int:
 def across_hosts(args: argparse.Namespace) -> bool:
     """Across hosts? Then --url makes no sense."""
     if not (args.prometheus or args.hosts):
-        if (
-            args.max_age is not None
-            or args.selector
-            or args.fleet_rule_prefix
-            or getattr(args, "spread", False)
-        ):
+        if args.max_age is not None or args.selector or getattr(args, "spread", False):
             raise ServerError(
-                400,
-                "--max-age, --selector, --fleet-rule-prefix and --spread need --prometheus "
-                "or --hosts",
+                400, "--max-age, --selector and --spread need --prometheus or --hosts"
             )
         return False
     if args.url is not None:
@@ -255,7 +247,6 @@ def choose_across_hosts(args: argparse.Namespace, *, spread: bool) -> ClusterCho
             owner=args.owner,
             max_age=args.max_age,
             selector=args.selector,
-            fleet_rule_prefix=args.fleet_rule_prefix,
             **filters_of(args),
         )
 

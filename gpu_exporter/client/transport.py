@@ -4,8 +4,8 @@ Standard library only, and ``urllib.request`` is imported on the first request, 
 ``gpu-exporter --help`` and ``import gpu_exporter.client`` stay cheap. Everything the client
 asks goes through :func:`send`: an exporter's endpoints through :func:`request` (with basic
 auth from ``$GPU_EXPORTER_USER``/``$GPU_EXPORTER_PASSWORD``, and an error status raised as the
-matching :class:`ServerError`), Prometheus and the fleet's ``/gpus`` through
-:mod:`gpu_exporter.client.fleet`. A loopback address is never sent through a proxy.
+matching :class:`ServerError`); reading a fleet (Prometheus, the hosts' ``/gpus``) is
+:mod:`gpu_exporter.fleet.reading`'s. A loopback address is never sent through a proxy.
 """
 
 from __future__ import annotations

@@ -1,0 +1,140 @@
+"""The layout of ``gpu_fleet:packed``: one recorded series per GPU that can be handed out,
+and the query that filters it in the store (pure).
+
+The fleet rules (``deploy/prometheus/gpu-exporter.fleet.rules.yml``, generated from
+:data:`FIELDS` by ``scripts/generate_deploy.py``) record one series per whole card with
+``gpu_up`` 1, not leased and not allocated to a Kubernetes pod. Its value packs the figures a
+choice filters and ranks on, each a whole number in its own decimal digits (:data:`FIELDS`,
+most significant first; utilization twice: tested at the top, kept at the bottom); every value
+is below 2^53, so exact in float64. :func:`packed_query` filters it with comparisons (a
+comparison tests the field at the top of what is left) and ``%`` (which drops the fields above
+the next one tested); what is left, ``free MiB × 1000 + utilization %``, is what the ranking
+orders by (:func:`unpack`). Exact where the thresholds fit the packing (:func:`packable`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final
+
+from gpu_exporter.choose.filters import Filters
+from gpu_exporter.fleet.queries import GPU_KEY, braces, model_regex
+
+MIB: Final = 2**20
+PACKED: Final = "gpu_fleet:packed"
+PROBLEM: Final = "gpu_fleet:problem"
+RECORDED_LAG_ABOVE: Final = 5  # the rule records a sampler's lag past this (seconds)
+SORTS: Final = ("free", "util", "pack")  # the orders free memory and utilization decide
+
+
+@dataclass(frozen=True, slots=True)
+class PackedField:
+    """One figure in the packed value: its lowest digit, largest value, and its PromQL."""
+
+    name: str
+    low: int
+    top: int
+    source: str
+
+    @property
+    def high(self) -> int:  # one past its highest digit
+        return self.low + len(str(self.top))
+
+
+UTIL_PCT: Final = "round(gpu_utilization_ratio * 100)"
+FIELDS: Final = (
+    PackedField("utilization_pct_test", 13, 100, UTIL_PCT),
+    PackedField("memory_utilization_pct", 10, 100, "round(gpu_memory_utilization_ratio * 100)"),
+    PackedField("compute_processes", 9, 9, "gpu_compute_processes"),
+    PackedField("memory_free_mib", 3, 999_999, "floor(gpu_memory_free_bytes / 1048576)"),
+    PackedField("utilization_pct", 0, 100, UTIL_PCT),
+)
+BY_NAME: Final = {f.name: f for f in FIELDS}
+assert sum(f.top * 10**f.low for f in FIELDS) < 2**53  # every value is an exact float64
+KEPT_DIGITS: Final = BY_NAME["memory_free_mib"].high  # what the ranking orders by
+
+
+def packable(filters: Filters, sort: str, idle_for_seconds: float | None, max_age: float) -> bool:
+    """Whether :func:`packed_query` tests this request exactly (else: the full read)."""
+    free, procs = filters.min_free_bytes, filters.max_procs
+    return (
+        not idle_for_seconds
+        and filters.mig != "only"  # whole cards only
+        and not filters.include
+        and not filters.exclude
+        and sort in SORTS
+        and filters.min_total_bytes is None
+        and max_age >= RECORDED_LAG_ABOVE
+        and (procs is None or procs < BY_NAME["compute_processes"].top)
+        and (free is None or (free % MIB == 0 and free // MIB <= BY_NAME["memory_free_mib"].top))
+    )
+
+
+def _pct(ratio: float) -> int:
+    """The largest whole percent at or below ``ratio`` (``x % <= ratio`` ⇔ ``x <= this``)."""
+    return math.floor(round(ratio * 100, 6))
+
+
+def packed_query(filters: Filters, selector: str = "") -> str:
+    """The GPUs that pass the request's filters, valued ``free MiB × 1000 + utilization %``.
+
+    >>> print(packed_query(Filters(min_free_bytes=40 * 2**30, max_util_ratio=0.1, max_procs=0)))
+    (((gpu_fleet:packed < 110000000000000) % 10000000000) < 1000000000) >= 40960000
+    >>> print(packed_query(Filters(max_util_ratio=0.5, max_mem_util_ratio=0.5), 'pool="a"'))
+    (((gpu_fleet:packed{pool="a"} < 510000000000000) % 10000000000000) < 510000000000) % 1000000000
+    """
+    tests: dict[str, tuple[str, int]] = {}  # field → (op, its bound in the field's units)
+    if filters.max_util_ratio is not None and _pct(filters.max_util_ratio) < 100:
+        tests["utilization_pct_test"] = ("<=", _pct(filters.max_util_ratio))
+    if filters.max_mem_util_ratio is not None and _pct(filters.max_mem_util_ratio) < 100:
+        tests["memory_utilization_pct"] = ("<=", _pct(filters.max_mem_util_ratio))
+    if filters.max_procs is not None:
+        tests["compute_processes"] = ("<=", filters.max_procs)
+    if filters.min_free_bytes:
+        tests["memory_free_mib"] = (">=", -(-filters.min_free_bytes // MIB))
+    expr = PACKED + braces(selector)
+    above = 16  # the digits left in the value: all of them
+
+    def then(op: str, number: int) -> str:
+        return f"{expr if ' ' not in expr else f'({expr})'} {op} {number}"
+
+    for f in FIELDS:
+        if f.name not in tests:
+            continue
+        if f.high < above:  # drop the fields above this one
+            expr = then("%", 10**f.high)
+        op, bound = tests[f.name]
+        if op == "<=":  # x <= b ⇔ value < (b + 1) × 10^low, whatever the digits below
+            expr = then("<", (bound + 1) * 10**f.low)
+            above = f.low if bound == 0 else f.high  # x <= 0 leaves the field 0
+        else:
+            expr = then(">=", bound * 10**f.low)
+            above = f.high
+    if above > KEPT_DIGITS:
+        expr = then("%", 10**KEPT_DIGITS)
+    if filters.model is not None:
+        info = f"gpu_info{braces(selector, f'name=~{model_regex(filters.model)}')}"
+        expr = f"({expr}) and {GPU_KEY} {info}"
+    return expr
+
+
+def problems_query(selector: str, max_age_seconds: float) -> str:
+    """The exporters that cannot serve, from ``gpu_fleet:problem`` (told apart by
+    ``fleet_problem``: ``nvml_down``, ``stuck`` with its lag as value, ``target_down``).
+
+    >>> print(problems_query("", 60))
+    gpu_fleet:problem{fleet_problem!="stuck"} or gpu_fleet:problem{fleet_problem="stuck"} > 60
+    """
+    other, stuck = (braces(selector, f'fleet_problem{op}"stuck"') for op in ("!=", "="))
+    return f"{PROBLEM}{other} or {PROBLEM}{stuck} > {max_age_seconds!r}"
+
+
+def unpack(value: float) -> tuple[int, float]:
+    """Whole free GiB and utilization from :func:`packed_query`'s value.
+
+    >>> unpack(81920007.0), unpack(999999100.0)
+    ((80, 0.07), (976, 1.0))
+    """
+    free_mib, util_pct = divmod(int(value) % 10**KEPT_DIGITS, 1000)
+    return free_mib // 1024, util_pct / 100

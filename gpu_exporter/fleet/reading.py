@@ -1,0 +1,397 @@
+"""Reading the fleet from a store that speaks Prometheus' query API, or from the hosts.
+
+Two reads, each's queries asked concurrently and evaluated at one ``time=``:
+
+* **full** (:func:`parse_full`): every series a choice needs, per GPU. No recording rules
+  needed, and a refusal names each GPU's reasons. Up to :data:`LARGE_FLEET_HOSTS` exporters,
+  and for requests the packing cannot test (``idle_for``, ``include``, ``sort=power`` …).
+* **packed** (:func:`parse_packed`): past that size, only the GPUs that pass, from
+  ``gpu_fleet:packed`` (:mod:`~gpu_exporter.fleet.packing`); the full read where the store
+  has no packed series (the fleet rules are not loaded).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from typing import Any, Final
+
+from gpu_exporter.choose.filters import Window
+from gpu_exporter.choose.request import ClusterRequest
+from gpu_exporter.choose.values import digits
+from gpu_exporter.fleet.inventory import (
+    TARGET_DOWN,
+    URL_LABEL,
+    Fleet,
+    Host,
+    allocated_to,
+    base_url,
+    exporter_url,
+    host_from_snapshot,
+    host_problem,
+)
+from gpu_exporter.fleet.packing import PACKED, packable, packed_query, problems_query, unpack
+from gpu_exporter.fleet.queries import (
+    WINDOW_FIELDS,
+    braces,
+    full_queries,
+    reasons_query,
+    reasons_text,
+    scraped_query,
+)
+from gpu_exporter.model import GpuSample
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EXPORTER_PORT: Final = 9400
+LARGE_FLEET_HOSTS: Final = 500  # past this many exporters (4,000 GPUs), the packed read
+GIB: Final = 2**30
+# Per-GPU series → GpuSample field, and how to read the value.
+VALUE_METRICS: Final[Mapping[str, tuple[str, type]]] = {
+    "gpu_memory_free_bytes": ("memory_free_bytes", int),
+    "gpu_memory_total_bytes": ("memory_total_bytes", int),
+    "gpu_utilization_ratio": ("utilization_ratio", float),
+    "gpu_memory_utilization_ratio": ("memory_utilization_ratio", float),
+    "gpu_compute_processes": ("compute_processes", int),
+    "gpu_power_draw_watts": ("power_draw_watts", float),
+    "gpu_power_limit_watts": ("power_limit_watts", float),
+}
+Answers = dict[str, list[dict[str, Any]]]
+Fetch = Callable[[str, float], Any]
+"""GET a URL with a timeout and return its decoded JSON; raises :class:`SourceUnavailable`."""
+
+
+class SourceUnavailable(Exception):
+    """The store (or a host) could not be asked: unreachable, an error, or nonsense."""
+
+
+def get_json(url: str, timeout: float) -> Any:
+    """The default :data:`Fetch`: a GET without credentials (neither the store nor a host's
+    ``/gpus`` needs any), never through a proxy to a loopback address."""
+    import urllib.error  # here: ``import gpu_exporter.client`` need not load them
+    import urllib.request
+
+    split = urllib.parse.urlsplit(url)
+    local = split.hostname in ("localhost", "::1") or (split.hostname or "").startswith("127.")
+    opener = urllib.request.build_opener(*([urllib.request.ProxyHandler({})] if local else []))
+    headers = {"Accept": "application/json", "User-Agent": "gpu-exporter-cluster"}
+    try:
+        if split.scheme.lower() not in ("http", "https"):
+            raise ValueError("not an http:// or https:// URL")
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:300].decode("utf-8", "replace")
+        raise SourceUnavailable(f"HTTP {exc.code} from {split.netloc}: {detail}") from None
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, TimeoutError):
+            reason = f"no answer within {timeout:g} s"
+        elif isinstance(reason, ConnectionRefusedError):
+            reason = "connection refused"
+        raise SourceUnavailable(f"cannot reach {split.netloc or url}: {reason}") from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise SourceUnavailable(f"{split.netloc} did not answer JSON") from None
+
+
+def query(
+    prometheus: str, queries: Mapping[str, str], at: float, *, fetch: Fetch, timeout: float
+) -> Answers:
+    """Run the instant queries (concurrently), all evaluated at Unix time ``at``."""
+
+    def one(expr: str) -> list[dict[str, Any]]:
+        params = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+        doc = fetch(f"{base_url(prometheus)}/api/v1/query?{params}", timeout)
+        if not isinstance(doc, dict) or doc.get("status") != "success":
+            error = doc.get("error") if isinstance(doc, dict) else None
+            raise SourceUnavailable(f"Prometheus refused {expr!r}: {error or doc!r}"[:500])
+        if (doc.get("data") or {}).get("resultType") != "vector":
+            raise SourceUnavailable(f"Prometheus answered {expr!r} with no instant vector")
+        result: list[dict[str, Any]] = doc["data"].get("result") or []
+        return result
+
+    with ThreadPoolExecutor(max_workers=len(queries)) as pool:
+        futures = {name: pool.submit(one, expr) for name, expr in queries.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@dataclass(slots=True)
+class PrometheusReader:
+    """Reads one store's fleet, narrowed by ``selector``. ``packed``: True takes the packed
+    read wherever the request fits it, False never, None past :data:`LARGE_FLEET_HOSTS`.
+    Whether the fleet was large last time (then the scrape times and the packed series are
+    asked at once) is this object's state, so the caller's: a server keeps one reader."""
+
+    url: str
+    selector: str = ""
+    fetch: Fetch = get_json
+    timeout: float = 10.0
+    packed: bool | None = None
+    was_large: bool = False
+
+    def ask(self, queries: Mapping[str, str], now: float) -> Answers:
+        return query(self.url, queries, now, fetch=self.fetch, timeout=self.timeout)
+
+    def read(self, req: ClusterRequest, now: float) -> Fleet:
+        c, sel, max_age = req.choose, self.selector, req.max_age_seconds
+        fits = self.packed is not False and packable(c.filters, c.sort, c.idle_for_seconds, max_age)
+        packed = {"packed": packed_query(c.filters, sel), "problems": problems_query(sel, max_age)}
+        answers: Answers = {}
+        if fits and (self.packed or self.was_large):  # known large: all at once
+            answers = self.ask({"scraped": scraped_query(sel), **packed}, now)
+        scraped = (
+            answers.get("scraped") or self.ask({"scraped": scraped_query(sel)}, now)["scraped"]
+        )
+        self.was_large = len(scraped) > LARGE_FLEET_HOSTS
+        if fits and (self.packed or self.was_large) and scraped:
+            answers = answers or self.ask(packed, now)
+            count = f"count({PACKED}{braces(sel)})"  # an empty answer may be none passing
+            if answers["packed"] or self.ask({"n": count}, now)["n"]:
+                return parse_packed({**answers, "scraped": scraped}, now, max_age)
+            log.info("no %s series at %s: the full read", PACKED, self.url)
+        answers = self.ask(full_queries(c.filters, c.sort, c.idle_for_seconds, sel), now)
+        fleet = parse_full({**answers, "scraped": scraped}, now, max_age, c.idle_for_seconds)
+        if not fleet.hosts:
+            raise SourceUnavailable(
+                f"Prometheus at {base_url(self.url)} has no gpu-exporter series"
+                + (f" matching {sel}" if sel else "")
+                + " (is it scraping the exporters? VictoriaMetrics shows samples only after its "
+                "-search.latencyOffset, 30 s by default)"
+            )
+        return fleet
+
+    def reasons(self, req: ClusterRequest, now: float) -> str:
+        """Why no GPU passed a packed read: how many fail each filter (one query)."""
+        try:
+            answer = self.ask({"r": reasons_query(req.choose.filters, self.selector)}, now)
+        except SourceUnavailable as exc:
+            return f"the store did not count the reasons: {exc}"
+        return reasons_text(answer["r"], req.choose.filters)
+
+
+def _value(sample: Mapping[str, Any]) -> float | None:
+    """An instant vector sample's value; NaN (and anything unreadable) is absent."""
+    try:
+        value = float(sample["value"][1])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    return None if value != value else value
+
+
+def _card(labels: Mapping[str, str]) -> tuple[str, int] | None:
+    """(UUID, index) of a whole card's series; None for a MIG device or a bad label."""
+    uuid, index = labels.get("uuid"), digits(labels.get("gpu", ""))  # not int(): "²"
+    return None if not uuid or uuid.startswith("MIG-") or index is None else (uuid, index)
+
+
+def _scrape_times(samples: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str, float | None]]:
+    """url → (instance, last scrape time) from the ``scraped`` answer."""
+    labels = [(s.get("metric", {}), _value(s)) for s in samples]
+    return {exporter_url(m): (m.get("instance", ""), at) for m, at in labels}
+
+
+def parse_full(
+    results: Mapping[str, Sequence[Mapping[str, Any]]],
+    evaluated_at: float,
+    max_age_seconds: float,
+    idle_for_seconds: float | None = None,
+) -> Fleet:
+    """Every host's GPUs from the full read's answers; a host whose target or NVML is down,
+    or whose figures are older than ``max_age_seconds`` (or undated), is passed over."""
+    per_gpu: dict[str, dict[str, dict[str, Any]]] = {}  # url → uuid → fields
+    per_host: dict[str, dict[str, Any]] = {}  # url → instance, nvml_up, sampled_at
+    for sample in results.get("values", ()):
+        labels = sample.get("metric", {})
+        url, name, value = exporter_url(labels), labels.get("__name__"), _value(sample)
+        host = per_host.setdefault(url, {"instance": labels.get("instance", url)})
+        if name == "gpu_exporter_nvml_up":
+            host["nvml_up"] = value
+        elif name == "gpu_exporter_last_sample_timestamp_seconds":
+            host["sampled_at"] = value
+        elif (card := _card(labels)) is not None:
+            gpu = per_gpu.setdefault(url, {}).setdefault(card[0], {"index": card[1]})
+            if name == "gpu_up":
+                gpu["up"] = value == 1
+            elif name == "gpu_leased":
+                gpu["leased"] = value == 1
+            elif name == "gpu_info":
+                gpu.update(name=labels.get("name"), pci_bus_id=labels.get("pci_bus_id"))
+            elif name == "gpu_pod_info":
+                pod = f"{labels.get('namespace', '')}/{labels.get('pod', '')}"
+                gpu.setdefault("pods", set()).add(pod)
+            elif name in VALUE_METRICS and value is not None:
+                field_name, kind = VALUE_METRICS[name]
+                gpu[field_name] = kind(value)
+    scraped = _scrape_times(results.get("scraped", ()))
+    window = _parse_window(results.get("window", ())) if idle_for_seconds else {}
+    hosts: dict[str, Host] = {}
+    for url, info in sorted(per_host.items()):
+        mine = per_gpu.get(url, {})
+        gpus = tuple(sorted((_sample(u, v) for u, v in mine.items()), key=lambda g: g.index))
+        at = scraped.get(url, ("", None))[1]
+        age = None if at is None else max(0.0, evaluated_at - at)
+        lag = None if info.get("sampled_at") is None or at is None else at - info["sampled_at"]
+        problem = host_problem(info.get("nvml_up"), lag, age, max_age_seconds)
+        problem = problem or (None if gpus else "no GPUs")
+        host_window = None
+        if idle_for_seconds and problem is None:
+            worst = window.get(url, {})
+            host_window = _window(worst, gpus, idle_for_seconds, evaluated_at, max_age_seconds)
+        leased = tuple(u for u, v in mine.items() if v.get("leased"))
+        pods = tuple((u, allocated_to(v["pods"])) for u, v in mine.items() if "pods" in v)
+        instance = str(info["instance"])
+        hosts[url] = Host(url, instance, gpus, leased, problem, host_window, age, pods)
+    # Targets whose last scrape failed: passed over even if series of theirs are still
+    # around (Prometheus stale-marks them, but remote or federated data is not).
+    jobs = {s.get("metric", {}).get("job") for s in results.get("values", ())}
+    for sample in results.get("down", ()):
+        labels = sample.get("metric", {})
+        if labels.get("job") in jobs:  # a gpu-exporter target
+            url = exporter_url(labels)
+            down = hosts.get(url) or Host(url, labels.get("instance", url))
+            hosts[url] = replace(down, problem=TARGET_DOWN, window=None)
+    fleet = tuple(hosts.values())
+    return Fleet(fleet, "prometheus", evaluated_at, window_checked=bool(idle_for_seconds))
+
+
+def _sample(uuid: str, values: Mapping[str, Any]) -> GpuSample:
+    if not values.get("up"):
+        error = "gpu_up 0" if values.get("up") is False else "no gpu_up series"
+        index, name, bus = values["index"], values.get("name"), values.get("pci_bus_id")
+        return GpuSample(index, uuid, False, name=name, pci_bus_id=bus, error=error)
+    figures = {k: v for k, v in values.items() if k not in ("up", "leased", "pods")}
+    return GpuSample(uuid=uuid, up=True, **figures)
+
+
+def _parse_window(samples: Sequence[Mapping[str, Any]]) -> dict[str, dict[Any, Any]]:
+    """url → {"oldest": t, (uuid, field): worst value}."""
+    out: dict[str, dict[Any, Any]] = {}
+    for sample in samples:
+        labels = sample.get("metric", {})
+        kind, value = labels.get("fleet_field"), _value(sample)
+        host = out.setdefault(exporter_url(labels), {})
+        if kind == "oldest" and value is not None:
+            host["oldest"] = min(value, host.get("oldest", value))
+        elif kind != "oldest" and (uuid := labels.get("uuid")) and value is not None:
+            host[(uuid, kind)] = value
+    return out
+
+
+def _window(
+    worst: Mapping[Any, Any],
+    gpus: Sequence[GpuSample],
+    seconds: float,
+    evaluated_at: float,
+    max_age_seconds: float,
+) -> Window:
+    """idle_for as a :class:`~gpu_exporter.choose.filters.Window` of each GPU's worst
+    figures. The window's first sample comes at most one scrape after its start, so history
+    reaching back to within ``max_age_seconds`` of the start counts as covering it."""
+    oldest = worst.get("oldest")
+    covered = 0.0 if oldest is None else evaluated_at - oldest + max_age_seconds
+    past = []
+    for gpu in gpus:
+        if (gpu.uuid, "up") not in worst:
+            continue  # no figures for this GPU in the window: window_reasons says so
+        if worst[(gpu.uuid, "up")] < 1:
+            past.append(replace(gpu, up=False, error="down"))
+            continue
+        changes: dict[str, Any] = {}
+        for _, name, _, _ in WINDOW_FIELDS:
+            if (value := worst.get((gpu.uuid, name))) is not None:
+                whole = name in ("memory_free_bytes", "compute_processes")
+                changes[name] = int(value) if whole else value
+        past.append(replace(gpu, **changes))
+    return Window(seconds, covered, ((seconds, tuple(past)),), worst_case=True)
+
+
+_DEFAULTS: Final = {f.name: f.default for f in fields(GpuSample)}
+_READ_WHILE_RANKING: Final = ("memory_total_bytes", "gpu_instance_id", "compute_instance_id")
+
+
+class PassingGpu(GpuSample):
+    """A GPU the packed read let through: index, UUID, free memory and utilization set, every
+    other figure its default. A plain GpuSample's ``__init__`` sets all its fields (10 µs:
+    0.3 s for the 31,000 GPUs that pass among 100,000); this sets the ranking's few."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, index: int, uuid: str, free_bytes: int, util: float) -> PassingGpu:
+        gpu = object.__new__(cls)
+        for name, value in (("index", index), ("uuid", uuid), ("up", True)):
+            object.__setattr__(gpu, name, value)
+        object.__setattr__(gpu, "memory_free_bytes", free_bytes)
+        object.__setattr__(gpu, "utilization_ratio", util)
+        for name in _READ_WHILE_RANKING:  # set, so that ranking asks no __getattr__
+            object.__setattr__(gpu, name, None)
+        return gpu
+
+    def __getattr__(self, name: str) -> Any:  # only for the fields left unset
+        try:
+            return _DEFAULTS[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def parse_packed(answers: Mapping[str, Any], evaluated_at: float, max_age_seconds: float) -> Fleet:
+    """The fleet from the ``scraped``, ``packed`` and ``problems`` answers: every exporter,
+    with only the GPUs that passed (free memory in whole GiB and utilization), or its problem
+    as :func:`parse_full` says it."""
+    scraped = _scrape_times(answers.get("scraped", ()))
+    jobs = {s.get("metric", {}).get("job") for s in answers.get("scraped", ())}
+    gpus: dict[str, list[GpuSample]] = {}
+    urls: dict[str, str] = {}  # the URL label (or instance) → the exporter: 8 GPUs share one
+    for sample in answers.get("packed", ()):
+        labels = sample.get("metric", {})
+        value, card = _value(sample), _card(labels)
+        if value is None or card is None:
+            continue
+        where = labels.get(URL_LABEL) or labels.get("instance", "")
+        url = urls.get(where) or urls.setdefault(where, exporter_url(labels))
+        scraped.setdefault(url, (labels.get("instance", url), None))
+        free, util = unpack(value)
+        gpus.setdefault(url, []).append(PassingGpu.of(card[1], card[0], free * GIB, util))
+    flagged: dict[str, dict[str, Any]] = {}
+    for sample in answers.get("problems", ()):
+        labels = sample.get("metric", {})
+        kind = labels.get("fleet_problem")
+        if kind != "target_down" or labels.get("job") in jobs:  # a gpu-exporter target
+            url = exporter_url(labels)
+            scraped.setdefault(url, (labels.get("instance", url), None))
+            flagged.setdefault(url, {})[kind] = _value(sample)
+    hosts = []
+    for url, (instance, at) in sorted(scraped.items()):
+        info = flagged.get(url, {})
+        age = None if at is None else max(0.0, evaluated_at - at)
+        nvml = 0.0 if "nvml_down" in info else None
+        problem = host_problem(nvml, info.get("stuck"), age, max_age_seconds)
+        problem = TARGET_DOWN if "target_down" in info else problem
+        mine = () if problem else tuple(sorted(gpus.get(url, ()), key=lambda g: g.index))
+        hosts.append(Host(url, instance or url, mine, (), problem, age_seconds=age))
+    return Fleet(tuple(hosts), "prometheus", evaluated_at, filtered=True)
+
+
+def read_hosts(
+    hosts: Sequence[str], req: ClusterRequest, *, fetch: Fetch, timeout: float, now: float
+) -> Fleet:
+    """The fleet from each named exporter's ``/gpus`` and ``/leases`` (asked concurrently)."""
+
+    def one(name: str) -> Host:
+        url = base_url(name, DEFAULT_EXPORTER_PORT)
+        try:
+            snapshot, held = fetch(url + "/gpus", timeout), fetch(url + "/leases", timeout)
+            return host_from_snapshot(url, name, snapshot, held, req.max_age_seconds)
+        except SourceUnavailable as exc:
+            return Host(url=url, instance=name, problem=str(exc))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            return Host(url=url, instance=name, problem=f"unexpected /gpus answer: {exc}")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts)))) as pool:
+        return Fleet(tuple(pool.map(one, hosts)), "hosts", now)
