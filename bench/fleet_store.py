@@ -42,7 +42,7 @@ from gpu_exporter.fleet.ranking import rank_fleet
 from gpu_exporter.fleet.reading import PrometheusReader, get_json
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
-from fleet_packing import pack
+from fleets import pack
 
 # Only the GPUs that pass, from the packed series; every series. The packed read first: a
 # chooser at 100,000 GPUs reads nothing else, and a VictoriaMetrics that has just served the

@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
 from conftest import build_stack
+from fleets import (
+    A100,
+    GIB,
+    NOW,
+    by_url,
+    claimed,
+    exporter_series,
+    fake_fetch,
+    fixed_claimer,
+    fleet_of,
+    fleet_queries,
+    gpu,
+    host_results,
+    scraped,
+    series,
+    uuid,
+)
 from gpu_exporter import client
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.params import ApiError
@@ -19,97 +35,11 @@ from gpu_exporter.client import Choice
 from gpu_exporter.client.choosing import http_claimer
 from gpu_exporter.fleet.inventory import Fleet, Host
 from gpu_exporter.fleet.placing import ClaimRefused, ClusterChoice, choose_fleet, place
-from gpu_exporter.fleet.queries import full_queries, scraped_query
 from gpu_exporter.fleet.ranking import rank_fleet
-from gpu_exporter.fleet.reading import PrometheusReader, SourceUnavailable, parse_full
+from gpu_exporter.fleet.reading import PrometheusReader, parse_full
 from gpu_exporter.simulate import SimulatedNvml
 from gpu_exporter.web.cluster import ClusterService
 from harness import ROOT
-
-NOW = 1_800_000_000.0
-GIB = 2**30
-A100 = "NVIDIA A100-SXM4-80GB"
-
-
-def fleet_queries(
-    filters: Filters, sort: str, idle_for: float | None, selector: str = ""
-) -> dict[str, str]:
-    return {**full_queries(filters, sort, idle_for, selector), "scraped": scraped_query(selector)}
-
-
-def uuid(host: str, index: int) -> str:
-    return f"GPU-{host.replace(':', '-')}-{index}"
-
-
-def series(metric: str, value: float | str, instance: str, **labels: str) -> dict[str, Any]:
-    return {
-        "metric": {"__name__": metric, "instance": instance, "job": "gpu", **labels},
-        "value": [NOW, str(value)],
-    }
-
-
-def gpu(
-    instance: str,
-    index: int,
-    *,
-    free_gib: float = 79,
-    util: float = 0.0,
-    up: bool = True,
-    leased: bool = False,
-    procs: int = 0,
-    model: str = A100,
-    **labels: str,
-) -> list[dict[str, Any]]:
-    ids = {"gpu": str(index), "uuid": uuid(instance, index), **labels}
-    out = [
-        series("gpu_up", int(up), instance, **ids),
-        series("gpu_leased", int(leased), instance, **ids),
-        series("gpu_info", 1, instance, name=model, pci_bus_id=f"00000000:{index:02X}:00.0", **ids),
-    ]
-    if up:
-        out += [
-            series("gpu_memory_free_bytes", int(free_gib * GIB), instance, **ids),
-            series("gpu_memory_total_bytes", 80 * GIB, instance, **ids),
-            series("gpu_utilization_ratio", util, instance, **ids),
-            series("gpu_compute_processes", procs, instance, **ids),
-        ]
-    return out
-
-
-def exporter_series(
-    instance: str, *, sampled_ago: float = 1.0, nvml_up: int = 1, **labels: str
-) -> list[dict[str, Any]]:
-    return [
-        series("gpu_exporter_nvml_up", nvml_up, instance, **labels),
-        series("gpu_exporter_last_sample_timestamp_seconds", NOW - sampled_ago, instance, **labels),
-    ]
-
-
-def scraped(instance: str, ago: float = 2.0, **labels: str) -> dict[str, Any]:
-    return {"metric": {"instance": instance, "job": "gpu", **labels}, "value": [NOW, NOW - ago]}
-
-
-def host_results(
-    hosts: Mapping[str, Iterable[dict[str, Any]]], *, scraped_ago: float = 2.0
-) -> dict[str, list[dict[str, Any]]]:
-    """``values`` and ``scraped`` answers for hosts {instance: GPU series}."""
-    values: list[dict[str, Any]] = []
-    for instance, gpus in hosts.items():
-        values += exporter_series(instance) + list(gpus)
-    return {
-        "values": values,
-        "scraped": [scraped(i, scraped_ago) for i in hosts],
-        "down": [],
-    }
-
-
-def fleet_of(results: Mapping[str, Any], **kwargs: Any) -> Fleet:
-    return parse_full(results, NOW, 60, **kwargs)
-
-
-def by_url(fleet: Fleet) -> dict[str, Host]:
-    return {h.url: h for h in fleet.hosts}
-
 
 # -- parsing -----------------------------------------------------------------------------------
 
@@ -322,10 +252,6 @@ def test_queries_ask_only_for_what_the_choice_needs() -> None:
 # -- claiming ----------------------------------------------------------------------------------
 
 
-def claimed(host: Host, n: int, include: tuple[str, ...]) -> Choice:
-    return Choice(include[:n], tuple(range(n)), f"lease-{host.instance}", NOW + 60, host.url)
-
-
 def test_a_refusing_host_is_passed_over_and_the_next_one_claimed() -> None:
     results = host_results(
         {
@@ -375,36 +301,6 @@ def test_spread_fills_the_best_host_first_and_gives_back_a_partial_claim() -> No
 
     placements, passed = place(ranking, 3, spread=True, claim=partial, release=client.release)
     assert placements == [] and "connection refused" in passed[-1][1]
-
-
-def fake_fetch(answers: Mapping[str, Any]) -> Any:
-    """A Fetch over canned answers: Prometheus queries by kind, exporter paths by URL."""
-
-    def fetch(url: str, timeout: float) -> Any:
-        if url in answers:
-            answer = answers[url]
-        else:
-            split = urllib.parse.urlsplit(url)
-            if split.path != "/api/v1/query" or "prometheus" not in answers:
-                raise SourceUnavailable(f"cannot reach {split.netloc}: connection refused")
-            expr = urllib.parse.parse_qs(split.query)["query"][0]
-            kind = (
-                "window" if "label_replace" in expr
-                else "values" if expr.startswith("{__name__")
-                else "scraped" if expr.startswith("timestamp(")
-                else "down"
-            )  # fmt: skip
-            result = answers["prometheus"].get(kind, [])
-            answer = {"status": "success", "data": {"resultType": "vector", "result": result}}
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    return fetch
-
-
-def fixed_claimer(*_: Any) -> Any:
-    return claimed
 
 
 def test_choose_fleet_end_to_end_over_a_synthetic_prometheus() -> None:

@@ -2,7 +2,7 @@
 ``gpu_fleet:packed`` with comparisons and ``%`` only, and the chooser ranks what passes; the
 same choices as from every series.
 
-The packed series are written here as the rule writes them (tests/fleet_packing.py), and the query
+The packed series are written here as the rule writes them (tests/fleets.py), and the query
 :func:`packed_query` builds is evaluated on them by a small evaluator of its own arithmetic;
 tests/test_cluster_prometheus.py runs the rule and the query in Prometheus and in
 VictoriaMetrics (vmalert), and deploy/prometheus/gpu-exporter.fleet.rules.test.yml the rule
@@ -18,9 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
-from fleet_packing import pack
-from test_cluster import NOW, fixed_claimer, scraped, series
 
+from fleets import NOW, fixed_claimer, pack, scraped, series
 from gpu_exporter import client
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.fleet.packing import FIELDS, MIB, packable, packed_query, unpack

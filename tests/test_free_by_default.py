@@ -14,9 +14,9 @@ import urllib.request
 from typing import Any
 
 import pytest
-from test_cluster import NOW, claimed, fake_fetch, gpu, host_results
 
 from conftest import build_stack, sim_of
+from fleets import NOW, claimed, fake_fetch, gpu, host_results
 from gpu_exporter import client
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS, parse_defaults
 from gpu_exporter.choose.params import ApiError

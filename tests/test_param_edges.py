@@ -180,7 +180,7 @@ def test_parse_args_gives_a_request_or_apierror(args: dict[str, str]) -> None:
 
 def test_a_fleet_series_with_a_unicode_gpu_label_is_passed_over() -> None:
     """A Prometheus answer is input too: gpu="²" once made int() fail in /cluster/choose."""
-    from test_cluster import fleet_of, gpu, host_results
+    from fleets import fleet_of, gpu, host_results
 
     good = gpu("a:9400", 0)
     odd = [
