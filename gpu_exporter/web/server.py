@@ -188,7 +188,7 @@ class Server:
             loop=loop,
             app=self._app,
             scheme=self.scheme,
-            workers=Workers(limits.worker_threads, "http", limits.workers_per_address),
+            workers=Workers(limits.worker_threads, "http"),
             probe_workers=Workers(limits.probe_threads, "probe"),
             slots=ConnectionSlots(
                 max(1, min(limits.max_connections, room)), limits.max_waiting_per_address
