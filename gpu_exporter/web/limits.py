@@ -10,7 +10,8 @@ length (:class:`RequestLimits`, here), waiting ``/choose`` requests
 "The request path".
 
 :class:`RequestLimits` is WSGI middleware in front of the whole app (``/metrics`` included),
-so the server, Flask's test client and the benchmarks enforce the same request limits. The
+and the one bound on requests in flight (the server's worker pool only bounds threads), so the
+server, Flask's test client and the benchmarks enforce the same request limits. The
 probes (``/healthz``, ``/readyz``) are exempt and have :attr:`Limits.probe_threads` workers of
 their own: a busy exporter is never restarted for a missed probe. Rejections are counted by
 reason for ``gpu_exporter_requests_rejected_total``.
