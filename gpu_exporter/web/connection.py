@@ -39,6 +39,7 @@ from gpu_exporter.web.gateway import (
     Headers,
     Workers,
     client_connected,
+    error_answer,
     run_app,
 )
 from gpu_exporter.web.limits import EXEMPT_PATHS, Limits, Timeouts
@@ -321,13 +322,8 @@ class HttpConnection(asyncio.Protocol):
     def _refuse(self, status: int, message: str) -> None:
         """Answer a framing error in one plain line and close."""
         body = f"error: {message}\n".encode()
-        headers = [
-            (b"Content-Type", b"text/plain; charset=utf-8"),
-            (b"Content-Length", b"%d" % len(body)),
-            (b"Cache-Control", b"no-store"),
-            (b"Connection", b"close"),
-            _SERVER,
-        ]
+        length = (b"Content-Length", b"%d" % len(body))
+        headers = [*error_answer(status, body).headers, length, (b"Connection", b"close"), _SERVER]
         head_only = self._request is not None and self._request.method == b"HEAD"
         if not self._send(status, _reason(status), headers, b"" if head_only else body):
             self.evict()

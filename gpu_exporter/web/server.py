@@ -38,7 +38,7 @@ import h11
 from gpu_exporter.counters import TOO_MANY_CONNECTIONS, RequestCounter
 from gpu_exporter.web.admission import ConnectionSlots
 from gpu_exporter.web.connection import HttpConnection, Site
-from gpu_exporter.web.gateway import Workers
+from gpu_exporter.web.gateway import Workers, error_answer
 from gpu_exporter.web.limits import DEFAULT_LIMITS, DEFAULT_TIMEOUTS, Limits, Timeouts
 from gpu_exporter.web.tlslayer import TlsLayer
 
@@ -55,7 +55,7 @@ ACCEPT_BURST = 64  # connections accepted per wake-up before other connections g
 def _busy() -> bytes:
     """The one 503 a connection over the cap gets (plain HTTP), written through h11 once."""
     body = b"error: too many connections; retry in a second\n"
-    headers = [(b"Content-Type", b"text/plain; charset=utf-8"), (b"Retry-After", b"1")]
+    headers = error_answer(503, body, ((b"Retry-After", b"1"),)).headers
     headers += [(b"Content-Length", b"%d" % len(body)), (b"Connection", b"close")]
     conn = h11.Connection(h11.SERVER)
     events = (h11.Response(status_code=503, headers=headers), h11.Data(data=body))
