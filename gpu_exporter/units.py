@@ -1,4 +1,5 @@
-"""Parsing the human units people type into query strings and flags.
+"""Parsing the human units people type into query strings and flags (and whether a host they
+typed is this machine: :func:`is_loopback`).
 
 Every parser raises :class:`ValueError` with a message that can be shown to the user as is,
 and only that: the number is ASCII digits only (``²`` or ``٣`` are digits to ``int()`` but not
@@ -8,6 +9,7 @@ to anyone typing a query), at most :data:`MAX_NUMBER_CHARS` long, and the value 
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 
@@ -125,3 +127,19 @@ def plural(n: int, noun: str, nouns: str | None = None) -> str:
     ('1 GPU', '0 GPUs', '2 leases', '3 entries')
     """
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def is_loopback(host: str | None) -> bool:
+    """``127.0.0.1``, ``::1``, ``localhost``: yes; every interface ("", None) and names: no.
+
+    >>> is_loopback("::1"), is_loopback("localhost"), is_loopback(""), is_loopback("gpu1")
+    (True, True, False, False)
+    """
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -12,10 +12,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tls_certs import CA
 
+from gpu_exporter.web.gateway import call_app
 from gpu_exporter.web.limits import Limits, Timeouts
 from gpu_exporter.web.server import Server
 from harness import free_port, start, stop, wait_ready
@@ -342,36 +344,35 @@ def test_sigterm_ends_the_process_within_5_s_whatever_the_clients_do() -> None:
     assert "Traceback" not in err
 
 
-def test_one_address_leaves_a_reserve_of_workers_to_the_others() -> None:
-    """40 wrong-password threads from one address must leave workers for another's scrape."""
+def test_a_busy_pool_queues_requests_and_never_refuses_one() -> None:
+    """The pool bounds threads, not requests (RequestLimits does): jobs beyond its size wait
+    for a thread, in order, and all run."""
     from gpu_exporter.web.gateway import Workers
 
-    limits = Limits(max_in_flight=4)  # 8 workers
-    workers = Workers(limits.worker_threads, "test", limits.workers_per_address)
-    release = threading.Event()
+    workers = Workers(2, "test")
+    release, lock = threading.Event(), threading.Lock()
+    running, most, done = [0], [0], []
 
-    def hold() -> None:
-        release.wait()
+    def hold(i: int) -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        release.wait(5)
+        with lock:
+            running[0] -= 1
+            done.append(i)
 
-    try:
-        taken = 0
-        while workers.submit(hold, owner="127.0.0.2"):
-            taken += 1
-            assert taken <= 8
-        assert taken == workers.share == 6
-        assert workers.submit(hold, owner="127.0.0.1")  # another address still gets one
-        assert workers.submit(hold, owner="127.0.0.1")
-        assert not workers.submit(hold, owner="127.0.0.1")  # all 8 busy now
-    finally:
-        release.set()
+    for i in range(5):
+        workers.submit(lambda i=i: hold(i))
+    time.sleep(0.1)
+    assert running[0] == 2 and done == []  # two threads, three jobs waiting for them
+    release.set()
     deadline = time.monotonic() + 5
-    while workers.busy:  # finished jobs give their owner's share back
+    while len(done) < 5:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert workers.submit(lambda: None, owner="127.0.0.2")
+    assert most[0] == 2 and sorted(done) == [0, 1, 2, 3, 4]
     workers.stop()
-    # The server's pool (--max-requests-in-flight + 4): one address may use all 32 slots.
-    assert Limits().workers_per_address == 32
 
 
 def test_one_keep_alive_connection_answers_request_after_request() -> None:
@@ -396,23 +397,20 @@ def test_one_keep_alive_connection_answers_request_after_request() -> None:
             conn.close()
 
 
-def test_a_worker_slot_is_free_before_its_answer_is_handed_back() -> None:
+def test_a_request_slot_is_free_before_its_answer_is_handed_back() -> None:
     """A client that sends its next request the moment it has the answer finds its slot free
-    (16 keep-alive clients from one address otherwise got 503 now and then)."""
-    from gpu_exporter.web.gateway import Workers
+    (16 keep-alive clients from one address otherwise got 503 now and then): RequestLimits
+    collects the whole body and gives the slot back before the worker hands the answer on."""
+    from gpu_exporter.web.limits import RequestLimits
 
-    workers = Workers(1, "test")
-    accepted: list[bool] = []
-    done = threading.Event()
+    def app(environ: dict, start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok\n"]
 
-    def next_request() -> None:
-        accepted.append(workers.submit(lambda: None, owner="127.0.0.1"))
-        done.set()
-
-    assert workers.submit(lambda: next_request, owner="127.0.0.1")
-    assert done.wait(5)
-    assert accepted == [True]
-    workers.stop()
+    limits = RequestLimits(app, Limits(max_in_flight=1))
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/gpus", "QUERY_STRING": ""}
+    for _ in range(3):
+        assert call_app(limits, dict(environ)).status == 200
 
 
 def test_a_header_with_a_line_break_is_never_sent() -> None:

@@ -20,7 +20,7 @@ from werkzeug.test import Client
 from conftest import Stack, build_stack
 from gpu_exporter.export.collectors import WebConfigCollector
 from gpu_exporter.simulate import SimulatedNvml
-from gpu_exporter.web.auth import BasicAuth, is_advice_only, needs_auth
+from gpu_exporter.web.auth import BasicAuth, credentials, is_advice_only, needs_auth
 from gpu_exporter.web.webconfig import (
     WebConfigError,
     WebConfigWatcher,
@@ -200,9 +200,12 @@ def test_basic_auth_accepts_the_right_password_only() -> None:
     assert not auth.verify("alice", b"Secret")
     assert not auth.verify("bob", b"secret")
     assert not auth.verify("alice", b"secret" + b"x" * 100)  # > 72 bytes: never accepted
-    assert auth.check_header("Basic " + base64.b64encode(b"alice:secret").decode()) == "alice"
+    assert credentials("Basic " + base64.b64encode(b"alice:secret").decode()) == (
+        "alice",
+        b"secret",
+    )
     for header in (None, "", "Bearer abc", "Basic !!!", "Basic " + base64.b64encode(b"x").decode()):
-        assert auth.check_header(header) is None
+        assert credentials(header) is None
 
 
 def test_successes_are_cached_and_the_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

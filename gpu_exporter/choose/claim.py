@@ -4,14 +4,10 @@ Plain Python over the lease table and an injected clock; no Flask. :class:`Claim
 one request at a time per thread. What a request does, and what it blocks:
 
 * A claim (``lease`` > 0) takes the best free GPUs at once, choosing only among GPUs that no
-  earlier *waiter* reserves (:func:`~gpu_exporter.choose.waitqueue.reserved_for`: the GPUs
-  that qualify for that waiter by its filters, leased or not). So a waiter blocks later
-  requests only for the GPUs it could use; on those it is served first (FIFO), and a later
-  request that could use only those fails at once, or with ``wait=`` queues behind it.
-* A claim that finds too few GPUs and has ``wait=`` time left joins the wait queue
-  (:class:`~gpu_exporter.choose.waitqueue.WaitQueue`) and tries again whenever the lease table
-  changes, a waiter leaves, or ``poll_seconds`` pass (new samples). Reading the queue, claiming
-  and joining happen under the queue's one lock, so nobody slips in between.
+  earlier *waiter* reserves. With too few and ``wait=`` time left it joins the wait queue and
+  tries again whenever it is woken or ``poll_seconds`` pass (new samples). What a waiter
+  reserves, and the one lock under which a try reads the queue, claims and joins:
+  :mod:`gpu_exporter.choose.waitqueue`.
 * A claim with an ``Idempotency-Key`` that an earlier try already granted gets that lease
   back (looked up once per try, under that lock), without queueing behind anyone.
 * Advice (``lease=0``) never joins the queue and ignores reservations: it answers from the
@@ -20,18 +16,14 @@ one request at a time per thread. What a request does, and what it blocks:
 * ``n`` more than the GPUs here could ever give under the request's fixed filters (device
   count, kind, ``include``/``exclude``, ``model``, total memory;
   :func:`~gpu_exporter.choose.filters.never_enough`) is refused at once, never waited for.
-* Waiting takes one of the ``--max-waiters`` slots (:class:`Waiters`), at most
-  ``--max-waiters-per-requester`` of them per client address, held until the request ends,
-  so long-polling clients can never take every server thread.
-* The injected ``connected`` callable is asked after every pause: a waiter whose client hung
-  up (curl ``-m``, Ctrl-C) leaves the queue within a poll and claims nothing.
+* Waiting holds one of the ``--max-waiters`` slots (:class:`Waiters`, shared by everything
+  that long-polls) until the request ends, so long-polling clients can never take every
+  server thread. The injected ``connected`` callable is asked after every pause: a waiter
+  whose client hung up (curl ``-m``, Ctrl-C) leaves the queue within a poll and claims nothing.
 * GPUs held outside the lease table (``taken``, injected: on a Kubernetes node the ones the
   kubelet allocated to pods) are never chosen, for claims and advice alike.
 * ``wait=`` sets a deadline on the injected monotonic clock; past it the last failure is
   raised. Shutdown (:attr:`Waiters.stopping`) ends every wait at once with ``shutting_down``.
-
-:class:`Waiters` is shared by everything that long-polls, so its slots and its shutdown
-event are the same for every waiting endpoint.
 """
 
 from __future__ import annotations

@@ -18,12 +18,10 @@ show what :func:`~gpu_exporter.choose.settle.settle` would keep, and
 :meth:`~LeaseTable.prune` commits it on every published sample (the daemon subscribes it to
 the snapshot cache) and before each change.
 
-Each lease has a public id and a secret token (:mod:`gpu_exporter.choose.tokens`):
-:meth:`~LeaseTable.authorize` checks the token before a renewal or release. A claim with an
-``Idempotency-Key`` (:class:`~gpu_exporter.choose.tokens.ClaimKey`) makes a keyed lease: it
-keeps the key's hash and a salt, from which a retry carrying the key derives the same token.
-While that lease is in force a retry gets it back (:meth:`~LeaseTable.again`), token
-included, instead of claiming more GPUs; once it has ended before its expiry (released, or
+:meth:`~LeaseTable.authorize` checks a lease's token (:mod:`gpu_exporter.choose.tokens`)
+before a renewal or release. While a lease claimed with an ``Idempotency-Key`` is in force, a
+retry with the key gets it back (:meth:`~LeaseTable.again`), token included, instead of
+claiming more GPUs; once it has ended before its expiry (released, or
 let go early) a retry is refused until that expiry rather than granted anew. Those ended
 keys are kept in memory only.
 """
@@ -58,7 +56,6 @@ from gpu_exporter.choose.tokens import (
     Keyed,
     lease_id_of,
     make_token,
-    new_salt,
     new_secret,
     sha256_hex,
 )
@@ -85,7 +82,7 @@ def _credentials(key: ClaimKey | None) -> tuple[Keyed | None, str]:
     so that a retry with the key gets the same token."""
     if key is None:
         return None, new_secret()
-    keyed = Keyed(key.key_hash, key.request_hash, new_salt())
+    keyed = Keyed(key.key_hash, key.request_hash, new_secret())
     return keyed, new_secret(keyed.salt, key.key)
 
 
@@ -210,14 +207,7 @@ class LeaseTable:
 
         Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`LeaseError`.
         """
-        if ttl_seconds > self.max_ttl_seconds:
-            raise LeaseError(
-                429,
-                "lease_too_long",
-                f"lease {ttl_seconds:g} s is longer than this exporter allows "
-                f"({self.max_ttl_seconds:g} s, --max-lease); renew it instead",
-                "lease",
-            )
+        self._check_ttl(ttl_seconds, "lease")
         with self._changing():
             self._prune(snapshot)
             now = self._clock.time()
@@ -330,14 +320,7 @@ class LeaseTable:
             return lease
 
     def renew(self, lease_id: str, ttl_seconds: float) -> Lease:
-        if ttl_seconds > self.max_ttl_seconds:
-            raise LeaseError(
-                429,
-                "lease_too_long",
-                f"ttl {ttl_seconds:g} s is longer than this exporter allows "
-                f"({self.max_ttl_seconds:g} s, --max-lease)",
-                "ttl",
-            )
+        self._check_ttl(ttl_seconds, "ttl")
         with self._changing():
             self._prune(None)
             old = self.get(lease_id)
@@ -355,6 +338,15 @@ class LeaseTable:
             if lease is not old:
                 self._hold(lease, old, "the PIDs were not registered")
             return lease
+
+    def _check_ttl(self, ttl_seconds: float, param: str) -> None:
+        if ttl_seconds > self.max_ttl_seconds:
+            message = (
+                f"{param} {ttl_seconds:g} s is longer than this exporter allows "
+                f"({self.max_ttl_seconds:g} s, --max-lease)"
+            )
+            advice = "; renew it instead" if param == "lease" else ""
+            raise LeaseError(429, "lease_too_long", message + advice, param)
 
     def _with_pids(self, lease: Lease, pids: Iterable[int]) -> Lease:
         new = [p for p in dict.fromkeys(pids) if p not in lease.pids]

@@ -106,49 +106,12 @@ def card_memory(gpu: GpuSample, leases: Iterable[Lease]) -> CardMemory:
     )
 
 
-def reasons(
-    gpus: Iterable[GpuSample],
-    leases: Iterable[Lease],
-    mem: int,
-    headroom: int,
-    describe: Mapping[str, str],
-) -> tuple[dict[str, str], dict[str, int]]:
-    """For a request of ``mem`` a card: why each card cannot take it (UUID → reason: a
-    whole-card lease, ``describe``\\ d, or too little room), and every card's room (UUID →
-    bytes one more memory lease may reserve there)."""
-    leases = list(leases)
-    shared = memory_leases(leases)
-    whole = {u for x in leases if x.mem_bytes is None for u in x.uuids}
-    refused: dict[str, str] = {}
-    room: dict[str, int] = {}
-    for gpu in gpus:
-        if gpu.uuid in whole:
-            refused[gpu.uuid] = describe.get(gpu.uuid, "leased whole")
-            continue
-        if gpu.memory_total_bytes is None:
-            refused[gpu.uuid] = "reports no memory total, so no share of it can be leased"
-            continue
-        if _in_mig_mode(gpu):
-            refused[gpu.uuid] = "in MIG mode: memory leases take shares of whole cards"
-            continue
-        card = card_memory(gpu, shared.get(gpu.uuid, ()))
-        room[gpu.uuid] = card.room(headroom)
-        if card.room(headroom) < mem:
-            refused[gpu.uuid] = (
-                f"{format_bytes(max(0, card.usable - card.committed))} uncommitted, "
-                f"{format_bytes(mem)} requested + {format_bytes(headroom)} headroom"
-            )
-    return refused, room
-
-
 def shared_cards(leases: Iterable[Lease]) -> dict[str, str]:
     """UUID → why a whole-card request cannot have it: it holds memory leases."""
-    held: dict[str, int] = {}
-    for uuid, found in memory_leases(leases).items():
-        held[uuid] = sum(x.mem_bytes or 0 for x in found)
     return {
-        uuid: f"shared: {format_bytes(total)} reserved by memory leases"
-        for uuid, total in held.items()
+        uuid: f"shared: {format_bytes(sum(x.mem_bytes or 0 for x in found))} reserved by "
+        "memory leases"
+        for uuid, found in memory_leases(leases).items()
     }
 
 
@@ -207,12 +170,35 @@ def memory_fit(
     describe: Mapping[str, str],
     wanted: Container[str] | None = None,
 ) -> MemoryFit:
-    """Which cards admit ``mem`` more under ``leases`` (see the module docstring).
+    """Which cards admit ``mem`` more under ``leases`` (see the module docstring): why each
+    card cannot (a whole-card lease, ``describe``\\ d, or too little room), and the room on
+    every card that takes memory leases.
 
     ``wanted``: the cards the request's other filters accept; a refusal's note names the
     best of those (the roomiest card is no help to a request that excludes it).
     """
-    refused, room = reasons(gpus, leases, mem, headroom, describe)
+    leases = list(leases)
+    shared = memory_leases(leases)
+    whole = {u for x in leases if x.mem_bytes is None for u in x.uuids}
+    refused: dict[str, str] = {}
+    room: dict[str, int] = {}
+    for gpu in gpus:
+        if gpu.uuid in whole:
+            refused[gpu.uuid] = describe.get(gpu.uuid, "leased whole")
+            continue
+        if gpu.memory_total_bytes is None:
+            refused[gpu.uuid] = "reports no memory total, so no share of it can be leased"
+            continue
+        if _in_mig_mode(gpu):
+            refused[gpu.uuid] = "in MIG mode: memory leases take shares of whole cards"
+            continue
+        card = card_memory(gpu, shared.get(gpu.uuid, ()))
+        room[gpu.uuid] = card.room(headroom)
+        if card.room(headroom) < mem:
+            refused[gpu.uuid] = (
+                f"{format_bytes(max(0, card.usable - card.committed))} uncommitted, "
+                f"{format_bytes(mem)} requested + {format_bytes(headroom)} headroom"
+            )
     candidates = [uuid for uuid in room if wanted is None or uuid in wanted]
     if candidates:
         best = max(candidates, key=lambda uuid: room[uuid])

@@ -77,15 +77,12 @@ def sha256_hex(text: str) -> str:
 
 
 def new_secret(salt: str | None = None, key: str | None = None) -> str:
-    """A fresh random secret, or (with ``salt`` and ``key``) the one a keyed claim derives."""
+    """A fresh random secret (or salt), or (with ``salt`` and ``key``) the one a keyed claim
+    derives."""
     if salt is None or key is None:
         return secrets.token_urlsafe(SECRET_BYTES)
     digest = hmac.new(salt.encode("ascii"), key.encode("utf-8"), hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest[:SECRET_BYTES]).decode("ascii")
-
-
-def new_salt() -> str:
-    return secrets.token_urlsafe(SECRET_BYTES)
 
 
 def make_token(lease_id: str, secret: str) -> str:

@@ -10,7 +10,6 @@ matching :class:`ServerError`); reading a fleet (Prometheus, the hosts' ``/gpus`
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import urllib.parse
@@ -18,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Final
+
+from gpu_exporter.units import is_loopback as is_loopback
 
 DEFAULT_URL: Final = "http://localhost:9400"
 URL_ENV: Final = "GPU_EXPORTER_URL"
@@ -194,18 +195,6 @@ def check_scheme(url: str, origin: str) -> None:
     """Refuse a URL that is not HTTP(S), naming ``origin`` (where the URL came from)."""
     if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
         raise GpuExporterError(f"{url}: not an http:// or https:// URL ({origin})")
-
-
-def is_loopback(host: str | None) -> bool:
-    """``127.0.0.1``, ``::1``, ``localhost``: yes; every interface ("", None) and names: no."""
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,6 @@ class ConnectionSlots(Generic[Conn]):
         self.max_connections = max_connections
         self.max_waiting_per_address = max_waiting_per_address
         self.evicted = 0
-        self.refused = 0
         self._held: set[Conn] = set()
         self._waiting: dict[Conn, None] = {}  # oldest first
         self._by_address: dict[str, dict[Conn, None]] = {}
@@ -56,10 +55,6 @@ class ConnectionSlots(Generic[Conn]):
     @property
     def held(self) -> int:
         return len(self._held)
-
-    @property
-    def waiting_count(self) -> int:
-        return len(self._waiting)
 
     def connections(self) -> list[Conn]:
         return list(self._held)
@@ -71,7 +66,6 @@ class ConnectionSlots(Generic[Conn]):
             self._evict(next(iter(mine)))
         if len(self._held) >= self.max_connections:
             if not self._waiting:
-                self.refused += 1
                 return False
             self._evict(next(iter(self._waiting)))
         self._held.add(conn)

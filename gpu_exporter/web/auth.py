@@ -119,7 +119,6 @@ class BasicAuth:
     def verify(self, user: str, password: bytes) -> bool:
         if self.cached(user, password):
             return True
-        key = (user, hmac.new(self._key, password, sha256).digest())
         if len(password) > BCRYPT_MAX_PASSWORD_BYTES:
             return False  # bcrypt would look at 72 bytes only; never accept such a password
         stored = self._users.get(user)
@@ -127,17 +126,10 @@ class BasicAuth:
         if not ok or stored is None:
             return False
         with self._lock:
-            self._cache[key] = None
+            self._cache[(user, hmac.new(self._key, password, sha256).digest())] = None
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return True
-
-    def check_header(self, header: str | None) -> str | None:
-        """The user an ``Authorization: Basic …`` header proves, or None."""
-        found = credentials(header)
-        if found is None:
-            return None
-        return found[0] if self.verify(*found) else None
 
 
 def credentials(header: str | None) -> tuple[str, bytes] | None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import h11
 
-from gpu_exporter.counters import TOO_MANY_REQUESTS, RequestCounter
+from gpu_exporter.counters import RequestCounter
 from gpu_exporter.web.admission import ConnectionSlots, address_key
 from gpu_exporter.web.gateway import (
     CONNECTED,
@@ -258,28 +258,15 @@ class HttpConnection(asyncio.Protocol):
         loop, app = self.site.loop, self.site.app
         extra = {CONNECTED: self.connected}
 
-        def job() -> Callable[[], None]:
+        def job() -> None:
             answer = run_app(app, request, body, self.site.scheme, self.server, self.peer, extra)
+            # RuntimeError: the loop is closed, the server stopped meanwhile.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._respond, answer)
 
-            def hand_back() -> None:
-                # RuntimeError: the loop is closed, the server stopped meanwhile.
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self._respond, answer)
-
-            return hand_back
-
-        workers = self.site.workers
-        if workers.submit(job, owner=self.address):
-            return
-        if path in EXEMPT_PATHS:  # never starved: the probes' own workers, behind other probes
-            self.site.probe_workers.submit(job, queue_when_busy=True)
-            return
-        self.site.rejections.inc(TOO_MANY_REQUESTS)
-        message = (
-            f"error: too many requests being handled ({workers.size} at most, "
-            f"{workers.share} from one address); retry in a second\n"
-        )
-        self._respond(error_answer(503, message.encode(), ((b"Retry-After", b"1"),)))
+        # The probes have threads of their own: never behind a queue of other requests.
+        probe = path in EXEMPT_PATHS
+        (self.site.probe_workers if probe else self.site.workers).submit(job)
 
     # ------------------------------------------------------------------ writing answers
 
@@ -335,13 +322,8 @@ class HttpConnection(asyncio.Protocol):
     def _refuse(self, status: int, message: str) -> None:
         """Answer a framing error in one plain line and close."""
         body = f"error: {message}\n".encode()
-        headers = [
-            (b"Content-Type", b"text/plain; charset=utf-8"),
-            (b"Content-Length", b"%d" % len(body)),
-            (b"Cache-Control", b"no-store"),
-            (b"Connection", b"close"),
-            _SERVER,
-        ]
+        length = (b"Content-Length", b"%d" % len(body))
+        headers = [*error_answer(status, body).headers, length, (b"Connection", b"close"), _SERVER]
         head_only = self._request is not None and self._request.method == b"HEAD"
         if not self._send(status, _reason(status), headers, b"" if head_only else body):
             self.evict()

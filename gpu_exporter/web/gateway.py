@@ -48,72 +48,35 @@ class Answer:
     body: bytes
 
 
-# A job returns what to do once its worker slot is free again (hand its answer back), or None.
-After = Callable[[], None] | None
-Job = Callable[[], After]
-
-
 class Workers:
-    """At most ``size`` jobs run at once, each on a thread of its own (started on demand).
+    """Jobs run in the order submitted on at most ``size`` daemon threads, started on demand.
 
-    One client address gets at most ``share`` of them (:attr:`Limits.workers_per_address
-    <gpu_exporter.web.limits.Limits.workers_per_address>`), so 32 job scripts on the host
-    itself still run at once, and however many requests one address keeps in flight (40
-    threads sending wrong passwords, each answered 429 in a millisecond), another address's
-    scrape still finds a free worker.
+    The pool bounds threads, never requests (that is
+    :class:`~gpu_exporter.web.limits.RequestLimits`' one job): a job that finds every thread
+    busy waits for one. The pool is :attr:`Limits.worker_threads
+    <gpu_exporter.web.limits.Limits.worker_threads>` large, so a thread is free for the
+    request one too many, answered 503 at once; only credentials (``bcrypt_wait_seconds``
+    and one check at most) hold a thread outside the request limits.
     """
 
-    def __init__(self, size: int, name: str, share: int | None = None) -> None:
+    def __init__(self, size: int, name: str) -> None:
         self.size = size
-        self.share = size if share is None else share
         self._name = name
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._busy = 0  # jobs submitted and not finished: never more than threads
+        self._busy = 0  # jobs submitted and not finished
         self._threads = 0
-        self._by_owner: dict[str, int] = {}
 
-    @property
-    def busy(self) -> int:
-        return self._busy
-
-    def submit(self, job: Job, *, owner: str = "", queue_when_busy: bool = False) -> bool:
-        """Run ``job`` on a worker; False (and nothing run) when all are busy or ``owner``
-        (the client address) has its :attr:`share`, unless ``queue_when_busy`` (the probes:
-        each takes well under a millisecond).
-
-        What ``job`` returns (hand the answer back) runs once its slot is free again: a
-        client that sends its next request as soon as it has the answer finds the slot free.
-        """
+    def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
-            held = self._by_owner.get(owner, 0)
-            full = self._busy >= self.size or held >= self.share
-            if full and not queue_when_busy:
-                return False
             self._busy += 1
-            self._by_owner[owner] = held + 1
-            if self._threads < min(self._busy, self.size):
+            start = self._threads < min(self._busy, self.size)
+            if start:
                 self._threads += 1
-                number = self._threads
-                start = True
-            else:
-                start = False
+                name = f"{self._name}-{self._threads}"
         if start:
-            name = f"{self._name}-{number}"
             threading.Thread(target=self._run, name=name, daemon=True).start()
-        self._jobs.put(lambda: self._owned(job, owner))
-        return True
-
-    def _owned(self, job: Job, owner: str) -> After:
-        try:
-            return job()
-        finally:
-            with self._lock:
-                left = self._by_owner[owner] - 1
-                if left:
-                    self._by_owner[owner] = left
-                else:
-                    del self._by_owner[owner]
+        self._jobs.put(job)
 
     def stop(self) -> None:
         """Let idle threads end (busy ones end after their job)."""
@@ -121,20 +84,14 @@ class Workers:
             self._jobs.put(None)
 
     def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            then = None
+        while (job := self._jobs.get()) is not None:
             try:
-                then = job()
+                job()
             except Exception:  # the job answers its own errors; this is a last resort
                 log.exception("request worker failed")
             finally:
                 with self._lock:
                     self._busy -= 1
-            if then is not None:
-                then()
 
 
 def client_connected(sock: Any) -> bool:

@@ -3,15 +3,15 @@
 Built once (:func:`gpu_exporter.daemon.build`, from the flags) and handed to what enforces
 each limit; nothing else sizes one limit against another. In the order a request meets them:
 connections (:class:`~gpu_exporter.web.admission.ConnectionSlots`), head and body size and
-the deadlines (:class:`~gpu_exporter.web.connection.HttpConnection`), workers per address
-(:class:`~gpu_exporter.web.gateway.Workers`), failed logins and bcrypt
+the deadlines (:class:`~gpu_exporter.web.connection.HttpConnection`), failed logins and bcrypt
 (:class:`~gpu_exporter.web.auth.BasicAuthMiddleware`), requests in flight and the query
 length (:class:`RequestLimits`, here), waiting ``/choose`` requests
 (:class:`~gpu_exporter.choose.claim.Waiters`). What a client sees for each: docs/design.md,
 "The request path".
 
 :class:`RequestLimits` is WSGI middleware in front of the whole app (``/metrics`` included),
-so the server, Flask's test client and the benchmarks enforce the same request limits. The
+and the one bound on requests in flight (the server's worker pool only bounds threads), so the
+server, Flask's test client and the benchmarks enforce the same request limits. The
 probes (``/healthz``, ``/readyz``) are exempt and have :attr:`Limits.probe_threads` workers of
 their own: a busy exporter is never restarted for a missed probe. Rejections are counted by
 reason for ``gpu_exporter_requests_rejected_total``.
@@ -51,7 +51,7 @@ class Limits:
     max_waiting_per_address: int = 512
     # --max-requests-in-flight: requests handled at once, the probes exempt (503 beyond).
     max_in_flight: int = 32
-    # Workers of their own for /healthz and /readyz, beyond max_in_flight.
+    # Threads of their own for /healthz and /readyz; as many app threads beyond max_in_flight.
     probe_threads: int = 4
     # --max-waiters: /choose?wait= requests waiting at once (503); below max_in_flight, so
     # waiting clients never take every worker.
@@ -78,16 +78,10 @@ class Limits:
 
     @property
     def worker_threads(self) -> int:
-        """App workers: one per request in flight and a few more, so that the request one
-        too many reaches :class:`RequestLimits` and is answered 503 at once."""
+        """App threads: one per request in flight and :attr:`probe_threads` more, so that the
+        request one too many finds a thread and :class:`RequestLimits` answers it 503 at once
+        (a busy pool queues requests, it never refuses one)."""
         return self.max_in_flight + self.probe_threads
-
-    @property
-    def workers_per_address(self) -> int:
-        """Workers one client address may keep busy: all but a reserve of up to 4, so that
-        another address's scrape always finds one."""
-        size = self.worker_threads
-        return max(1, size - max(1, min(4, size // 4)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ import h11
 from gpu_exporter.counters import TOO_MANY_CONNECTIONS, RequestCounter
 from gpu_exporter.web.admission import ConnectionSlots
 from gpu_exporter.web.connection import HttpConnection, Site
-from gpu_exporter.web.gateway import Workers
+from gpu_exporter.web.gateway import Workers, error_answer
 from gpu_exporter.web.limits import DEFAULT_LIMITS, DEFAULT_TIMEOUTS, Limits, Timeouts
 from gpu_exporter.web.tlslayer import TlsLayer
 
@@ -55,7 +55,7 @@ ACCEPT_BURST = 64  # connections accepted per wake-up before other connections g
 def _busy() -> bytes:
     """The one 503 a connection over the cap gets (plain HTTP), written through h11 once."""
     body = b"error: too many connections; retry in a second\n"
-    headers = [(b"Content-Type", b"text/plain; charset=utf-8"), (b"Retry-After", b"1")]
+    headers = error_answer(503, body, ((b"Retry-After", b"1"),)).headers
     headers += [(b"Content-Length", b"%d" % len(body)), (b"Connection", b"close")]
     conn = h11.Connection(h11.SERVER)
     events = (h11.Response(status_code=503, headers=headers), h11.Data(data=body))
@@ -188,7 +188,7 @@ class Server:
             loop=loop,
             app=self._app,
             scheme=self.scheme,
-            workers=Workers(limits.worker_threads, "http", limits.workers_per_address),
+            workers=Workers(limits.worker_threads, "http"),
             probe_workers=Workers(limits.probe_threads, "probe"),
             slots=ConnectionSlots(
                 max(1, min(limits.max_connections, room)), limits.max_waiting_per_address
