@@ -79,7 +79,7 @@ def wait_for_waiters(r: Running, count: int) -> None:
         time.sleep(0.01)
 
 
-def test_beyond_the_in_flight_limit_answers_503_at_once_but_probes_pass(running: Running) -> None:
+def test_beyond_the_in_flight_limit_answers_503_promptly_but_probes_pass(running: Running) -> None:
     r = running
     # Two requests wait for the leased GPU: both slots are taken for a while.
     waiters = [r.in_background("/choose?n=1&wait=3s&lease=0") for _ in range(2)]

@@ -49,8 +49,11 @@ class Limits:
     # Connections of one client address still waiting for their request; beyond it that
     # address's oldest waiting one is evicted (a slowloris only churns its own).
     max_waiting_per_address: int = 512
-    # --max-requests-in-flight: requests handled at once, the probes exempt (503 beyond).
+    # --max-requests-in-flight: requests handled at once, the probes exempt. One more waits
+    # up to slot_wait_seconds for a slot (a burst of short requests queues rather than
+    # failing: a scrape takes about a millisecond), then gets 503.
     max_in_flight: int = 32
+    slot_wait_seconds: float = 0.5
     # Threads of their own for /healthz and /readyz; as many app threads beyond max_in_flight.
     probe_threads: int = 4
     # --max-waiters: /choose?wait= requests waiting at once (503); below max_in_flight, so
@@ -79,8 +82,8 @@ class Limits:
     @property
     def worker_threads(self) -> int:
         """App threads: one per request in flight and :attr:`probe_threads` more, so that the
-        request one too many finds a thread and :class:`RequestLimits` answers it 503 at once
-        (a busy pool queues requests, it never refuses one)."""
+        request one too many finds a thread and :class:`RequestLimits` answers it 503 after at
+        most :attr:`slot_wait_seconds` (a busy pool queues requests, it never refuses one)."""
         return self.max_in_flight + self.probe_threads
 
 
@@ -120,7 +123,7 @@ class RequestLimits:
             return answer(environ, start_response)
         if environ.get("PATH_INFO", "") in EXEMPT_PATHS:
             return self.app(environ, start_response)
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire(timeout=self.limits.slot_wait_seconds):
             n = self.limits.max_in_flight
             message = (
                 f"{plural(n, 'request')} {'is' if n == 1 else 'are'} already being handled; "
