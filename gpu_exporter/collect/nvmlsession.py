@@ -1,8 +1,8 @@
 """NVML's initialisation with backoff: the step that runs first in every sample.
 
-:class:`Session` initialises NVML when due (retrying after 1 s, doubling to 5 min), shuts it
+:class:`NvmlSession` initialises NVML when due (retrying after 1 s, doubling to 5 min), shuts it
 down before the next try once it stopped working, and counts the GPUs. It remembers the
-driver's versions and why NVML is down. The sampler runs :meth:`Session.device_count` on its
+driver's versions and why NVML is down. The sampler runs :meth:`NvmlSession.device_count` on its
 reader thread, like every other NVML call, with a deadline.
 """
 
@@ -19,7 +19,7 @@ INIT_BACKOFF_INITIAL_SECONDS = 1.0
 INIT_BACKOFF_MAX_SECONDS = 300.0
 
 
-class Session:
+class NvmlSession:
     """Whether NVML is initialised, and when to try again if not."""
 
     def __init__(self, nvml: Nvml) -> None:
