@@ -150,12 +150,10 @@ def rows(results: list[dict[str, Any]]) -> Iterator[tuple[str, Any, Any, str, bo
             ratio = case.get("ratio_cpu")
             met = None if ratio is None else ratio <= RATIO_TARGET
             target = f"≤ {RATIO_TARGET:g}× peer" + ("" if ratio is None else f" (is {ratio:.2f}×)")
-        load = case.get("load_average")
-        if load:
-            what += f", load average {load[0]:.2f}"
+        load = case.get("load_average")  # the machine's, at the window's end
         yield (
             f"idle CPU % of one core (s per minute), {what}",
-            _cpu(ours),
+            (_cpu(ours) or "—") + (f"; load average {load[0]:.2f}" if load else ""),
             other and _cpu(other),
             target,
             met,

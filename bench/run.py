@@ -664,7 +664,7 @@ def markdown(report: dict[str, Any]) -> str:
         calls,
         peer_s and peer_s["nvml_calls_per_sample"],
         f"fast fields × devices + 1 = {expected}, + health fields every 30 s",
-        expected is not None and expected <= calls <= expected + SLOW_CALLS_PER_SAMPLE + 0.01,
+        expected is not None and expected <= calls <= expected + slow_calls_per_sample() + 0.01,
     )
     cpu = ours_s["cpu_percent_of_one_core"]
     peer_cpu = peer_s and peer_s["cpu_percent_of_one_core"]
@@ -847,21 +847,22 @@ def _expected_calls() -> int:
     return 1 + GPUS * (1 + per_sample_fields())
 
 
-# The 14 health fields of an A100 (collect/groups.py SLOW, less the NOT_SUPPORTED retired
-# pages) read for 8 GPUs every --slow-interval (30 samples): what a window averages at most.
-SLOW_CALLS_PER_SAMPLE = 8 * 14 / 30
+def slow_calls_per_sample() -> float:
+    """The health fields (``collect/fields.py`` SLOW: 17 on the rich card, 14 on the
+    "a100-sxm" one, which has no retired pages) read for 8 GPUs every --slow-interval (30
+    samples): what a window averages at most on top of :func:`_expected_calls`."""
+    from gpu_exporter.collect.fields import FIELDS, SLOW
+
+    slow = sum(1 for f in FIELDS.values() if f.when == SLOW)
+    return GPUS * (slow - (3 if FAKE == "a100-sxm" else 0)) / 30
 
 
 def per_sample_fields() -> int:
-    """The fields read every (fast) sample from a GPU of :func:`lab` (an A100-SXM4, MIG off).
+    """The fields read every (fast) sample from a GPU of :func:`lab` (MIG off): every fast
+    field; the "a100-sxm" card has no fan (asked once, then never again)."""
+    from gpu_exporter.collect.fields import FAST, FIELDS
 
-    The fast fields of ``collect/groups.py`` less the fan, which an SXM card does not have
-    (asked once, then never again). The health fields are read every ``--slow-interval``
-    (30 s), so a window that holds a slow read averages up to 8 × 14 / 30 more per sample.
-    """
-    from gpu_exporter.collect.groups import FAST, FIELDS
-
-    return sum(1 for field, (when, _) in FIELDS.items() if when == FAST) - 1
+    return sum(1 for f in FIELDS.values() if f.when == FAST) - (FAKE == "a100-sxm")
 
 
 def with_idle(report: dict[str, Any], idle_run: dict[str, Any], file: str) -> dict[str, Any]:

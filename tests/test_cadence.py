@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import Stack, build_stack, fake_proc, sim_of
-from gpu_exporter.collect import groups
-from gpu_exporter.export.cadence import groups_table
+from gpu_exporter.collect import fields, groups
+from gpu_exporter.export.readme import groups_table
 from gpu_exporter.simulate import HANG, Fault, Health, Load, SimGpu
 from harness import exporter, get
 
@@ -35,14 +35,14 @@ def a100s(n: int = 3, *faults: Fault, **config: object) -> Stack:
 def supported(s: Stack, when: str) -> set[str]:
     """The fields GPU 0 answers, of one cadence (each is one NVML call)."""
     gpu = s.cache.get().gpus[0]
-    return {f for f, ok in gpu.fields_supported if ok and groups.cadence(f) == when}
+    return {f for f, ok in gpu.fields_supported if ok and fields.FIELDS[f].when == when}
 
 
 def test_nvml_calls_per_minute_are_fast_per_interval_plus_slow_per_slow_interval() -> None:
     gpus, interval, slow_interval = 3, 1.0, 30.0
     s = a100s(gpus, interval_seconds=interval, slow_interval_seconds=slow_interval)
     s.sample()  # identity, static values, the first slow read
-    fast, slow = supported(s, groups.FAST), supported(s, groups.SLOW)
+    fast, slow = supported(s, fields.FAST), supported(s, fields.SLOW)
     assert len(fast) == 13 and len(slow) == 14, (fast, slow)
     before = Counter(s.sim.calls)
     samples = 0
@@ -174,7 +174,7 @@ def test_readme_groups_table_is_generated() -> None:
     start = readme.index("<!-- groups-table:start -->\n") + len("<!-- groups-table:start -->\n")
     end = readme.index("<!-- groups-table:end -->")
     assert readme[start:end] == groups_table(), (
-        "README groups table is out of date: run `python -m gpu_exporter.export.cadence`"
+        "README groups table is out of date: run `python -m gpu_exporter.export.readme`"
     )
 
 
@@ -228,7 +228,7 @@ def test_gpus_says_when_each_field_is_read() -> None:
     assert updated["ecc_errors_corrected_volatile"] == "every --slow-interval"
     assert updated["clock_max_sm"] == "once"
     assert updated["encoder_utilization"] == "off"
-    assert set(updated) == set(groups.FIELDS)
+    assert set(updated) == set(fields.FIELDS)
 
 
 def _reader_threads() -> int:

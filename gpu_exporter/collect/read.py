@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from gpu_exporter.collect.fields import (
     GPU_FIELDS,
+    MIG_DEVICE_COUNT,
     Carry,
     FieldReader,
     UnsupportedFields,
@@ -57,7 +58,7 @@ class GpuIdentity:
     # constraints, maximum PCIe link), by field name, once read successfully.
     static: tuple[tuple[str, Any], ...] = ()
     mig: tuple[tuple[str, MigIdentity], ...] = ()  # MIG devices seen, by MIG uuid
-    # The slow fields' values at their last read (groups.SLOW), reused until the next one.
+    # The slow fields' values at their last read (fields.SLOW), reused until the next one.
     slow: tuple[tuple[str, Any], ...] = ()
     # Until the next slow read: the sample less its fast fields (see fields.Carry).
     carry: Carry | None = None
@@ -80,7 +81,7 @@ def _read_mig_devices(
     disabled: frozenset[str],
 ) -> tuple[tuple[GpuSample, ...], dict[str, MigIdentity]]:
     """The MIG devices of a GPU in MIG mode, each a GpuSample with the parent's index."""
-    r.read("mig_device_count", ("mig_device_count",), nvml.max_mig_device_count)
+    r.read(MIG_DEVICE_COUNT, nvml, procinfo)
     slots = r.values.pop("mig_device_count", 0)
     devices = []
     seen: dict[str, MigIdentity] = {}

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 from gpu_exporter.clock import Clock, SystemClock
-from gpu_exporter.collect import groups
 from gpu_exporter.collect.cache import SnapshotCache
-from gpu_exporter.collect.fields import UnsupportedFields
+from gpu_exporter.collect.fields import FIELDS, UnsupportedFields
 from gpu_exporter.collect.nvmlsession import NvmlSession
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.collect.read import DOWN_TIMEOUT, GpuIdentity, down_sample, read_gpu
@@ -31,7 +30,7 @@ from gpu_exporter.nvml import Nvml, NvmlUnavailable
 log = logging.getLogger(__name__)
 
 DEFAULT_NVML_TIMEOUT_SECONDS = 5.0  # per GPU (and per library step) and sample
-DEFAULT_SLOW_INTERVAL_SECONDS = 30.0  # health fields (groups.SLOW)
+DEFAULT_SLOW_INTERVAL_SECONDS = 30.0  # health fields (fields.SLOW)
 # One GPU as read: its sample, its identity for next time, whether the slow fields were read.
 _Read = tuple[GpuSample, "GpuIdentity | None", bool]
 LIBRARY = -1  # the step before the GPUs: initialise or shut down as due, count the GPUs
@@ -109,7 +108,7 @@ class Sampler:
         self.session = NvmlSession(nvml)
         self.running = False  # start() was called: readers loop until stop()
         self._fields_updated = tuple(
-            (f, "off" if group in disabled else when) for f, (when, group) in groups.FIELDS.items()
+            (name, "off" if f.group in disabled else f.when) for name, f in FIELDS.items()
         )
         # What is read once and reused, reset when NVML is initialised again.
         self._generation = 0
