@@ -70,24 +70,18 @@ class GpuIdentity:
 
 
 def _read_mig_devices(
-    nvml: Nvml,
-    parent: Any,
-    index: int,
-    r: FieldReader,
-    known: dict[str, MigIdentity],
-    unsupported: UnsupportedFields,
-    procinfo: ProcInfoCache | None,
-    pci_bus_id: str | None,
-    disabled: frozenset[str],
+    nvml: Nvml, r: FieldReader, identity: GpuIdentity, index: int, procinfo: ProcInfoCache | None
 ) -> tuple[tuple[GpuSample, ...], dict[str, MigIdentity]]:
-    """The MIG devices of a GPU in MIG mode, each a GpuSample with the parent's index."""
+    """The MIG devices of the GPU ``r`` reads (in MIG mode), each a GpuSample with the
+    parent's index, and their identities by MIG uuid."""
+    known = dict(identity.mig)
     r.read(MIG_DEVICE_COUNT, nvml, procinfo)
     slots = r.values.pop("mig_device_count", 0)
     devices = []
     seen: dict[str, MigIdentity] = {}
     for slot in range(slots):
         try:
-            handle = nvml.mig_device_handle(parent, slot)
+            handle = nvml.mig_device_handle(r.handle, slot)
             if handle is None:  # an empty slot
                 continue
             uuid = nvml.uuid(handle)
@@ -106,7 +100,7 @@ def _read_mig_devices(
             r.last_error = str(exc)
             continue
         seen[uuid] = ident
-        m = FieldReader(handle, uuid, unsupported, disabled=disabled)
+        m = FieldReader(handle, uuid, r.unsupported, disabled=r.disabled)
         read_values(nvml, m, procinfo, whole_gpu=False)
         devices.append(
             GpuSample(
@@ -114,7 +108,7 @@ def _read_mig_devices(
                 uuid=uuid,
                 up=True,
                 name=ident.name,
-                pci_bus_id=pci_bus_id,
+                pci_bus_id=identity.pci_bus_id,
                 error=m.last_error,
                 parent_uuid=r.uuid,
                 gpu_instance_id=ident.gpu_instance_id,
@@ -179,17 +173,7 @@ def read_gpu(
     try:
         read_values(nvml, r, procinfo, whole_gpu=True)
         if r.values.get("mig_mode_enabled"):
-            mig_devices, mig_seen = _read_mig_devices(
-                nvml,
-                handle,
-                index,
-                r,
-                mig_seen,
-                unsupported,
-                procinfo,
-                identity.pci_bus_id,
-                disabled,
-            )
+            mig_devices, mig_seen = _read_mig_devices(nvml, r, identity, index, procinfo)
             procs = [d.processes for d in mig_devices]
             if mig_devices and all(p is not None for p in procs):
                 r.values["processes"] = tuple(p for ps in procs if ps for p in ps)

@@ -184,26 +184,18 @@ class Sampler:
                 self._slow_read_at.pop(step, None)
                 if step in self._identities:
                     self._identities[step] = self._identities[step].forget_values()
-        what = "NVML" if step == LIBRARY else f"GPU {step}"
         self.nvml.count_timeout(reader.call)
-        log.error(
-            "%s: %s (deadline %g s); reported as down until it returns",
-            what,
-            self._overran(reader),
-            self.nvml_timeout_seconds,
-        )
+        message, deadline = self._overran(reader), self.nvml_timeout_seconds
+        log.error("%s: %s (deadline %g s); down until it returns", _what(step), message, deadline)
         if reader.once or not self._stop.is_set():
             self._start_reader(work)
 
     def stuck(self) -> tuple[str, ...]:
         """What has a call running past its deadline, and takes no new one until it returns:
         ``"library"``, and ``"gpu<index>"`` for each GPU whose call overran."""
-        stuck = dict(self._stuck)
-        return tuple(
-            "library" if key == LIBRARY else f"gpu{key}"
-            for key, reader in sorted(stuck.items())
-            if reader.current is not None
-        )
+        stuck = sorted(self._stuck.copy().items())
+        names = {k: "library" if k == LIBRARY else f"gpu{k}" for k, r in stuck if r.current}
+        return tuple(names.values())
 
     def stop(self, timeout_seconds: float = 5.0) -> None:
         """Stop sampling and shut NVML down, within about ``timeout_seconds`` in all. A reader
@@ -256,8 +248,7 @@ class Sampler:
             for key, reader in list(self._stuck.items()):
                 if reader.current is None:  # its call returned: sample it again
                     del self._stuck[key]
-                    what = "NVML" if key == LIBRARY else f"GPU {key}"
-                    log.warning("%s: the stuck NVML call returned; sampling it again", what)
+                    log.warning("%s: the stuck NVML call returned; sampling it again", _what(key))
             skip = frozenset(self._stuck)
         return _Pass(self.clock.time(), self.clock.monotonic(), skip)
 
@@ -383,3 +374,7 @@ class Sampler:
 
     def _overran(self, reader: _Reader) -> str:
         return f"{reader.call} has not returned for {self.clock.monotonic() - reader.since:.0f} s"
+
+
+def _what(step: int) -> str:
+    return "NVML" if step == LIBRARY else f"GPU {step}"
