@@ -60,17 +60,13 @@ class _Reader(threading.Thread):
     its call returns, without touching anything."""
 
     def __init__(self, sampler: Sampler, work: _Pass | None, name: str) -> None:
-        super().__init__(name=name, daemon=True)
-        self.sampler = sampler
+        super().__init__(target=sampler._loop, args=(self,), name=name, daemon=True)
         self.work = work
         self.once = work is not None and not sampler.running
         self.current: tuple[int, float] | None = None
         self.abandoned = False
         self.call = "an NVML call"  # once abandoned: the call it is stuck in, and since when
         self.since = 0.0  # (sampler's clock)
-
-    def run(self) -> None:
-        self.sampler._loop(self)
 
 
 class Sampler:
