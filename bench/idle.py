@@ -22,6 +22,7 @@ knows nothing of subprocesses.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -84,6 +85,7 @@ def idle_cpu(
             result: dict[str, Any] = {"gpus": gpus, "processes": processes}
             result["warmup_seconds"] = size.warmup_seconds
             result |= _window(running, size.window_seconds)
+            result["load_average"] = [round(x, 2) for x in os.getloadavg()]  # at its end
         ours, other = result[OURS], result.get(PEER)
         if other and other["cpu_seconds_per_minute"]:
             result["ratio_cpu"] = round(
@@ -148,9 +150,10 @@ def rows(results: list[dict[str, Any]]) -> Iterator[tuple[str, Any, Any, str, bo
             ratio = case.get("ratio_cpu")
             met = None if ratio is None else ratio <= RATIO_TARGET
             target = f"≤ {RATIO_TARGET:g}× peer" + ("" if ratio is None else f" (is {ratio:.2f}×)")
+        load = case.get("load_average")  # the machine's, at the window's end
         yield (
             f"idle CPU % of one core (s per minute), {what}",
-            _cpu(ours),
+            (_cpu(ours) or "—") + (f"; load average {load[0]:.2f}" if load else ""),
             other and _cpu(other),
             target,
             met,

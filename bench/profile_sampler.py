@@ -1,4 +1,4 @@
-"""In-process cost of sampling: CPU and NVML calls per ``Sampler.sample_once``, and a profile.
+"""In-process cost of sampling: CPU and NVML calls per sample, and a profile.
 
 Builds the exporter with :func:`gpu_exporter.daemon.build` on a clock that advances one
 ``--interval`` per sample (nobody scrapes), then reports CPU per sample (``time.process_time``
@@ -7,6 +7,9 @@ over a loop) and NVML calls per sample and per minute::
     python bench/profile_sampler.py --gpus 8 --processes 2 --samples 600
     python bench/profile_sampler.py --fake --processes 0       # the C fake library, as group 6
     python bench/profile_sampler.py --profile | head -40       # cProfile, by internal time
+
+Each sample is the reader's pass run on this thread, as the reader runs it in ``serve`` (no
+watchdog: ``Sampler.sample_once`` would also start a thread per sample).
 
 By default the GPUs are simulated A100s (``--simulate``), whose own cost (computing the
 made-up values) is part of the figure; ``--fake`` reads ``tests/fakenvml``'s A100s through
@@ -33,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's package, not another one installed
 
+from gpu_exporter.collect.sampler import _Reader  # noqa: E402
 from gpu_exporter.config import ServeConfig  # noqa: E402
 from gpu_exporter.daemon import build  # noqa: E402
 from gpu_exporter.nvml import Nvml  # noqa: E402
@@ -130,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         sampler.sample_once()
         clock.now += args.interval
 
+    reader = _Reader(sampler, None, "profiled")  # its state only: the passes run here
+
     def loop() -> None:
         for _ in range(args.samples):
-            sampler.sample_once()
+            sampler._run(reader, sampler._begin())
             clock.now += args.interval
 
     calls_before = count_calls()

@@ -144,13 +144,22 @@ def _log(message: str) -> None:
     servers._log(message)
 
 
+# The bench's fake cards. "rich" (the default) answers every field a data-centre card can:
+# besides the A100's ECC counters, remapped rows, clocks, throttle reasons and media engines,
+# a fan and retired pages (an H100 PCIe / older Tesla reports both), so nothing is skipped
+# as NOT_SUPPORTED and each sample makes every call there is. "a100-sxm" is the card before
+# issue 29: no fan, no retired pages (each answered NOT_SUPPORTED once, then never asked).
+FAKES = ("rich", "a100-sxm")
+FAKE = FAKES[0]
+
+
 def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
-    """``gpus`` A100-SXM4s with varied load, each reporting every health field a real one
-    does (the fake library's defaults; no fan); ``processes`` compute processes spread over
-    them."""
+    """``gpus`` cards of the :data:`FAKE` kind with varied load; ``processes`` compute
+    processes spread over them."""
     out = []
     for i in range(gpus):
         share = processes // gpus + (1 if i < processes % gpus else 0)
+        rich = FAKE == "rich"
         out.append(
             FakeGpu(
                 memory_used=(i % 5) * 8 * GiB,
@@ -158,8 +167,10 @@ def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
                 utilization_memory=(i * 11) % 100,
                 power_usage_mw=60_000 + i * 20_000,
                 temperature_c=30 + i,
+                fan_percent=30 + i if rich else None,
                 synthetic_processes=(share, 2**30) if share else None,
-                errors=dict(fakenvml.A100_SXM_ERRORS),
+                errors={} if rich else dict(fakenvml.A100_SXM_ERRORS),
+                health={"retired_pages": "2 1 0"} if rich else {},
             )
         )
     return out
@@ -653,7 +664,7 @@ def markdown(report: dict[str, Any]) -> str:
         calls,
         peer_s and peer_s["nvml_calls_per_sample"],
         f"fast fields × devices + 1 = {expected}, + health fields every 30 s",
-        expected is not None and expected <= calls <= expected + SLOW_CALLS_PER_SAMPLE + 0.01,
+        expected is not None and expected <= calls <= expected + slow_calls_per_sample() + 0.01,
     )
     cpu = ours_s["cpu_percent_of_one_core"]
     peer_cpu = peer_s and peer_s["cpu_percent_of_one_core"]
@@ -836,21 +847,22 @@ def _expected_calls() -> int:
     return 1 + GPUS * (1 + per_sample_fields())
 
 
-# The 14 health fields of an A100 (collect/groups.py SLOW, less the NOT_SUPPORTED retired
-# pages) read for 8 GPUs every --slow-interval (30 samples): what a window averages at most.
-SLOW_CALLS_PER_SAMPLE = 8 * 14 / 30
+def slow_calls_per_sample() -> float:
+    """The health fields (``collect/fields.py`` SLOW: 17 on the rich card, 14 on the
+    "a100-sxm" one, which has no retired pages) read for 8 GPUs every --slow-interval (30
+    samples): what a window averages at most on top of :func:`_expected_calls`."""
+    from gpu_exporter.collect.fields import FIELDS, SLOW
+
+    slow = sum(1 for f in FIELDS.values() if f.when == SLOW)
+    return GPUS * (slow - (3 if FAKE == "a100-sxm" else 0)) / 30
 
 
 def per_sample_fields() -> int:
-    """The fields read every (fast) sample from a GPU of :func:`lab` (an A100-SXM4, MIG off).
+    """The fields read every (fast) sample from a GPU of :func:`lab` (MIG off): every fast
+    field; the "a100-sxm" card has no fan (asked once, then never again)."""
+    from gpu_exporter.collect.fields import FAST, FIELDS
 
-    The fast fields of ``collect/groups.py`` less the fan, which an SXM card does not have
-    (asked once, then never again). The health fields are read every ``--slow-interval``
-    (30 s), so a window that holds a slow read averages up to 8 × 14 / 30 more per sample.
-    """
-    from gpu_exporter.collect.groups import FAST, FIELDS
-
-    return sum(1 for field, (when, _) in FIELDS.items() if when == FAST) - 1
+    return sum(1 for f in FIELDS.values() if f.when == FAST) - (FAKE == "a100-sxm")
 
 
 def with_idle(report: dict[str, Any], idle_run: dict[str, Any], file: str) -> dict[str, Any]:
@@ -872,6 +884,8 @@ def _idle_only(
             "cpu": servers.cpu_model(),
             "cpu_count": os.cpu_count(),
             "peer": f"nvitop-exporter ({note})" if peer else note,
+            "fake": FAKE,
+            "load_average": [round(x, 2) for x in os.getloadavg()],
             "idle": asdict(size.idle),
             "wall_seconds": round(time.monotonic() - started, 1),
         },
@@ -909,6 +923,16 @@ def main(argv: list[str] | None = None) -> int:
         help="with --report: group 6's rows from this --idle-only results file instead",
     )
     parser.add_argument(
+        "--fake", choices=FAKES, default=FAKES[0], help="the fake cards (default: every field)"
+    )
+    parser.add_argument(
+        "--idle-window",
+        type=float,
+        nargs=2,
+        metavar=("WARMUP", "WINDOW"),
+        help="with --idle-only: warm-up and window seconds (default 30 60)",
+    )
+    parser.add_argument(
         "--idle-only",
         action="store_true",
         help="only group 6 (steady-state idle CPU), into bench/results/idle.json",
@@ -922,7 +946,12 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(report))
         return 0
 
+    global FAKE
+    FAKE = args.fake
     size = QUICK if args.quick else FULL
+    if args.idle_window:
+        warmup, window = args.idle_window
+        size = replace(size, idle=replace(size.idle, warmup_seconds=warmup, window_seconds=window))
     hostile.raise_fd_limit()  # before any exporter starts: they inherit it (group 7)
     out: Path = args.out or RESULTS_DIR / ("exporter-quick.json" if args.quick else "exporter.json")
     started = time.monotonic()

@@ -21,9 +21,6 @@ ROOT_NAME = "gpu_exporter"
 MAX_LINES = 800  # a smoke alarm, not a design rule: modules are cut where their concept ends
 SUMMARY_MAX_CHARS = 240
 CREATE_APP_MAX_LINES = 80
-# Names still used twice while the other parts of issue 29 land (the fleet and request-path
-# renames; export/cadence.py is folded into export/spec.py). The merger empties this.
-PENDING = {"session", "gpu_exporter.export.cadence"}
 
 
 @dataclass(frozen=True)
@@ -292,7 +289,7 @@ def test_every_module_names_its_one_concept_in_one_sentence() -> None:
     for name in MODULES:
         text = summary(name)
         one_sentence = text.endswith(".") and not re.search(r"[.!?] [A-Z`:]", text[:-1])
-        if name not in PENDING and not (one_sentence and len(text) <= SUMMARY_MAX_CHARS):
+        if not (one_sentence and len(text) <= SUMMARY_MAX_CHARS):
             bad[name] = text
     assert bad == {}
 
@@ -302,7 +299,7 @@ def test_no_two_modules_share_a_file_name() -> None:
     for name, path in MODULES.items():
         if path.stem != "__init__":
             stems.setdefault(path.stem, []).append(name)
-    assert {s: m for s, m in stems.items() if len(m) > 1 and s not in PENDING} == {}
+    assert {s: m for s, m in stems.items() if len(m) > 1} == {}
 
 
 def test_no_class_name_is_defined_twice() -> None:
@@ -312,15 +309,7 @@ def test_no_class_name_is_defined_twice() -> None:
         for node in _tree(name).body:
             if isinstance(node, ast.ClassDef):
                 defined.setdefault(node.name, []).append(name)
-    assert {c: m for c, m in defined.items() if len(m) > 1 and c not in PENDING} == {}
-
-
-def test_every_pending_name_is_still_pending() -> None:
-    """Once a rename lands, its entry must leave PENDING, so the allowlist only shrinks."""
-    stems = [p.stem for p in MODULES.values()]
-    classes = [n.name for m in MODULES for n in _tree(m).body if isinstance(n, ast.ClassDef)]
-    still = {s for s in PENDING if s in MODULES or stems.count(s) > 1 or classes.count(s) > 1}
-    assert still == PENDING
+    assert {c: m for c, m in defined.items() if len(m) > 1} == {}
 
 
 def test_create_app_is_short() -> None:

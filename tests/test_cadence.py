@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import Stack, build_stack, fake_proc, sim_of
-from gpu_exporter.collect import groups
-from gpu_exporter.export.cadence import groups_table
+from gpu_exporter.collect import fields, groups
+from gpu_exporter.export.readme import groups_table
 from gpu_exporter.simulate import HANG, Fault, Health, Load, SimGpu
 from harness import exporter, get
 
@@ -35,14 +35,14 @@ def a100s(n: int = 3, *faults: Fault, **config: object) -> Stack:
 def supported(s: Stack, when: str) -> set[str]:
     """The fields GPU 0 answers, of one cadence (each is one NVML call)."""
     gpu = s.cache.get().gpus[0]
-    return {f for f, ok in gpu.fields_supported if ok and groups.cadence(f) == when}
+    return {f for f, ok in gpu.fields_supported if ok and fields.FIELDS[f].when == when}
 
 
 def test_nvml_calls_per_minute_are_fast_per_interval_plus_slow_per_slow_interval() -> None:
     gpus, interval, slow_interval = 3, 1.0, 30.0
     s = a100s(gpus, interval_seconds=interval, slow_interval_seconds=slow_interval)
     s.sample()  # identity, static values, the first slow read
-    fast, slow = supported(s, groups.FAST), supported(s, groups.SLOW)
+    fast, slow = supported(s, fields.FAST), supported(s, fields.SLOW)
     assert len(fast) == 13 and len(slow) == 14, (fast, slow)
     before = Counter(s.sim.calls)
     samples = 0
@@ -158,13 +158,14 @@ def test_collect_xid_off_starts_no_listener() -> None:
 
 
 def test_one_reader_thread_reads_every_gpu() -> None:
-    """Not a thread per GPU: 16 GPUs are read by one thread (the library has its own)."""
+    """Not a thread per GPU: 16 GPUs are read (and published) by one reader thread."""
     s = a100s(16)
+    readers: set[str] = set()
+    s.cache.subscribe(lambda _: readers.add(threading.current_thread().name))
     s.sample()
-    readers = [t for t in threading.enumerate() if t.name.startswith(("nvml-gpu", "nvml-reader"))]
-    mine = [t for t in readers if t.ident == s.sampler._reader.thread.ident]  # type: ignore[union-attr]
-    assert len(mine) == 1
-    assert not any(t.name.startswith("nvml-gpu") for t in readers)
+    (reader,) = readers
+    assert reader.startswith("nvml-reader")
+    assert not any(t.name.startswith("nvml-gpu") for t in threading.enumerate())
     s.sampler.stop(timeout_seconds=1)
 
 
@@ -173,7 +174,7 @@ def test_readme_groups_table_is_generated() -> None:
     start = readme.index("<!-- groups-table:start -->\n") + len("<!-- groups-table:start -->\n")
     end = readme.index("<!-- groups-table:end -->")
     assert readme[start:end] == groups_table(), (
-        "README groups table is out of date: run `python -m gpu_exporter.export.cadence`"
+        "README groups table is out of date: run `python -m gpu_exporter.export.readme`"
     )
 
 
@@ -227,17 +228,17 @@ def test_gpus_says_when_each_field_is_read() -> None:
     assert updated["ecc_errors_corrected_volatile"] == "every --slow-interval"
     assert updated["clock_max_sm"] == "once"
     assert updated["encoder_utilization"] == "off"
-    assert set(updated) == set(groups.FIELDS)
+    assert set(updated) == set(fields.FIELDS)
 
 
 def _reader_threads() -> int:
     return sum(t.name.startswith(("nvml-reader", "nvml-gpu")) for t in threading.enumerate())
 
 
-def test_a_hung_gpu_takes_a_spare_thread_and_gives_it_back() -> None:
+def test_a_hung_gpu_takes_a_new_reader_and_its_thread_ends() -> None:
     """Two hangs on a 4-GPU host: the GPUs after the hung one are read in the same sample by
-    a spare thread, and the thread freed by the first hang serves the second: two threads in
-    all, not one per GPU and not one per hang."""
+    a new reader, and the stuck thread ends once its call returns: no thread is left per
+    GPU or per hang."""
     hangs = [
         Fault(
             "nvmlDeviceGetPowerUsage", HANG, gpu=1, after_seconds=at, for_seconds=1, hang_seconds=1
@@ -258,7 +259,7 @@ def test_a_hung_gpu_takes_a_spare_thread_and_gives_it_back() -> None:
                 time.sleep(0.01)
             s.clock.advance(1)
             assert all(g.up for g in s.sample().gpus)
-        assert _reader_threads() - before == 2
+        _until(lambda: _reader_threads() == before)
     finally:
         s.sim.release_hangs()
         s.sampler.stop(timeout_seconds=2)
@@ -292,15 +293,15 @@ def test_while_no_call_hangs_one_thread_wakes_per_sample() -> None:
         time.sleep(1.0)
         assert s.cache.get().sequence - sequence >= 20  # 50 a second, less a busy machine's
         assert _runs(watcher) - runs <= 2
-        assert publishers == {s.sampler._reader.thread.name}  # type: ignore[union-attr]
+        assert publishers == {s.sampler._reader.name}  # type: ignore[union-attr]
     finally:
         s.sampler.stop(timeout_seconds=2)
 
 
 def test_a_hang_while_running_is_taken_over_and_sampling_handed_back() -> None:
-    """GPU 1's call hangs under the running threads: within the deadline the sampling thread
-    publishes it as down and keeps sampling the others on a spare; once the call returns,
-    GPU 1 is back and a reader samples on its own again."""
+    """GPU 1's call hangs under the running threads: within the deadline a new reader
+    publishes it as down and keeps sampling the others; once the call returns, GPU 1 is
+    back."""
     hang = Fault(
         "nvmlDeviceGetPowerUsage", HANG, gpu=1, after_seconds=5, for_seconds=1, hang_seconds=60
     )
@@ -319,7 +320,7 @@ def test_a_hang_while_running_is_taken_over_and_sampling_handed_back() -> None:
         assert s.sampler.stuck() == ("gpu1",)
         _until(lambda: s.cache.get().sequence >= snap.sequence + 5)  # the others go on
         assert all(g.up for g in s.cache.get().gpus[::2])
-        assert publishers[-1] == "nvml-sampler"
+        assert "nvml-reader0" not in publishers  # stuck in its first sample: a new one took over
         calls = s.sim.calls["nvmlDeviceGetPowerUsage"]
 
         s.clock.advance(2)  # past the window: the call, once released, is not hung again
@@ -328,7 +329,7 @@ def test_a_hang_while_running_is_taken_over_and_sampling_handed_back() -> None:
         assert s.sampler.stuck() == ()
         publishers.clear()
         _until(lambda: len(publishers) >= 5)
-        assert set(publishers[1:]) == {s.sampler._reader.thread.name}  # type: ignore[union-attr]
+        assert set(publishers[1:]) == {s.sampler._reader.name}  # type: ignore[union-attr]
         assert s.sim.calls["nvmlDeviceGetPowerUsage"] > calls
     finally:
         s.sim.release_hangs()

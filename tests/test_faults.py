@@ -329,12 +329,16 @@ def test_sigterm_during_a_stuck_call_exits_cleanly_and_promptly(tmp_path: Path) 
         assert time.monotonic() - started < 12  # server (5 s) + sampler (5 s) bounds
 
 
+def _readers(others: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in set(threading.enumerate()) - others if t.name.startswith("nvml-reader")]
+
+
 @pytest.mark.slow
 def test_hangs_coming_and_going_under_the_running_threads() -> None:
     """Short hangs on different GPUs and on the library, some overlapping, while the threads
     sample every 20 ms: one snapshot is published at a time, each names every GPU (a hung
     one down with reason timeout, never with stale values), the healthy GPUs stay fresh, and
-    once the last hang is over one reader samples alone again with few threads made."""
+    once the last hang is over one reader samples alone again, the stuck ones ended."""
     deadline, hang = 0.12, 0.35
     windows = [  # (function, gpu, at): each call in [at, at + 0.1) hangs `hang` seconds
         ("nvmlDeviceGetPowerUsage", 1, 0.5),
@@ -379,11 +383,8 @@ def test_hangs_coming_and_going_under_the_running_threads() -> None:
         wait_until(lambda: sampler.stuck() == (), timeout=10)
         recent = len(snaps)
         wait_until(lambda: len(snaps) >= recent + 10)
-        # The hung calls' threads came back as spares: not a thread per hang.
-        readers = [
-            t for t in set(threading.enumerate()) - others if t.name.startswith("nvml-reader")
-        ]
-        assert 1 <= len(readers) <= 3
+        # The hung calls' threads ended once their calls returned: not a thread per hang.
+        wait_until(lambda: len(_readers(others)) == 1, timeout=5)
     finally:
         sampler.stop(timeout_seconds=2)
         sim.release_hangs()
@@ -402,7 +403,8 @@ def test_hangs_coming_and_going_under_the_running_threads() -> None:
                 downs += 1
                 assert g.down_reason == "timeout" and g.power_draw_watts is None
     assert downs > 0 and any(not s.nvml_up for s, _ in snaps)  # the hangs were seen
-    assert {name for _, name in snaps} >= {"nvml-sampler"}  # taken over, then handed back
+    publishers = {name for _, name in snaps}  # a new reader took over after each hang
+    assert len(publishers) > 1 and all(name.startswith("nvml-reader") for name in publishers)
     last = [name for _, name in snaps[-10:]]
     assert len(set(last)) == 1 and last[0].startswith("nvml-reader")
     assert all(g.up for g in snaps[-1][0].gpus)

@@ -14,7 +14,8 @@ from prometheus_client import generate_latest
 from conftest import Stack, build_stack, sim_of
 from conftest import without_process_metrics as bare
 from gpu_exporter.export.collectors import GpuCollector, PodCollector, WebConfigCollector
-from gpu_exporter.export.spec import METRICS, SAMPLED, markdown_table
+from gpu_exporter.export.readme import metrics_table
+from gpu_exporter.export.spec import METRICS, SAMPLED
 from gpu_exporter.podallocations import PodAllocations
 from gpu_exporter.revision import revision
 from gpu_exporter.simulate import Fault, Load, SimGpu
@@ -181,8 +182,8 @@ def test_readme_metric_table_is_generated_from_the_spec() -> None:
     readme = (ROOT / "README.md").read_text()
     start = readme.index("<!-- metrics-table:start -->") + len("<!-- metrics-table:start -->\n")
     end = readme.index("<!-- metrics-table:end -->")
-    assert readme[start:end] == markdown_table(), (
-        "README metric table is out of date: run `python -m gpu_exporter.export.spec` and paste it"
+    assert readme[start:end] == metrics_table(), (
+        "README metric table is out of date: run `python -m gpu_exporter.export.readme` and paste it"
     )
 
 

@@ -1,5 +1,10 @@
-"""The values of one device: which NVML call fills which :class:`~gpu_exporter.model.GpuSample`
-field, read one field at a time.
+"""The field table (which NVML call fills which :class:`~gpu_exporter.model.GpuSample`
+attributes, how often, under which ``--collect.<group>``), and reading it for one device.
+
+Cadences, as DCGM has them: :data:`FAST` every ``--interval``; :data:`SLOW` every
+``--slow-interval`` (health counters and settings; between two slow reads the last value
+stays, one whose read failed is absent); :data:`ONCE` once per GPU and NVML initialisation.
+A disabled group makes no call; :data:`CORE` fields (what ``/choose`` ranks on) always read.
 
 :class:`FieldReader` isolates every field, so one unsupported or failing call leaves the
 others in place, and remembers (device, field) pairs that answered ``NOT_SUPPORTED`` so they
@@ -11,13 +16,11 @@ for a whole GPU or a MIG device. Only :class:`~gpu_exporter.nvml.GpuLost` and
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gpu_exporter import nvml as nvml_mod
-from gpu_exporter.collect import groups
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.model import (
     CLOCKS,
@@ -34,17 +37,21 @@ from gpu_exporter.nvml import GpuLost, Nvml, NvmlError, NvmlUnavailable, Unsuppo
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-# (device uuid, field) pairs that answered NOT_SUPPORTED: not asked again until NVML is
-# initialised again (the owner clears the set then).
+FAST = "every sample"
+SLOW = "every --slow-interval"
+ONCE = "once"
+CORE = ""  # no group: always read
+
+# (device uuid, field) pairs that answered NOT_SUPPORTED: not asked again until re-init
 UnsupportedFields = set[tuple[str, str]]
 
 
 class FieldReader:
     """Reads fields of one device, remembering which (device, field) pairs are unsupported.
 
-    Each field is read at its cadence (:mod:`gpu_exporter.collect.groups`): a :data:`ONCE`
-    field once per identity (``static``), a :data:`SLOW` one only when ``slow_due`` (between
-    two slow reads the last value, ``slow``, is reused), a field of a ``disabled`` group never.
+    Each field is read at its cadence: a :data:`ONCE` field once per identity (``static``),
+    a :data:`SLOW` one only when ``slow_due`` (between two slow reads the last value,
+    ``slow``, is reused), a field of a ``disabled`` group never.
     """
 
     def __init__(
@@ -72,30 +79,28 @@ class FieldReader:
         self.last_error: str | None = None
         self.newly_unsupported: list[str] = []  # logged together, one line per device
 
-    def read(self, field: str, names: tuple[str, ...], fn: Callable[[Any], Any]) -> bool:
-        """Store ``fn(handle)`` under ``names`` (a tuple result fills several), or the value
-        remembered for a once / slow field that is not due. True if there is a value."""
-        when, group = groups.FIELDS[field]
-        if group in self.disabled:
+    def read(self, f: Field, nvml: Nvml, procinfo: ProcInfoCache | None) -> bool:
+        """Store what ``f`` reads under ``f.names`` (a tuple result fills several), or the
+        value remembered for a once / slow field that is not due. True if there is a value."""
+        field, names, when = f.field, f.names, f.when
+        if f.group in self.disabled:
             return False
         if (self.uuid, field) in self.unsupported:
             self.asked[field] = False
             return False
-        memo = self.static if when == groups.ONCE else self.slow if when == groups.SLOW else None
-        if memo is not None and (when == groups.ONCE or not self.slow_due):
+        memo = self.static if when == ONCE else self.slow if when == SLOW else None
+        if memo is not None and (when == ONCE or not self.slow_due):
             self.asked[field] = True
             if field not in memo:
-                if when == groups.SLOW:  # failed at the last slow read: absent until the next
+                if when == SLOW:  # failed at the last slow read: absent until the next
                     return False
             else:
                 self._store(names, memo[field])
                 return True
         try:
-            value = fn(self.handle)
+            value = f.read(nvml, procinfo, self.handle)
         except Unsupported:
-            self.unsupported.add((self.uuid, field))
-            self.asked[field] = False
-            self.newly_unsupported.append(field)
+            self._unsupported(field)
             return False
         except (GpuLost, NvmlUnavailable):
             raise
@@ -116,26 +121,20 @@ class FieldReader:
         turns out unsupported ends the carry (the next sample walks every field again)."""
         carry, handle = self.carry, self.handle
         assert carry is not None
-        values = self.values = dict(carry.values)
+        self.values = dict(carry.values)
         for f in carry.fast:
             try:
                 value = f.read(nvml, procinfo, handle)
             except Unsupported:
-                self.unsupported.add((self.uuid, f.field))
-                self.newly_unsupported.append(f.field)
-                if not self.asked:
-                    self.asked = dict(carry.asked)
-                self.asked[f.field] = False
+                self.asked = self.asked or dict(carry.asked)
+                self._unsupported(f.field)
                 continue
             except (GpuLost, NvmlUnavailable):
                 raise
             except NvmlError as exc:
                 self.last_error = str(exc)
                 continue
-            if len(f.names) == 1:
-                values[f.names[0]] = value
-            else:
-                values.update(zip(f.names, value, strict=True))
+            self._store(f.names, value)
 
     def fields_supported(self) -> tuple[tuple[str, bool], ...]:
         """(field, supported) for every field asked of this device, in reading order."""
@@ -156,14 +155,19 @@ class FieldReader:
             if f.group in self.disabled:
                 continue
             supported = (self.uuid, f.field) not in self.unsupported
-            if f.when == groups.FAST:
+            if f.when == FAST:
                 if supported and not (mig and f.field == "processes"):
                     fast.append(f)
-            elif f.when == groups.ONCE and supported and f.field not in self.static:
+            elif f.when == ONCE and supported and f.field not in self.static:
                 return None  # failed: asked again next sample
             else:
                 values.update((n, self.values[n]) for n in f.names if n in self.values)
         return Carry(values, dict(self.asked), self.fields_supported(), tuple(fast))
+
+    def _unsupported(self, field: str) -> None:
+        self.unsupported.add((self.uuid, field))
+        self.asked[field] = False
+        self.newly_unsupported.append(field)
 
     def _store(self, names: tuple[str, ...], value: Any) -> None:
         if len(names) == 1:
@@ -196,9 +200,8 @@ class Carry:
 
 
 def _reasons(mask: int) -> tuple[str, ...]:
-    return interned(
-        tuple(r for r in CLOCKS_EVENT_REASONS if mask & nvml_mod.CLOCKS_EVENT_REASON_BITS[r])
-    )
+    bits = nvml_mod.CLOCKS_EVENT_REASON_BITS
+    return interned(tuple(r for r in CLOCKS_EVENT_REASONS if mask & bits[r]))
 
 
 _INTERNED: dict[Any, Any] = {}
@@ -227,23 +230,12 @@ def _processes(
             memory[p.pid] = p.used_memory_bytes
     out = []
     for pid, used in memory.items():
-        info = procinfo.get(pid) if procinfo is not None else None
-        if info is None:
+        i = procinfo.get(pid) if procinfo is not None else None
+        if i is None:
             out.append(ProcessSample(pid, used))
-        else:
-            out.append(
-                ProcessSample(
-                    pid,
-                    used,
-                    info.user,
-                    info.command,
-                    info.container,
-                    info.slurm_job,
-                    info.pod,
-                    info.ancestors,
-                    info.cgroup,
-                )
-            )
+        else:  # (the attribution fields, in ProcessSample's order)
+            attribution = (i.user, i.command, i.container, i.slurm_job, i.pod)
+            out.append(ProcessSample(pid, used, *attribution, i.ancestors, i.cgroup))
     return tuple(out)
 
 
@@ -252,28 +244,24 @@ Reader = Callable[[Nvml, "ProcInfoCache | None", Any], Any]  # read(nvml, procin
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Field:
-    """One field: its :data:`groups.FIELDS` name, the GpuSample attributes its value fills
-    (a tuple value fills several), how it is read, and its cadence and group."""
+    """One row of the field table: its name (``/gpus``' ``fields_updated``, the
+    ``field`` label), the GpuSample attributes its value fills (a tuple value fills several),
+    how it is read, its cadence and its ``--collect.<group>``. One NVML call per read."""
 
     field: str
     names: tuple[str, ...]
     read: Reader
-    when: str = ""
-    group: str = ""
-
-    def __post_init__(self) -> None:
-        when, group = groups.FIELDS[self.field]
-        object.__setattr__(self, "when", when)
-        object.__setattr__(self, "group", group)
+    when: str = FAST
+    group: str = CORE
 
 
-def _f(field: str, names: tuple[str, ...] | str, read: Reader) -> Field:
-    return Field(field, (names,) if isinstance(names, str) else names, read)
+def _f(field: str, names: tuple[str, ...] | str, read: Reader, when: str, group: str) -> Field:
+    return Field(field, (names,) if isinstance(names, str) else names, read, when, group)
 
 
-def _m(field: str, name: str) -> Field:
+def _m(field: str, name: str, when: str, group: str) -> Field:
     """A field read by the Nvml method of the same name as the GpuSample attribute."""
-    return _f(field, name, lambda n, _, h: getattr(n, name)(h))
+    return _f(field, name, lambda n, _, h: getattr(n, name)(h), when, group)
 
 
 def _memory(whole_gpu: bool) -> Reader:
@@ -292,82 +280,82 @@ def _clock(clock: str, maximum: bool = False) -> Field:
     name, method = (
         (f"clock_max_{clock}", "max_clock_hz") if maximum else (f"clock_{clock}", "clock_hz")
     )
-    return _f(name, f"{name}_hz", lambda n, _, h: getattr(n, method)(h, clock))
+    read: Reader = lambda n, _, h: getattr(n, method)(h, clock)  # noqa: E731
+    return _f(name, f"{name}_hz", read, ONCE if maximum else FAST, "clocks")
 
 
 def _ecc(error: str, counter: str) -> Field:
     name = f"ecc_errors_{error}_{counter}"
-    return _f(name, name, lambda n, _, h: n.ecc_errors(h, error, counter))
+    return _f(name, name, lambda n, _, h: n.ecc_errors(h, error, counter), SLOW, "health")
 
 
 def _threshold(t: str) -> Field:
     read: Reader = lambda n, _, h: n.temperature_threshold_celsius(h, t)  # noqa: E731
-    return _f(f"temperature_threshold_{t}", f"temperature_{t}_celsius", read)
+    return _f(f"temperature_threshold_{t}", f"temperature_{t}_celsius", read, ONCE, "temperature")
 
 
 def _link(what: str, link: str) -> Field:
     name = f"pcie_link_{what}_{link}"  # Nvml.pcie_link_generation or pcie_link_width
-    return _f(name, name, lambda n, _, h: getattr(n, f"pcie_link_{what}")(h, link))
+    read: Reader = lambda n, _, h: getattr(n, f"pcie_link_{what}")(h, link)  # noqa: E731
+    return _f(name, name, read, SLOW if link == "current" else ONCE, "pcie")
 
 
 def _retired(cause: str) -> Field:
     name = f"retired_pages_{cause}"
-    return _f(name, name, lambda n, _, h: n.retired_pages(h, cause))
+    return _f(name, name, lambda n, _, h: n.retired_pages(h, cause), SLOW, "health")
 
 
 _MEMORY_FIELDS = tuple(f"memory_{x}_bytes" for x in ("total", "used", "free", "reserved"))
-_PROCESSES = _f("processes", "processes", lambda n, p, h: _processes(n, h, p))
-_UTILIZATION = _f("utilization", ("utilization_ratio", "memory_utilization_ratio"), _utilization)
+_PROCESSES = _f("processes", "processes", lambda n, p, h: _processes(n, h, p), FAST, "processes")
+_UTILIZATION = _f(
+    "utilization", ("utilization_ratio", "memory_utilization_ratio"), _utilization, FAST, CORE
+)
 # A MIG device answers only memory, utilization (not at all, in practice) and processes.
-MIG_FIELDS = (_f("memory", _MEMORY_FIELDS, _memory(False)), _UTILIZATION, _PROCESSES)
+MIG_FIELDS = (_f("memory", _MEMORY_FIELDS, _memory(False), FAST, CORE), _UTILIZATION, _PROCESSES)
+# How many MIG devices a GPU in MIG mode can have (read.py reads it before its devices).
+MIG_DEVICE_COUNT = _f(
+    "mig_device_count", "mig_device_count", lambda n, _, h: n.max_mig_device_count(h), ONCE, CORE
+)
 # A whole GPU, in the order read (MIG mode before processes: in MIG mode, processes are
-# read per MIG device instead).
+# read per MIG device instead), then the once-fields. Kept as a table, not in ruff's layout.
 GPU_FIELDS = (
-    _f("memory", _MEMORY_FIELDS, _memory(True)),
+    _f("memory", _MEMORY_FIELDS, _memory(True), FAST, CORE),
     _UTILIZATION,
-    _m("mig_mode", "mig_mode_enabled"),
-    _m("power_draw", "power_draw_watts"),
-    _m("power_limit", "power_limit_watts"),
-    _m("energy", "energy_joules"),
-    _m("temperature", "temperature_celsius"),
-    _m("fan_speed", "fan_speed_ratio"),
+    _m("mig_mode", "mig_mode_enabled", SLOW, CORE),
+    _m("power_draw", "power_draw_watts", FAST, "power"),
+    _m("power_limit", "power_limit_watts", SLOW, "power"),
+    _m("energy", "energy_joules", FAST, "power"),
+    _m("temperature", "temperature_celsius", FAST, "temperature"),
+    _m("fan_speed", "fan_speed_ratio", FAST, "temperature"),
     *(_clock(clock) for clock in CLOCKS),
     _PROCESSES,
-    _f(
-        "clocks_event_reasons",
-        "clocks_event_reasons",
-        lambda n, _, h: _reasons(n.clocks_event_reasons(h)),
-    ),
-    _m("performance_state", "performance_state"),
-    _m("persistence_mode", "persistence_mode_enabled"),
-    _m("compute_mode", "compute_mode"),
-    _m("ecc_mode", "ecc_mode_enabled"),
+    _f("clocks_event_reasons", "clocks_event_reasons",
+       lambda n, _, h: _reasons(n.clocks_event_reasons(h)), FAST, "clocks"),
+    _m("performance_state", "performance_state", SLOW, "clocks"),
+    _m("persistence_mode", "persistence_mode_enabled", SLOW, "health"),
+    _m("compute_mode", "compute_mode", SLOW, "health"),
+    _m("ecc_mode", "ecc_mode_enabled", SLOW, "health"),
     *(_ecc(error, counter) for error in ECC_ERRORS for counter in ECC_COUNTERS),
-    _f(
-        "remapped_rows",
-        tuple(f"remapped_rows_{x}" for x in ("correctable", "uncorrectable", "pending", "failed")),
-        lambda n, _, h: dataclasses.astuple(n.remapped_rows(h)),
-    ),
+    _f("remapped_rows",
+       tuple(f"remapped_rows_{x}" for x in ("correctable", "uncorrectable", "pending", "failed")),
+       lambda n, _, h: dataclasses.astuple(n.remapped_rows(h)), SLOW, "health"),
     *(_retired(cause) for cause in RETIREMENT_CAUSES),
-    _m("retired_pages_pending", "retired_pages_pending"),
+    _m("retired_pages_pending", "retired_pages_pending", SLOW, "health"),
     _link("generation", "current"),
     _link("width", "current"),
-    _m("pcie_replay_errors", "pcie_replay_errors"),
-    _m("encoder_utilization", "encoder_utilization_ratio"),
-    _m("decoder_utilization", "decoder_utilization_ratio"),
-    # Read once per GPU and initialisation (groups.ONCE): these do not change while the
-    # driver runs.
+    _m("pcie_replay_errors", "pcie_replay_errors", SLOW, "pcie"),
+    _m("encoder_utilization", "encoder_utilization_ratio", FAST, "media"),
+    _m("decoder_utilization", "decoder_utilization_ratio", FAST, "media"),
     *(_clock(clock, maximum=True) for clock in CLOCKS),
     *(_threshold(t) for t in TEMPERATURE_THRESHOLDS),
-    _m("power_limit_default", "power_limit_default_watts"),
-    _f(
-        "power_limit_constraints",
-        ("power_limit_min_watts", "power_limit_max_watts"),
-        lambda n, _, h: n.power_limit_constraints_watts(h),
-    ),
+    _m("power_limit_default", "power_limit_default_watts", ONCE, "power"),
+    _f("power_limit_constraints", ("power_limit_min_watts", "power_limit_max_watts"),
+       lambda n, _, h: n.power_limit_constraints_watts(h), ONCE, "power"),
     _link("generation", "max"),
     _link("width", "max"),
-)
+)  # fmt: skip
+# Every field by name, whole GPU or MIG device.
+FIELDS: dict[str, Field] = {f.field: f for f in (*GPU_FIELDS, MIG_DEVICE_COUNT)}
 
 
 def read_values(
@@ -385,7 +373,7 @@ def read_values(
         for f in GPU_FIELDS if whole_gpu else MIG_FIELDS:
             if f.field == "processes" and r.values.get("mig_mode_enabled"):
                 continue  # in MIG mode, processes are read per MIG device
-            r.read(f.field, f.names, functools.partial(f.read, nvml, procinfo))
+            r.read(f, nvml, procinfo)
     finally:
         r.log_unsupported()
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from gpu_exporter.collect.fields import (
     GPU_FIELDS,
+    MIG_DEVICE_COUNT,
     Carry,
     FieldReader,
     UnsupportedFields,
@@ -57,7 +58,7 @@ class GpuIdentity:
     # constraints, maximum PCIe link), by field name, once read successfully.
     static: tuple[tuple[str, Any], ...] = ()
     mig: tuple[tuple[str, MigIdentity], ...] = ()  # MIG devices seen, by MIG uuid
-    # The slow fields' values at their last read (groups.SLOW), reused until the next one.
+    # The slow fields' values at their last read (fields.SLOW), reused until the next one.
     slow: tuple[tuple[str, Any], ...] = ()
     # Until the next slow read: the sample less its fast fields (see fields.Carry).
     carry: Carry | None = None
@@ -69,24 +70,18 @@ class GpuIdentity:
 
 
 def _read_mig_devices(
-    nvml: Nvml,
-    parent: Any,
-    index: int,
-    r: FieldReader,
-    known: dict[str, MigIdentity],
-    unsupported: UnsupportedFields,
-    procinfo: ProcInfoCache | None,
-    pci_bus_id: str | None,
-    disabled: frozenset[str],
+    nvml: Nvml, r: FieldReader, identity: GpuIdentity, index: int, procinfo: ProcInfoCache | None
 ) -> tuple[tuple[GpuSample, ...], dict[str, MigIdentity]]:
-    """The MIG devices of a GPU in MIG mode, each a GpuSample with the parent's index."""
-    r.read("mig_device_count", ("mig_device_count",), nvml.max_mig_device_count)
+    """The MIG devices of the GPU ``r`` reads (in MIG mode), each a GpuSample with the
+    parent's index, and their identities by MIG uuid."""
+    known = dict(identity.mig)
+    r.read(MIG_DEVICE_COUNT, nvml, procinfo)
     slots = r.values.pop("mig_device_count", 0)
     devices = []
     seen: dict[str, MigIdentity] = {}
     for slot in range(slots):
         try:
-            handle = nvml.mig_device_handle(parent, slot)
+            handle = nvml.mig_device_handle(r.handle, slot)
             if handle is None:  # an empty slot
                 continue
             uuid = nvml.uuid(handle)
@@ -105,7 +100,7 @@ def _read_mig_devices(
             r.last_error = str(exc)
             continue
         seen[uuid] = ident
-        m = FieldReader(handle, uuid, unsupported, disabled=disabled)
+        m = FieldReader(handle, uuid, r.unsupported, disabled=r.disabled)
         read_values(nvml, m, procinfo, whole_gpu=False)
         devices.append(
             GpuSample(
@@ -113,7 +108,7 @@ def _read_mig_devices(
                 uuid=uuid,
                 up=True,
                 name=ident.name,
-                pci_bus_id=pci_bus_id,
+                pci_bus_id=identity.pci_bus_id,
                 error=m.last_error,
                 parent_uuid=r.uuid,
                 gpu_instance_id=ident.gpu_instance_id,
@@ -178,17 +173,7 @@ def read_gpu(
     try:
         read_values(nvml, r, procinfo, whole_gpu=True)
         if r.values.get("mig_mode_enabled"):
-            mig_devices, mig_seen = _read_mig_devices(
-                nvml,
-                handle,
-                index,
-                r,
-                mig_seen,
-                unsupported,
-                procinfo,
-                identity.pci_bus_id,
-                disabled,
-            )
+            mig_devices, mig_seen = _read_mig_devices(nvml, r, identity, index, procinfo)
             procs = [d.processes for d in mig_devices]
             if mig_devices and all(p is not None for p in procs):
                 r.values["processes"] = tuple(p for ps in procs if ps for p in ps)

@@ -1,27 +1,28 @@
 """The ``/metrics`` spec: one :class:`MetricSpec` per metric, and :data:`METRICS`, all of them.
 
-The single source of truth for names, types, labels, help text, units and the NVML function
-behind each value: :mod:`gpu_exporter.export.collectors` builds the families from it, and the
-README's metric table is generated from it (``python -m gpu_exporter.export.spec``); a test
-keeps the two equal.
+The single source of truth for names, types, labels, help text, units, the NVML function
+behind each value and when it is read (a GPU value's cadence and ``--collect.<group>`` are
+its field's, :mod:`gpu_exporter.collect.fields`): :mod:`gpu_exporter.export.collectors`
+builds the families from it, and :mod:`gpu_exporter.export.readme` the README's metric table
+(``python -m gpu_exporter.export.readme``); a test keeps the two equal.
 
 This module is a declarative table, and longer than 400 lines for that reason alone: one
-entry per metric; besides the entries, only the two entry builders (``_gpu``, ``_labelled``),
-three small value functions some entries name, and :func:`markdown_table`.
+entry per metric, the entry builders and three small value functions some entries name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypedDict
 
+from gpu_exporter.collect.fields import CORE, FAST, FIELDS, ONCE
 from gpu_exporter.counters import (
     CHOOSE_RESULTS,
     REJECTION_REASONS,
     RELEASE_REASONS,
     RELOAD_RESULTS,
 )
-from gpu_exporter.export import cadence
 from gpu_exporter.model import (
     CLOCKS,
     CLOCKS_EVENT_REASONS,
@@ -39,6 +40,8 @@ SAMPLED = (
     " Sampled in the background every --interval (see gpu_exporter_last_sample_timestamp_seconds)."
 )
 ON = "yes"
+AT_SCRAPE = "at scrape"
+KUBELET = "every 10 s, own thread"  # --kubernetes: collect/kubelet.py
 
 # (label values after gpu and uuid, value) pairs that one metric has for one device.
 Values = Callable[[GpuSample], Iterable[tuple[tuple[str, ...], float]]]
@@ -63,6 +66,8 @@ class MetricSpec:
     label_values: tuple[str, ...] = ()
     # More of the description, for the README only: # HELP is sent on every scrape.
     details: str = ""
+    updated: str = FAST  # when the value is read: every sample, every --slow-interval, once …
+    group: str = CORE  # the --collect.<group> that turns it off; "" for none
 
     @property
     def family_name(self) -> str:
@@ -79,28 +84,30 @@ class MetricSpec:
     def on_by_default(self) -> bool:
         return self.default.startswith(ON)
 
-    @property
-    def updated(self) -> str:
-        """When the value is read: every sample, every --slow-interval, once … (cadence.py)."""
-        return cadence.updated(self.name)
 
-    @property
-    def group(self) -> str:
-        """The ``--collect.<group>`` that turns it off; "" for none (cadence.py)."""
-        return cadence.group(self.name)
+_BY_ATTRIBUTE = {name: f for f in FIELDS.values() for name in f.names}
+_BY_ATTRIBUTE["compute_processes"] = FIELDS["processes"]  # the process list's length
+
+
+class _When(TypedDict):
+    updated: str
+    group: str
+
+
+def _read_as(*attributes: str, labels: tuple[str, ...] = ()) -> _When:
+    """When the values in these GpuSample attributes (or of these collect fields) are read:
+    their fields' cadence (each label value's, where they differ) and group."""
+    read = [_BY_ATTRIBUTE.get(a) or FIELDS[a] for a in attributes]
+    whens = [f.when for f in read]
+    each = "; ".join(f"{label}: {when}" for label, when in zip(labels, whens))  # noqa: B905
+    return {"updated": whens[0] if len(set(whens)) == 1 else each, "group": read[0].group}
 
 
 def _gpu(
-    name: str,
-    help: str,
-    source: str,
-    field: str,
-    unit: str,
-    type: str = "gauge",
-    *,
-    mig: bool = False,
+    name: str, help: str, source: str, field: str, unit: str, type: str = "gauge", mig: bool = False
 ) -> MetricSpec:
-    return MetricSpec(name, type, help + SAMPLED, GPU_LABELS, source, field, unit=unit, mig=mig)
+    labels, when = GPU_LABELS, _read_as(field)
+    return MetricSpec(name, type, help + SAMPLED, labels, source, field, unit=unit, mig=mig, **when)
 
 
 def _labelled(
@@ -112,8 +119,10 @@ def _labelled(
     pairs: tuple[tuple[str, str], ...],
     type: str = "gauge",
 ) -> MetricSpec:
+    labels = (*GPU_LABELS, label)
+    when = _read_as(*(a for _, a in pairs), labels=tuple(v for v, _ in pairs))
     return MetricSpec(
-        name, type, help + SAMPLED, (*GPU_LABELS, label), source, per_label=pairs, unit=unit
+        name, type, help + SAMPLED, labels, source, per_label=pairs, unit=unit, **when
     )
 
 
@@ -145,6 +154,7 @@ GPU_INFO = MetricSpec(
     "nvmlDeviceGetName, nvmlDeviceGetPciInfo, nvmlSystemGetDriverVersion",
     unit="1 (info)",
     mig=True,
+    updated=ONCE,
 )
 GPU_UP = MetricSpec(
     "gpu_up",
@@ -222,7 +232,7 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
                "1 for each reason the clocks are held below their maximum now, 0 for the others."
                + SAMPLED,
                (*GPU_LABELS, "reason"), "nvmlDeviceGetCurrentClocksEventReasons",
-               unit="0/1", values=_reasons,
+               unit="0/1", values=_reasons, **_read_as("clocks_event_reasons"),
                details="Reasons: power cap, thermal or hardware slowdown, power brake, idle …"),
     _gpu("gpu_performance_state", "Performance state: 0 (P0, fastest) to 15 (P15, slowest).",
          "nvmlDeviceGetPerformanceState", "performance_state", "P-state"),
@@ -233,14 +243,14 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
                "Always 1; the compute mode (default, exclusive_process, prohibited) is the mode "
                "label." + SAMPLED,
                (*GPU_LABELS, "mode"), "nvmlDeviceGetComputeMode",
-               unit="1 (info)", values=_compute_mode),
+               unit="1 (info)", values=_compute_mode, **_read_as("compute_mode")),
     _gpu("gpu_ecc_mode_enabled", "1 if ECC is on for the frame-buffer memory.",
          "nvmlDeviceGetEccMode", "ecc_mode_enabled", "0/1"),
     MetricSpec("gpu_ecc_errors_total", "counter",
                "Memory ECC errors: corrected or uncorrected, since the driver loaded (volatile) or "
                "over the card's life (aggregate)." + SAMPLED,
                (*GPU_LABELS, "error", "counter"), "nvmlDeviceGetTotalEccErrors",
-               unit="errors", values=_ecc_errors),
+               unit="errors", values=_ecc_errors, **_read_as("ecc_errors_corrected_volatile")),
     _labelled("gpu_remapped_rows_total",
               "Memory rows remapped because of correctable or uncorrectable errors (Ampere and "
               "later).",
@@ -303,6 +313,7 @@ PROCESS_MEMORY = MetricSpec(
     default="yes; user, command, container, slurm_job, pod labels only with --process-labels",
     details="At most --process-series-limit per device, largest first; memory of processes in "
     "other PID namespaces is in gpu_memory_used_bytes but not here.",
+    **_read_as("processes"),
 )
 XID_ERRORS = MetricSpec(
     "gpu_xid_errors_total",
@@ -312,6 +323,8 @@ XID_ERRORS = MetricSpec(
     "nvmlEventSetWait_v2 (nvmlEventTypeXidCriticalError)",
     unit="errors",
     details="79: fallen off the bus, 48: double-bit ECC, 13/31/43: application faults …",
+    updated="on event",
+    group="xid",
 )
 LAST_XID = MetricSpec(
     "gpu_last_xid_timestamp_seconds",
@@ -320,6 +333,8 @@ LAST_XID = MetricSpec(
     GPU_LABELS,
     "nvmlEventSetWait_v2",
     unit="seconds",
+    updated="on event",
+    group="xid",
 )
 PCIE_THROUGHPUT = MetricSpec(
     "gpu_pcie_throughput_bytes_per_second",
@@ -330,6 +345,7 @@ PCIE_THROUGHPUT = MetricSpec(
     "nvmlDeviceGetPcieThroughput",
     unit="bytes/second",
     default="no: --collect.pcie-throughput",
+    updated="every --interval, own thread",
 )
 GPU_LEASED = MetricSpec(
     "gpu_leased",
@@ -338,6 +354,7 @@ GPU_LEASED = MetricSpec(
     GPU_LABELS,
     "the lease table",
     unit="0/1",
+    updated=AT_SCRAPE,
 )
 GPU_MEMORY_LEASED = MetricSpec(
     "gpu_memory_leased_bytes",
@@ -370,6 +387,7 @@ BUILD_INFO = MetricSpec(
     "the exporter",
     unit="1 (info)",
     details='With --simulate, backend="simulated"; revision is "unknown" where none was recorded.',
+    updated=ONCE,
 )
 NVML_UP = MetricSpec(
     "gpu_exporter_nvml_up",
@@ -423,6 +441,7 @@ CHOOSE_REQUESTS = MetricSpec(
     "the exporter",
     unit="requests",
     label_values=CHOOSE_RESULTS,
+    updated=AT_SCRAPE,
 )
 LEASES_DROPPED = MetricSpec(
     "gpu_exporter_lease_gpus_released_total",
@@ -434,6 +453,7 @@ LEASES_DROPPED = MetricSpec(
     details="Reasons: arrived (the job showed up), down, gone, not_on_this_host (restored "
     "from --state-dir for a GPU this host does not have).",
     label_values=RELEASE_REASONS,
+    updated=AT_SCRAPE,
 )
 STATE_WRITE_ERRORS = MetricSpec(
     "gpu_exporter_state_write_errors_total",
@@ -444,6 +464,7 @@ STATE_WRITE_ERRORS = MetricSpec(
     unit="writes",
     details="While they fail (full or read-only file system), /choose claims nothing (503 "
     "state_unwritable) and /readyz is 503.",
+    updated=AT_SCRAPE,
 )
 REQUESTS_REJECTED = MetricSpec(
     "gpu_exporter_requests_rejected_total",
@@ -458,6 +479,7 @@ REQUESTS_REJECTED = MetricSpec(
     "(503: every bcrypt slot busy); too_many_connections (every connection at the connection "
     "cap busy with a request).",
     label_values=REJECTION_REASONS,
+    updated=AT_SCRAPE,
 )
 CHOOSE_WAITERS = MetricSpec(
     "gpu_exporter_choose_waiters",
@@ -467,6 +489,7 @@ CHOOSE_WAITERS = MetricSpec(
     (),
     "the exporter",
     unit="requests",
+    updated=AT_SCRAPE,
 )
 WEB_CONFIG_RELOADS = MetricSpec(
     "gpu_exporter_web_config_reloads_total",
@@ -478,6 +501,7 @@ WEB_CONFIG_RELOADS = MetricSpec(
     unit="reloads",
     default="with --web-config-file",
     label_values=RELOAD_RESULTS,
+    updated=AT_SCRAPE,
 )
 WEB_CONFIG_OK = MetricSpec(
     "gpu_exporter_web_config_last_reload_successful",
@@ -488,6 +512,7 @@ WEB_CONFIG_OK = MetricSpec(
     "the exporter",
     unit="0/1",
     default="with --web-config-file",
+    updated=AT_SCRAPE,
 )
 GPU_POD_INFO = MetricSpec(
     "gpu_pod_info",
@@ -501,6 +526,7 @@ GPU_POD_INFO = MetricSpec(
     details="For joins, on the left: `gpu_pod_info * on(instance, uuid) group_left "
     "gpu_memory_used_bytes`. A time-sliced card has one series per container sharing it "
     '(replica IDs `GPU-…::N` are the card); a device this host does not know has `gpu=""`.',
+    updated=KUBELET,
 )
 KUBERNETES_UP = MetricSpec(
     "gpu_exporter_kubernetes_up",
@@ -511,6 +537,7 @@ KUBERNETES_UP = MetricSpec(
     "kubelet PodResources v1 List",
     unit="0/1",
     default="with --kubernetes",
+    updated=KUBELET,
 )
 GPU_PROCESS_POD_INFO = MetricSpec(
     "gpu_process_pod_info",
@@ -526,6 +553,8 @@ GPU_PROCESS_POD_INFO = MetricSpec(
     "their UIDs: a cgroup's pod UID is named where a card's pods and processes pin it down "
     '(a card one pod holds, or the last unnamed pod of a shared one); `container` is "" '
     "where only the pod is known. At most --process-series-limit per device, largest first.",
+    updated=KUBELET + "; processes every sample",
+    group="processes",
 )
 KUBERNETES_METRICS = (GPU_POD_INFO, KUBERNETES_UP, GPU_PROCESS_POD_INFO)  # PodCollector's
 EXPORTER_METRICS = (
@@ -562,32 +591,3 @@ METRICS: tuple[MetricSpec, ...] = (
     GPU_LEASE_MEMORY_OVERRUN,
     *EXPORTER_METRICS,
 )
-
-
-def markdown_table() -> str:
-    """The README's metric table."""
-    rows = [
-        "| Metric | Type | Unit | Labels | Source | Default | Updated | Group | Description |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for spec in METRICS:
-        help_text = " ".join(filter(None, (spec.exposed_help, spec.details))).replace("|", "\\|")
-        labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
-        if spec is PROCESS_MEMORY:
-            labels = (
-                "`gpu`, `uuid`, `pid` (+ opt-in "
-                + ", ".join(f"`{label}`" for label in PROCESS_LABELS)
-                + ")"
-            )
-        if spec.label_values:
-            values = ", ".join(spec.label_values)
-            help_text += f" Exported at 0 from the start: {values}."
-        rows.append(
-            f"| `{spec.name}` | {spec.type} | {spec.unit} | {labels} | {spec.source} "
-            f"| {spec.default} | {spec.updated} | {spec.group or '—'} | {help_text} |"
-        )
-    return "\n".join(rows) + "\n"
-
-
-if __name__ == "__main__":  # pragma: no cover
-    print(markdown_table(), end="")

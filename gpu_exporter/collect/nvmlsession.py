@@ -1,25 +1,24 @@
 """NVML's initialisation with backoff: the step that runs first in every sample.
 
-:class:`Session` initialises NVML when due (retrying after 1 s, doubling to 5 min), shuts it
-down before the next try once it stopped working, and counts the GPUs. It remembers the
-driver's versions and why NVML is down. The sampler runs :meth:`Session.device_count` on its
-reader thread, like every other NVML call, with a deadline.
+:class:`NvmlSession` initialises NVML when due (retrying after 1 s, doubling to 5 min, as
+the background threads do), shuts it down before the next try once it stopped working, and
+counts the GPUs. It remembers the driver's versions and why NVML is down. The sampler runs
+:meth:`NvmlSession.device_count` on its reader thread, like every other NVML call, with a
+deadline.
 """
 
 from __future__ import annotations
 
 import logging
 
+from gpu_exporter.collect.background import BACKOFF_INITIAL_SECONDS, BACKOFF_MAX_SECONDS
 from gpu_exporter.collect.read import optional
 from gpu_exporter.nvml import Nvml, NvmlError
 
 log = logging.getLogger(__name__)
 
-INIT_BACKOFF_INITIAL_SECONDS = 1.0
-INIT_BACKOFF_MAX_SECONDS = 300.0
 
-
-class Session:
+class NvmlSession:
     """Whether NVML is initialised, and when to try again if not."""
 
     def __init__(self, nvml: Nvml) -> None:
@@ -32,7 +31,7 @@ class Session:
         self.generation = 0
         self._needs_shutdown = False
         self._next_init_at = 0.0  # monotonic
-        self._delay = INIT_BACKOFF_INITIAL_SECONDS
+        self._delay = BACKOFF_INITIAL_SECONDS
 
     def device_count(self, now: float) -> int | None:
         """Shut down / initialise as due, then count the GPUs: None while NVML is down."""
@@ -62,7 +61,7 @@ class Session:
         log.info("NVML initialised: driver %s, CUDA %s", self.driver_version, self.cuda_version)
         self.initialised = True
         self.error = None
-        self._delay = INIT_BACKOFF_INITIAL_SECONDS
+        self._delay = BACKOFF_INITIAL_SECONDS
         self.generation += 1
 
     def unavailable(self, exc: NvmlError, now: float) -> None:
@@ -75,4 +74,4 @@ class Session:
 
     def _schedule(self, now: float) -> None:
         self._next_init_at = now + self._delay
-        self._delay = min(self._delay * 2, INIT_BACKOFF_MAX_SECONDS)
+        self._delay = min(self._delay * 2, BACKOFF_MAX_SECONDS)

@@ -1,0 +1,76 @@
+"""The README's generated tables: the metrics, and the collector groups with their cost.
+
+The metric table comes from :mod:`gpu_exporter.export.spec`, the groups with what each costs
+per GPU from the field table (:mod:`gpu_exporter.collect.fields`). Tests keep the README
+equal to both; ``python -m gpu_exporter.export.readme`` prints them.
+"""
+
+from __future__ import annotations
+
+from gpu_exporter.collect.fields import CORE, FAST, ONCE, SLOW
+from gpu_exporter.collect.groups import GROUPS, fields_of
+from gpu_exporter.export.spec import METRICS, PROCESS_MEMORY
+from gpu_exporter.model import CLOCKS_EVENT_REASONS, PROCESS_LABELS
+
+# Series one A100-like GPU has per group (process series: one per process, not counted).
+_SERIES: dict[str, int] = {
+    "power": 6,  # draw, energy, limit, default, min, max
+    "temperature": 1 + 4 + 1,  # temperature, 4 thresholds, fan (absent on passive cards)
+    "clocks": 4 + 4 + len(CLOCKS_EVENT_REASONS) + 1,  # clocks, max clocks, reasons, P-state
+    "health": 3 + 4 + 2 + 2 + 2 + 1,  # modes, ECC, remapped rows (2 + 2), retired pages (2 + 1)
+    "pcie": 2 + 2 + 1,
+    "media": 2,
+}
+
+
+def metrics_table() -> str:
+    """The README's metric table."""
+    rows = [
+        "| Metric | Type | Unit | Labels | Source | Default | Updated | Group | Description |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for spec in METRICS:
+        help_text = " ".join(filter(None, (spec.exposed_help, spec.details))).replace("|", "\\|")
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
+        if spec is PROCESS_MEMORY:
+            labels = (
+                "`gpu`, `uuid`, `pid` (+ opt-in "
+                + ", ".join(f"`{label}`" for label in PROCESS_LABELS)
+                + ")"
+            )
+        if spec.label_values:
+            values = ", ".join(spec.label_values)
+            help_text += f" Exported at 0 from the start: {values}."
+        rows.append(
+            f"| `{spec.name}` | {spec.type} | {spec.unit} | {labels} | {spec.source} "
+            f"| {spec.default} | {spec.updated} | {spec.group or '—'} | {help_text} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def groups_table(interval_seconds: float = 1.0, slow_interval_seconds: float = 30.0) -> str:
+    """The README's table of collector groups and their cost per GPU, at the default
+    intervals (calls a GPU answers with NOT_SUPPORTED are asked once, then never again)."""
+    rows = [
+        "| Group | Flag to turn it off | What | NVML calls per GPU per sample | "
+        "per --slow-interval | once | per minute | Series per GPU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    core = "the handle, memory, utilization, MIG mode, identity"
+    for name, what in {CORE: core, **GROUPS}.items():
+        fast, slow, once = (len(fields_of(name, when)) for when in (FAST, SLOW, ONCE))
+        if not name:  # and the handle every sample, the identity (UUID, name, bus id) once
+            fast, once = fast + 1, once + 3
+        per_minute = fast * 60 / interval_seconds + slow * 60 / slow_interval_seconds
+        flag = f"`--no-collect.{name}`" if name else "— (always)"
+        series = {"": "7", "processes": "1, + 1 per process", "xid": "1 per Xid code seen, + 1"}
+        series_text = series.get(name) or str(_SERIES[name])
+        rows.append(
+            f"| {name or 'core'} | {flag} | {what} | {fast} | {slow} | {once} "
+            f"| {per_minute:g} | {series_text} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(metrics_table(), groups_table(), sep="\n", end="")
