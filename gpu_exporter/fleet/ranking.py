@@ -16,6 +16,7 @@ from typing import Any, Final
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.rank import NotEnoughGpus, Ranking, how_many_qualify, rank, sort_key
 from gpu_exporter.fleet.inventory import Fleet, Host
+from gpu_exporter.fleet.queries import LIMITS
 from gpu_exporter.model import GpuSample
 from gpu_exporter.units import plural
 
@@ -88,13 +89,10 @@ def rank_fleet(
 def _may_pass(gpu: GpuSample, f: Filters) -> bool:
     """False only where the filters surely reject the GPU (down, or a known figure past a
     limit), without formatting why."""
-    free, util, procs = gpu.memory_free_bytes, gpu.utilization_ratio, gpu.compute_processes
-    mem = gpu.memory_utilization_ratio
-    return gpu.up and not (
-        (f.min_free_bytes is not None and free is not None and free < f.min_free_bytes)
-        or (f.max_util_ratio is not None and util is not None and util > f.max_util_ratio)
-        or (f.max_procs is not None and procs is not None and procs > f.max_procs)
-        or (f.max_mem_util_ratio is not None and mem is not None and mem > f.max_mem_util_ratio)
+    known = ((getattr(f, a), getattr(gpu, v), op) for _, a, v, _, op in LIMITS)
+    return gpu.up and not any(
+        limit is not None and x is not None and (x < limit if op == "<" else x > limit)
+        for limit, x, op in known
     )
 
 

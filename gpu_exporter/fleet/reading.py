@@ -36,7 +36,7 @@ from gpu_exporter.fleet.inventory import (
 )
 from gpu_exporter.fleet.packing import PACKED, packable, packed_query, problems_query, unpack
 from gpu_exporter.fleet.queries import (
-    WINDOW_FIELDS,
+    LIMITS,
     braces,
     full_queries,
     reasons_query,
@@ -303,10 +303,9 @@ def _window(
             past.append(replace(gpu, up=False, error="down"))
             continue
         changes: dict[str, Any] = {}
-        for _, name, _, _ in WINDOW_FIELDS:
+        for _, _, name, series, _ in LIMITS:
             if (value := worst.get((gpu.uuid, name))) is not None:
-                whole = name in ("memory_free_bytes", "compute_processes")
-                changes[name] = int(value) if whole else value
+                changes[name] = VALUE_METRICS[series][1](value)
         past.append(replace(gpu, **changes))
     return Window(seconds, covered, ((seconds, tuple(past)),), worst_case=True)
 
