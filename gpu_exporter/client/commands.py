@@ -260,11 +260,6 @@ def choose_main(args: argparse.Namespace) -> int:
             sys.stdout.write(choose_across_hosts(args, spread=args.spread).text(args.format))
             sys.stdout.flush()
             return 0
-    except GpuExporterError as exc:
-        return fail(exc)
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
-    try:
         answer = choose_raw(
             args.n,
             args.url,

@@ -336,16 +336,9 @@ def register_pids(
     lease_id, base = _lease_ref(choice_or_id, url)
     if lease_id is None:
         return None
-    params = {"pid": ",".join(str(p) for p in pids)}
+    path, params = _lease_path(lease_id, "/pids"), {"pid": ",".join(str(p) for p in pids)}
     try:
-        request(
-            "POST",
-            base,
-            _lease_path(lease_id, "/pids"),
-            params,
-            timeout=timeout,
-            lease_endpoint=True,
-        )
+        request("POST", base, path, params, timeout=timeout, lease_endpoint=True)
     except GpuExporterError as exc:
         note = (
             f"could not register the job's process with lease {lease_id} (an older "
