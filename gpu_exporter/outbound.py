@@ -7,6 +7,7 @@ and ``import gpu_exporter.client`` stay cheap. A loopback address is never sent 
 from __future__ import annotations
 
 import ipaddress
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,24 +42,45 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
+def base_url(text: str, default_port: int | None = None) -> str:
+    """``host``, ``host:port`` or a URL → a base URL without a trailing slash.
+
+    >>> base_url("node1", 9400), base_url("node1:9401", 9400), base_url("http://p:9090/")
+    ('http://node1:9400', 'http://node1:9401', 'http://p:9090')
+    """
+    text = text.strip().rstrip("/")
+    if "://" in text:
+        return text
+    if default_port is not None and urllib.parse.urlsplit("//" + text).port is None:
+        text = f"{text}:{default_port}"
+    return "http://" + text
+
+
+def is_http(url: str) -> bool:
+    """Whether ``url`` is an http:// or https:// URL."""
+    return urllib.parse.urlsplit(url).scheme.lower() in ("http", "https")
+
+
 def exchange(method: str, url: str, *, headers: Mapping[str, str], timeout: float) -> Response:
     """One exchange; every status comes back as a :class:`Response`.
 
-    Raises ValueError for a URL that is not HTTP(S) (urllib would try FTP or read a file), and
-    OSError when nothing answers (a timeout is TimeoutError; http.client's errors come as
-    ConnectionError: the request may have been received).
+    Raises ValueError for a URL that is not HTTP(S), and OSError when nothing answers (a
+    timeout is TimeoutError; http.client's errors come as ConnectionError: the request may
+    have been received).
     """
     import http.client  # here, not at the top: `gpu-exporter --help` need not load them
     import urllib.error
-    import urllib.parse
     import urllib.request
 
-    split = urllib.parse.urlsplit(url)
-    if split.scheme.lower() not in ("http", "https"):
+    if not is_http(url):  # urllib would try FTP or read a file
         raise ValueError("not an http:// or https:// URL")
     data = b"" if method in ("POST", "PUT") else None
     req = urllib.request.Request(url, data=data, method=method, headers=dict(headers))
-    proxies = [urllib.request.ProxyHandler({})] if is_loopback(split.hostname) else []
+    proxies = (
+        [urllib.request.ProxyHandler({})]
+        if is_loopback(urllib.parse.urlsplit(url).hostname)
+        else []
+    )
     try:
         with urllib.request.build_opener(*proxies).open(req, timeout=timeout) as resp:
             return Response(resp.status, dict(resp.headers.items()), resp.read())

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any, Final
 
-from gpu_exporter.outbound import Response, exchange, failure
+from gpu_exporter.outbound import Response, base_url, exchange, failure, is_http
 from gpu_exporter.outbound import is_loopback as is_loopback  # web/webconfig.py imports it here
 
 DEFAULT_URL: Final = "http://localhost:9400"
@@ -181,17 +181,14 @@ def resolve_url(url: str | None = None) -> str:
     ...     print(exc)
     ftp://gpuhost: not an http:// or https:// URL (from --url, $GPU_EXPORTER_URL or http://localhost:9400)
     """
-    chosen = url or os.environ.get(URL_ENV) or DEFAULT_URL
-    chosen = chosen.strip().rstrip("/")
-    if "://" not in chosen:
-        chosen = "http://" + chosen
+    chosen = base_url(url or os.environ.get(URL_ENV) or DEFAULT_URL)
     check_scheme(chosen, f"from --url, ${URL_ENV} or {DEFAULT_URL}")
     return chosen
 
 
 def check_scheme(url: str, origin: str) -> None:
     """Refuse a URL that is not HTTP(S), naming ``origin`` (where the URL came from)."""
-    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+    if not is_http(url):
         raise GpuExporterError(f"{url}: not an http:// or https:// URL ({origin})")
 
 

@@ -29,7 +29,6 @@ from gpu_exporter.fleet.inventory import (
     Fleet,
     Host,
     allocated_to,
-    base_url,
     exporter_url,
     host_from_snapshot,
     host_problem,
@@ -44,7 +43,7 @@ from gpu_exporter.fleet.queries import (
     scraped_query,
 )
 from gpu_exporter.model import GpuSample
-from gpu_exporter.outbound import exchange, failure
+from gpu_exporter.outbound import base_url, exchange, failure
 
 log = logging.getLogger(__name__)
 
