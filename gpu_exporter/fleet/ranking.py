@@ -64,7 +64,6 @@ def rank_fleet(
                 continue
             qualified = tuple(sorted(host.gpus, key=partial(sort_key, sort=sort)))
             why: Callable[[], str] = partial(passing, len(qualified), 0)
-            too_few = why
         else:
             leased = {u: held for u in host.leased} | dict(host.allocated)
             ranked = partial(rank, filters=filters, sort=sort, window=host.window, leased=leased)
@@ -74,10 +73,9 @@ def rank_fleet(
             maybe = [g for g in host.gpus if _may_pass(g, filters)] if deny else host.gpus
             qualified = ranked(maybe).qualified
             why = partial(_shortfall, ranked, host.gpus)
-            too_few = partial(_not_enough, needed, ranked, host.gpus)
-        if len(qualified) < needed:
-            passed.append((host, too_few()))
-            continue
+            if len(qualified) < needed:  # every rejected GPU's reasons
+                passed.append((host, str(NotEnoughGpus(needed, ranked(host.gpus)))))
+                continue
         # The weakest of the n picks decides, then the stronger ones (spread: the best).
         picks = qualified[:1] if spread else tuple(reversed(qualified[:n]))
         key = (tuple(sort_key(g, sort) for g in picks), host.url)
@@ -97,10 +95,6 @@ def _may_pass(gpu: GpuSample, f: Filters) -> bool:
 
 
 Ranked = Callable[[Sequence[GpuSample]], Ranking]
-
-
-def _not_enough(needed: int, ranked: Ranked, gpus: Sequence[GpuSample]) -> str:
-    return str(NotEnoughGpus(needed, ranked(gpus)))  # every rejected GPU's reasons
 
 
 def _shortfall(ranked: Ranked, gpus: Sequence[GpuSample]) -> str:
