@@ -54,6 +54,7 @@ def rank_fleet(
     passed: list[tuple[Host, str]] = []
     held = "leased (at the last scrape)" if fleet.source == "prometheus" else "leased"
     needed = 1 if spread else n
+    may_pass = _quick_pass(filters)
     for host in fleet.hosts:
         if host.problem is not None:
             passed.append((host, host.problem))
@@ -69,8 +70,7 @@ def rank_fleet(
             ranked = partial(rank, filters=filters, sort=sort, window=host.window, leased=leased)
             # The GPUs that surely fail are left out first: formatting why costs a third of
             # ranking; every GPU is ranked again only for a message that shows it.
-            deny = filters.mig == "deny"
-            maybe = [g for g in host.gpus if _may_pass(g, filters)] if deny else host.gpus
+            maybe = list(filter(may_pass, host.gpus)) if filters.mig == "deny" else host.gpus
             qualified = ranked(maybe).qualified
             why = partial(_shortfall, ranked, host.gpus)
             if len(qualified) < needed:  # every rejected GPU's reasons
@@ -84,14 +84,21 @@ def rank_fleet(
     return FleetRanking(tuple(candidates), tuple(passed))
 
 
-def _may_pass(gpu: GpuSample, f: Filters) -> bool:
+def _quick_pass(f: Filters) -> Callable[[GpuSample], bool]:
     """False only where the filters surely reject the GPU (down, or a known figure past a
     limit), without formatting why."""
-    known = ((getattr(f, a), getattr(gpu, v), op) for _, a, v, _, op in LIMITS)
-    return gpu.up and not any(
-        limit is not None and x is not None and (x < limit if op == "<" else x > limit)
-        for limit, x, op in known
-    )
+    limits = [
+        (v, lim, op == "<") for _, a, v, _, op in LIMITS if (lim := getattr(f, a)) is not None
+    ]
+
+    def may_pass(gpu: GpuSample) -> bool:
+        for field, limit, low in limits:
+            x = getattr(gpu, field)
+            if x is not None and (x < limit if low else x > limit):
+                return False
+        return gpu.up
+
+    return may_pass
 
 
 Ranked = Callable[[Sequence[GpuSample]], Ranking]
