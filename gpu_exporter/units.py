@@ -9,7 +9,6 @@ to anyone typing a query), at most :data:`MAX_NUMBER_CHARS` long, and the value 
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping
 
@@ -127,19 +126,3 @@ def plural(n: int, noun: str, nouns: str | None = None) -> str:
     ('1 GPU', '0 GPUs', '2 leases', '3 entries')
     """
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
-
-
-def is_loopback(host: str | None) -> bool:
-    """``127.0.0.1``, ``::1``, ``localhost``: yes; every interface ("", None) and names: no.
-
-    >>> is_loopback("::1"), is_loopback("localhost"), is_loopback(""), is_loopback("gpu1")
-    (True, True, False, False)
-    """
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -340,6 +340,7 @@ def test_create_app_is_short() -> None:
         "fleet.ranking",
         "choose.values",
         "client.transport",
+        "outbound",
         "client.hostapi",
         "client.query",
         "collect.procinfo",

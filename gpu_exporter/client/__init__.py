@@ -36,14 +36,7 @@ is checked against the system CAs, or the file in ``$SSL_CERT_FILE``. Every fail
   * :class:`LeaseNotFound` — 404 from a lease endpoint: the lease has ended (released,
     expired, or let go by the server once the job's work showed on its GPUs).
 
-The modules, from the wire up: :mod:`~gpu_exporter.client.transport` (the one HTTP stack and
-the errors), :mod:`~gpu_exporter.client.query` (``/choose``'s query from Python values),
-:mod:`~gpu_exporter.client.hostapi` (one exporter's endpoints),
-:mod:`~gpu_exporter.client.choosing` (:func:`choose`: one host, or the fleet through
-:mod:`gpu_exporter.fleet`), :mod:`~gpu_exporter.client.local` (this host's NVML when no
-server answers), :mod:`~gpu_exporter.client.session` (:func:`use_gpus`), and
-:mod:`~gpu_exporter.client.commands` (``gpu-exporter choose``, ``run``, ``release``). None of them
-imports Flask, werkzeug, prometheus_client or pynvml.
+None of the client's modules imports Flask, werkzeug, prometheus_client or pynvml.
 """
 
 from __future__ import annotations
@@ -84,10 +77,10 @@ from gpu_exporter.client.transport import (
     ServerError,
     ServerUnreachable,
     error_from_response,
-    is_loopback,
     resolve_url,
 )
 from gpu_exporter.fleet.placing import ClusterChoice
+from gpu_exporter.outbound import is_loopback
 
 __all__ = [
     "DEFAULT_LEASE",

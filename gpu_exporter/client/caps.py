@@ -90,7 +90,5 @@ def apply(choice: Choice, framework: str) -> None:
         apply_torch(choice)
     elif framework == "tensorflow":
         apply_tensorflow(choice)
-    elif framework == "jax":
-        check_jax()  # the environment, already set, is the cap
-    else:
-        raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)} or None")
+    else:  # jax: the environment, already set, is the cap (use_gpus() checked the name)
+        check_jax()

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gpu_exporter.argparsing import EXIT_USAGE, Parser, checked
-from gpu_exporter.choose.params import PARAMS
+from gpu_exporter.choose.params import CHOOSE_FORMATS, PARAMS
 from gpu_exporter.client.choosing import choose_cluster
 from gpu_exporter.client.hostapi import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.transport import (
@@ -74,7 +74,6 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--url",
-        default=None,
         help=f"the gpu-exporter to ask (default ${URL_ENV}, else {DEFAULT_URL})",
     )
     parser.add_argument(
@@ -88,13 +87,11 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wait",
         type=_duration_text,
-        default=None,
         metavar="DURATION",
         help="wait up to this long for enough GPUs to qualify, e.g. 10m (default: fail at once)",
     )
     parser.add_argument(
         "--owner",
-        default=None,
         metavar="LABEL",
         help="who holds the lease, shown on the status page and in /leases "
         "(default: your login name; '' for none)",
@@ -104,20 +101,17 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
     )
     fleet.add_argument(
         "--prometheus",
-        default=None,
         metavar="URL",
         help="read the fleet from this Prometheus (which scrapes every host's exporter)",
     )
     fleet.add_argument(
         "--hosts",
-        default=None,
         metavar="HOST[:PORT],...",
         help="ask these exporters directly (port 9400 unless given); with --prometheus, only "
         "when Prometheus cannot be asked",
     )
     fleet.add_argument(
         "--selector",
-        default=None,
         metavar="MATCHERS",
         help="with --prometheus: only the targets these label matchers select, "
         "e.g. 'job=\"gpu-shared\"'",
@@ -125,7 +119,6 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument(
         "--max-age",
         type=_duration_text,
-        default=None,
         metavar="DURATION",
         help="never use fleet figures older than this (default 60s)",
     )
@@ -136,9 +129,7 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
     for param in FILTER_PARAMS:
         assert param.flag is not None
         metavar, help_text = param.flag
-        filters.add_argument(
-            param.option, default=None, metavar=metavar, help=help_text.replace("%", "%%")
-        )
+        filters.add_argument(param.option, metavar=metavar, help=help_text.replace("%", "%%"))
 
 
 def add_choose_parser(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -155,7 +146,7 @@ def add_choose_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     _add_choice_arguments(parser)
     parser.add_argument(
         "--format",
-        choices=("uuid", "index", "env", "json", "list"),
+        choices=CHOOSE_FORMATS,
         default="uuid",
         help="uuid: GPU-a,GPU-b (default); index: NVML indices; "
         "env: an `export …` line for eval; json: the ranking with figures and reasons; "
@@ -260,11 +251,6 @@ def choose_main(args: argparse.Namespace) -> int:
             sys.stdout.write(choose_across_hosts(args, spread=args.spread).text(args.format))
             sys.stdout.flush()
             return 0
-    except GpuExporterError as exc:
-        return fail(exc)
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
-    try:
         answer = choose_raw(
             args.n,
             args.url,
@@ -315,7 +301,6 @@ def add_release_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     parser.add_argument(
         "--url",
-        default=None,
         help=f"the gpu-exporter that granted it (default ${URL_ENV}, else {DEFAULT_URL})",
     )
     parser.add_argument(

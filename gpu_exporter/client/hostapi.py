@@ -1,8 +1,5 @@
 """One exporter's lease endpoints from Python: choose GPUs there, renew, release, list leases.
 
-:func:`choose_host` and :func:`choose_raw` claim, :func:`renew`, :func:`release` and
-:func:`leases` follow; :class:`Choice` and :class:`LeaseInfo` are what comes back.
-
 Choosing across a fleet (:mod:`gpu_exporter.fleet`) claims through
 :func:`choose_host` on the host it picked; :func:`gpu_exporter.client.choose` is the front door
 to both.
@@ -336,16 +333,9 @@ def register_pids(
     lease_id, base = _lease_ref(choice_or_id, url)
     if lease_id is None:
         return None
-    params = {"pid": ",".join(str(p) for p in pids)}
+    path, params = _lease_path(lease_id, "/pids"), {"pid": ",".join(str(p) for p in pids)}
     try:
-        request(
-            "POST",
-            base,
-            _lease_path(lease_id, "/pids"),
-            params,
-            timeout=timeout,
-            lease_endpoint=True,
-        )
+        request("POST", base, path, params, timeout=timeout, lease_endpoint=True)
     except GpuExporterError as exc:
         note = (
             f"could not register the job's process with lease {lease_id} (an older "

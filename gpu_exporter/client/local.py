@@ -50,7 +50,6 @@ def choose_locally(
     :class:`GpuExporterError` when NVML cannot be loaded or sees no GPU, and
     :class:`NoGpusAvailable` when too few qualify — never an empty choice.
     """
-    # The client's one import of NVML and the sampler, here and only when choosing locally.
     from gpu_exporter.collect.read import read_gpu
     from gpu_exporter.nvml import Nvml, NvmlError
 
@@ -140,10 +139,7 @@ def choose_or_fallback(
     except ServerUnreachable as exc:
         if not local_fallback:
             raise
-        if exc.maybe_received:
-            # The exporter is there but answered too late (or dropped the connection): it
-            # may hold leases on this host's cards, even one granted to this very claim, so
-            # an unleased choice here could land on a card a job was just given.
+        if exc.maybe_received:  # it may hold leases here, even one granted to this claim
             raise GpuExporterError(
                 f"{exc}; not choosing from this host's NVML instead, because the exporter "
                 "is running and its leases would be ignored: retry, or give it more time "

@@ -25,10 +25,10 @@ from gpu_exporter.client.commands import (
     filters_of,
     warnings_printed,
 )
-from gpu_exporter.client.hostapi import Choice, register_pids, release
+from gpu_exporter.client.hostapi import Choice
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
-from gpu_exporter.client.session import LeaseKeeper, replaced_visible_devices
-from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS, GpuExporterError, LeaseNotFound
+from gpu_exporter.client.session import LeaseKeeper, keep, let_go, replaced_visible_devices
+from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS, GpuExporterError
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -149,12 +149,9 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
                         filters=filters_of(args),
                         open_nvml=open_nvml,
                     )
-            if choice.lease_id is not None:
-                if choice.host is None:  # COMMAND, our child, runs here: its work is the lease's
-                    note = register_pids(choice, [os.getpid()])
-                    if note is not None and not args.quiet:
-                        print(f"{prefix}note: {note}", file=sys.stderr)
-                keeper = LeaseKeeper(choice).start()
+            keeper, note = keep(choice)  # COMMAND, our child, is this process's work
+            if note is not None and not args.quiet:
+                print(f"{prefix}note: {note}", file=sys.stderr)
             if not args.quiet:
                 print(f"{prefix}{_describe(choice, keeper)}", file=sys.stderr)
             replacing = replaced_visible_devices(choice)
@@ -179,16 +176,6 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
             return fail(exc, prefix)
         finally:
             signals.holding = True  # a signal now must not interrupt the clean-up
-            if keeper is not None:
-                keeper.stop()
-            if choice is not None and choice.lease_id is not None:
-                try:
-                    release(choice)
-                except LeaseNotFound:
-                    pass  # ended already; if it expired, the keeper has said so
-                except GpuExporterError as exc:
-                    print(
-                        f"{prefix}warning: could not release lease {choice.lease_id} "
-                        f"(it expires by itself): {exc}",
-                        file=sys.stderr,
-                    )
+            warning = let_go(choice, keeper)
+            if warning is not None:
+                print(f"{prefix}warning: {warning}", file=sys.stderr)

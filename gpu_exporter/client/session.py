@@ -124,6 +124,35 @@ class LeaseKeeper:
             )
 
 
+def keep(
+    choice: Choice, timeout: float = DEFAULT_TIMEOUT_SECONDS
+) -> tuple[LeaseKeeper | None, str | None]:
+    """Renew ``choice``'s lease from now on, first registering this process as its job where
+    the GPUs are here (a PID names one host's process): the keeper (None without a lease), and
+    a note when registering failed."""
+    if choice.lease_id is None:
+        return None, None
+    note = register_pids(choice, [os.getpid()], timeout=timeout) if choice.host is None else None
+    return LeaseKeeper(choice, timeout=timeout).start(), note
+
+
+def let_go(
+    choice: Choice | None, keeper: LeaseKeeper | None, timeout: float = DEFAULT_TIMEOUT_SECONDS
+) -> str | None:
+    """Stop renewing and release the lease; a warning when it could not be released."""
+    if keeper is not None:
+        keeper.stop()
+    if choice is None or choice.lease_id is None:
+        return None
+    try:
+        release(choice, timeout=timeout)
+    except LeaseNotFound:  # ended already: see LeaseKeeper.ended
+        log.debug("lease %s had already ended", choice.lease_id)
+    except GpuExporterError as exc:
+        return f"could not release lease {choice.lease_id} (it expires by itself): {exc}"
+    return None
+
+
 def cuda_initialised_by() -> list[str]:
     """Frameworks already imported here that have initialised CUDA (where one can tell).
 
@@ -204,10 +233,7 @@ class GpuSession:
             choice = self._cpu_instead(exc)
         self.choice = choice
         try:
-            if choice.lease_id is not None:
-                if choice.host is None:  # this process is the job (a PID names one host's)
-                    register_pids(choice, [os.getpid()], timeout=self._timeout)
-                self.keeper = LeaseKeeper(choice, timeout=self._timeout).start()
+            self.keeper, _ = keep(choice, self._timeout)
             replacing = replaced_visible_devices(choice)
             if replacing is not None:
                 warnings.warn(replacing, GpuExporterWarning, stacklevel=2)
@@ -249,19 +275,9 @@ class GpuSession:
             else:
                 os.environ[key] = value
         self._saved = {}
-        if self.keeper is not None:
-            self.keeper.stop()
-        choice = self.choice
-        if choice is None or choice.lease_id is None:
-            return
-        try:
-            release(choice, timeout=self._timeout)
-        except LeaseNotFound:  # ended already: see LeaseKeeper.ended
-            log.debug("lease %s had already ended", choice.lease_id)
-        except GpuExporterError as exc:
-            log.warning(
-                "could not release lease %s (it expires by itself): %s", choice.lease_id, exc
-            )
+        warning = let_go(self.choice, self.keeper, self._timeout)
+        if warning is not None:
+            log.warning("%s", warning)
 
 
 def use_gpus(

@@ -1,11 +1,9 @@
-"""The client's one HTTP stack: where the server is, one exchange with it, and its errors.
+"""The client's HTTP to an exporter: where the server is, one exchange with it, and its errors.
 
-Standard library only, and ``urllib.request`` is imported on the first request, not before, so
-``gpu-exporter --help`` and ``import gpu_exporter.client`` stay cheap. Everything the client
-asks goes through :func:`send`: an exporter's endpoints through :func:`request` (with basic
-auth from ``$GPU_EXPORTER_USER``/``$GPU_EXPORTER_PASSWORD``, and an error status raised as the
-matching :class:`ServerError`); reading a fleet (Prometheus, the hosts' ``/gpus``) is
-:mod:`gpu_exporter.fleet.reading`'s. A loopback address is never sent through a proxy.
+An exporter's endpoints are asked through :func:`request` (over :mod:`gpu_exporter.outbound`,
+the standard library's HTTP), with basic auth from ``$GPU_EXPORTER_USER``/
+``$GPU_EXPORTER_PASSWORD``, and an error status raised as the matching :class:`ServerError`;
+reading a fleet (Prometheus, the hosts' ``/gpus``) is :mod:`gpu_exporter.fleet.reading`'s.
 """
 
 from __future__ import annotations
@@ -14,11 +12,10 @@ import json
 import os
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Final
 
-from gpu_exporter.units import is_loopback as is_loopback
+from gpu_exporter.outbound import Response, base_url, exchange, failure, is_http
 
 DEFAULT_URL: Final = "http://localhost:9400"
 URL_ENV: Final = "GPU_EXPORTER_URL"
@@ -183,94 +180,15 @@ def resolve_url(url: str | None = None) -> str:
     ...     print(exc)
     ftp://gpuhost: not an http:// or https:// URL (from --url, $GPU_EXPORTER_URL or http://localhost:9400)
     """
-    chosen = url or os.environ.get(URL_ENV) or DEFAULT_URL
-    chosen = chosen.strip().rstrip("/")
-    if "://" not in chosen:
-        chosen = "http://" + chosen
+    chosen = base_url(url or os.environ.get(URL_ENV) or DEFAULT_URL)
     check_scheme(chosen, f"from --url, ${URL_ENV} or {DEFAULT_URL}")
     return chosen
 
 
 def check_scheme(url: str, origin: str) -> None:
     """Refuse a URL that is not HTTP(S), naming ``origin`` (where the URL came from)."""
-    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+    if not is_http(url):
         raise GpuExporterError(f"{url}: not an http:// or https:// URL ({origin})")
-
-
-@dataclass(frozen=True, slots=True)
-class Response:
-    status: int
-    headers: Mapping[str, str]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        """A header's value (any case), None when absent or empty."""
-        for key, value in self.headers.items():
-            if key.lower() == name.lower():
-                return value.strip() or None
-        return None
-
-
-def send(
-    method: str,
-    url: str,
-    *,
-    timeout: float,
-    credentials: bool = True,
-    user_agent: str = USER_AGENT,
-    server: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> Response:
-    """One HTTP exchange; every status comes back as a :class:`Response`.
-
-    ``credentials``: send basic auth from the environment (to an exporter, never elsewhere).
-    ``headers``: more request headers (e.g. ``Idempotency-Key``).
-    Raises :class:`ServerUnreachable` (naming ``server``, else the URL's origin) when nothing
-    answers in ``timeout`` seconds.
-    """
-    import http.client  # here, not at the top: `gpu-exporter --help` need not load them
-    import urllib.error
-    import urllib.request
-
-    split = urllib.parse.urlsplit(url)
-    # urllib would try FTP or read a file:
-    check_scheme(f"{split.scheme}://{split.netloc}", "gpu-exporter and Prometheus speak HTTP")
-    server = server or f"{split.scheme}://{split.netloc}"
-    req = urllib.request.Request(
-        url,
-        data=b"" if method in ("POST", "PUT") else None,
-        method=method,
-        headers={
-            "Accept": "application/json",
-            "User-Agent": user_agent,
-            **(_credentials() if credentials else {}),
-            **(headers or {}),
-        },
-    )
-    handlers: list[urllib.request.BaseHandler] = []
-    if is_loopback(split.hostname):
-        handlers.append(urllib.request.ProxyHandler({}))  # never send localhost to a proxy
-    opener = urllib.request.build_opener(*handlers)
-    try:
-        with opener.open(req, timeout=timeout) as resp:
-            return Response(resp.status, dict(resp.headers.items()), resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            body = exc.read()
-        except OSError:
-            body = b""
-        finally:
-            exc.close()
-        return Response(exc.code, dict(exc.headers.items()) if exc.headers else {}, body)
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        raise ServerUnreachable(
-            server, _reason(reason, timeout), maybe_received=_maybe_received(reason)
-        ) from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise ServerUnreachable(
-            server, _reason(exc, timeout), maybe_received=_maybe_received(exc)
-        ) from None
 
 
 def request(
@@ -283,9 +201,17 @@ def request(
     lease_endpoint: bool = False,
     headers: Mapping[str, str] | None = None,
 ) -> Response:
-    """One exchange with the exporter at ``base``; an error status raises a :class:`ServerError`."""
+    """One exchange with the exporter at ``base``, with basic auth from the environment and
+    ``headers`` (e.g. ``Idempotency-Key``); an error status raises a :class:`ServerError`, no
+    answer in ``timeout`` seconds :class:`ServerUnreachable`."""
     url = base + path + ("?" + urllib.parse.urlencode(params) if params else "")
-    resp = send(method, url, timeout=timeout, server=base, headers=headers)
+    check_scheme(base, "gpu-exporter and Prometheus speak HTTP")  # urllib would try FTP
+    sent = {"Accept": "application/json", "User-Agent": USER_AGENT, **_credentials()}
+    try:
+        resp = exchange(method, url, headers={**sent, **(headers or {})}, timeout=timeout)
+    except OSError as exc:
+        received = _maybe_received(exc)
+        raise ServerUnreachable(base, failure(exc, timeout), maybe_received=received) from None
     if resp.status >= 400:
         raise error_from_response(
             resp.status, resp.body, url=base, lease_endpoint=lease_endpoint, asked=base + path
@@ -318,24 +244,8 @@ def _credentials() -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(token).decode("ascii")}
 
 
-def _maybe_received(exc: object) -> bool:
+def _maybe_received(exc: OSError) -> bool:
     """Could the server have got the request? After a timeout or a dropped connection, yes;
     after a refused connection or an unknown name, no."""
-    import http.client
-
-    if isinstance(exc, ConnectionRefusedError):
-        return False
-    return isinstance(
-        exc,
-        (TimeoutError, ConnectionError, http.client.HTTPException),  # resets, remote closes
-    )
-
-
-def _reason(exc: object, timeout: float) -> str:
-    if isinstance(exc, TimeoutError):  # socket.timeout is TimeoutError
-        return f"no answer within {timeout:g} s"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc) or type(exc).__name__
+    refused = isinstance(exc, ConnectionRefusedError)
+    return isinstance(exc, (TimeoutError, ConnectionError)) and not refused

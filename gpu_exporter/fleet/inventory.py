@@ -16,6 +16,7 @@ from typing import Any, Final
 from gpu_exporter.choose.filters import Window
 from gpu_exporter.choose.params import ApiError
 from gpu_exporter.model import GpuSample
+from gpu_exporter.outbound import base_url, is_http
 
 URL_LABEL: Final = "gpu_exporter_url"
 TARGET_DOWN: Final = "target down: Prometheus' last scrape failed (up 0)"
@@ -52,20 +53,6 @@ class Fleet:
     filtered: bool = False
 
 
-def base_url(text: str, default_port: int | None = None) -> str:
-    """``host``, ``host:port`` or a URL → a base URL without a trailing slash.
-
-    >>> base_url("node1", 9400), base_url("node1:9401", 9400), base_url("http://p:9090/")
-    ('http://node1:9400', 'http://node1:9401', 'http://p:9090')
-    """
-    text = text.strip().rstrip("/")
-    if "://" in text:
-        return text
-    if default_port is not None and urllib.parse.urlsplit("//" + text).port is None:
-        text = f"{text}:{default_port}"
-    return "http://" + text
-
-
 def exporter_url(labels: Mapping[str, str]) -> str:
     """The exporter behind a series: its ``gpu_exporter_url`` label, else ``http://<instance>``.
 
@@ -88,7 +75,7 @@ def check_sources(prometheus: str | None, hosts: Sequence[str]) -> None:
     """
     named = [("prometheus", prometheus)] if prometheus else []
     for param, where in [*named, *(("hosts", h) for h in hosts)]:
-        if urllib.parse.urlsplit(base_url(where)).scheme.lower() not in ("http", "https"):
+        if not is_http(base_url(where)):
             message = f"{where}: not an http:// or https:// URL"
             raise ApiError(400, "invalid_parameter", message, param)
 

@@ -19,13 +19,14 @@ from gpu_exporter.choose.filters import Filters
 from gpu_exporter.units import format_bytes
 
 GPU_KEY: Final = "on(instance, job, uuid)"
-# idle_for: (the filter that needs it, the field, the range function giving the worst value).
-WINDOW_FIELDS: Final = (
-    ("min_free_bytes", "memory_free_bytes", "min_over_time", "gpu_memory_free_bytes"),
-    ("max_util_ratio", "utilization_ratio", "max_over_time", "gpu_utilization_ratio"),
-    ("max_mem_util_ratio", "memory_utilization_ratio", "max_over_time",
-     "gpu_memory_utilization_ratio"),
-    ("max_procs", "compute_processes", "max_over_time", "gpu_compute_processes"),
+# A GPU's limits: (param, the Filters field, the GpuSample field, the series, the comparison
+# that fails it). idle_for judges each by its worst over the window (min for "<", max for ">").
+LIMITS: Final = (
+    ("min_free", "min_free_bytes", "memory_free_bytes", "gpu_memory_free_bytes", "<"),
+    ("max_util", "max_util_ratio", "utilization_ratio", "gpu_utilization_ratio", ">"),
+    ("max_mem_util", "max_mem_util_ratio", "memory_utilization_ratio",
+     "gpu_memory_utilization_ratio", ">"),
+    ("max_procs", "max_procs", "compute_processes", "gpu_compute_processes", ">"),
 )  # fmt: skip
 _MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
 _SELECTOR = re.compile(rf"^(?:{_MATCHER}(?:,{_MATCHER})*)?$")
@@ -85,10 +86,7 @@ def needed_metrics(filters: Filters, sort: str) -> tuple[str, ...]:
         names.append("gpu_info")
     if filters.min_total_bytes is not None or sort == "free_ratio":
         names.append("gpu_memory_total_bytes")
-    if filters.max_mem_util_ratio is not None:
-        names.append("gpu_memory_utilization_ratio")
-    if filters.max_procs is not None:
-        names.append("gpu_compute_processes")
+    names += [s for _, f, _, s, _ in LIMITS if getattr(filters, f) is not None and s not in names]
     if sort == "power":
         names += ["gpu_power_draw_watts", "gpu_power_limit_watts"]
     return tuple(names)
@@ -128,22 +126,15 @@ def window_query(filters: Filters, seconds: float, selector: str = "") -> str:
         ("up", f"min_over_time(gpu_up{rng})"),
         ("oldest", f"min_over_time(gpu_exporter_last_sample_timestamp_seconds{rng})"),
     ]
-    parts += [
-        (n, f"{fn}({m}{rng})") for f, n, fn, m in WINDOW_FIELDS if getattr(filters, f) is not None
-    ]
+    for _, attr, name, series, op in LIMITS:
+        if getattr(filters, attr) is not None:
+            parts.append((name, f"{'min' if op == '<' else 'max'}_over_time({series}{rng})"))
     return " or ".join(
         f'label_replace({expr}, "fleet_field", "{name}", "__name__", ".*")' for name, expr in parts
     )
 
 
 # -- why no GPU passed the packed read: counts across the fleet, not each GPU's reasons ------
-
-_FAILS: Final = (  # (param, the Filters field, the series, the comparison that fails it)
-    ("min_free", "min_free_bytes", "gpu_memory_free_bytes", "<"),
-    ("max_util", "max_util_ratio", "gpu_utilization_ratio", ">"),
-    ("max_mem_util", "max_mem_util_ratio", "gpu_memory_utilization_ratio", ">"),
-    ("max_procs", "max_procs", "gpu_compute_processes", ">"),
-)
 
 
 def reasons_query(filters: Filters, selector: str = "") -> str:
@@ -156,7 +147,7 @@ def reasons_query(filters: Filters, selector: str = "") -> str:
         ("leased", f"gpu_leased{whole} == 1"),
         ("pod", f"gpu_pod_info{whole}"),
     ]
-    for param, attr, series, op in _FAILS:
+    for param, attr, _, series, op in LIMITS:
         if (limit := getattr(filters, attr)) is not None:
             parts.append((param, f"{series}{whole} {op} {limit!r}"))
     if filters.model is not None:

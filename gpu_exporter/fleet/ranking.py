@@ -16,6 +16,7 @@ from typing import Any, Final
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.rank import NotEnoughGpus, Ranking, how_many_qualify, rank, sort_key
 from gpu_exporter.fleet.inventory import Fleet, Host
+from gpu_exporter.fleet.queries import LIMITS
 from gpu_exporter.model import GpuSample
 from gpu_exporter.units import plural
 
@@ -53,6 +54,7 @@ def rank_fleet(
     passed: list[tuple[Host, str]] = []
     held = "leased (at the last scrape)" if fleet.source == "prometheus" else "leased"
     needed = 1 if spread else n
+    may_pass = _quick_pass(filters)
     for host in fleet.hosts:
         if host.problem is not None:
             passed.append((host, host.problem))
@@ -63,20 +65,17 @@ def rank_fleet(
                 continue
             qualified = tuple(sorted(host.gpus, key=partial(sort_key, sort=sort)))
             why: Callable[[], str] = partial(passing, len(qualified), 0)
-            too_few = why
         else:
             leased = {u: held for u in host.leased} | dict(host.allocated)
             ranked = partial(rank, filters=filters, sort=sort, window=host.window, leased=leased)
             # The GPUs that surely fail are left out first: formatting why costs a third of
             # ranking; every GPU is ranked again only for a message that shows it.
-            deny = filters.mig == "deny"
-            maybe = [g for g in host.gpus if _may_pass(g, filters)] if deny else host.gpus
+            maybe = list(filter(may_pass, host.gpus)) if filters.mig == "deny" else host.gpus
             qualified = ranked(maybe).qualified
             why = partial(_shortfall, ranked, host.gpus)
-            too_few = partial(_not_enough, needed, ranked, host.gpus)
-        if len(qualified) < needed:
-            passed.append((host, too_few()))
-            continue
+            if len(qualified) < needed:  # every rejected GPU's reasons
+                passed.append((host, str(NotEnoughGpus(needed, ranked(host.gpus)))))
+                continue
         # The weakest of the n picks decides, then the stronger ones (spread: the best).
         picks = qualified[:1] if spread else tuple(reversed(qualified[:n]))
         key = (tuple(sort_key(g, sort) for g in picks), host.url)
@@ -85,24 +84,24 @@ def rank_fleet(
     return FleetRanking(tuple(candidates), tuple(passed))
 
 
-def _may_pass(gpu: GpuSample, f: Filters) -> bool:
+def _quick_pass(f: Filters) -> Callable[[GpuSample], bool]:
     """False only where the filters surely reject the GPU (down, or a known figure past a
     limit), without formatting why."""
-    free, util, procs = gpu.memory_free_bytes, gpu.utilization_ratio, gpu.compute_processes
-    mem = gpu.memory_utilization_ratio
-    return gpu.up and not (
-        (f.min_free_bytes is not None and free is not None and free < f.min_free_bytes)
-        or (f.max_util_ratio is not None and util is not None and util > f.max_util_ratio)
-        or (f.max_procs is not None and procs is not None and procs > f.max_procs)
-        or (f.max_mem_util_ratio is not None and mem is not None and mem > f.max_mem_util_ratio)
-    )
+    limits = [
+        (v, lim, op == "<") for _, a, v, _, op in LIMITS if (lim := getattr(f, a)) is not None
+    ]
+
+    def may_pass(gpu: GpuSample) -> bool:
+        for field, limit, low in limits:
+            x = getattr(gpu, field)
+            if x is not None and (x < limit if low else x > limit):
+                return False
+        return gpu.up
+
+    return may_pass
 
 
 Ranked = Callable[[Sequence[GpuSample]], Ranking]
-
-
-def _not_enough(needed: int, ranked: Ranked, gpus: Sequence[GpuSample]) -> str:
-    return str(NotEnoughGpus(needed, ranked(gpus)))  # every rejected GPU's reasons
 
 
 def _shortfall(ranked: Ranked, gpus: Sequence[GpuSample]) -> str:

@@ -29,14 +29,13 @@ from gpu_exporter.fleet.inventory import (
     Fleet,
     Host,
     allocated_to,
-    base_url,
     exporter_url,
     host_from_snapshot,
     host_problem,
 )
 from gpu_exporter.fleet.packing import PACKED, packable, packed_query, problems_query, unpack
 from gpu_exporter.fleet.queries import (
-    WINDOW_FIELDS,
+    LIMITS,
     braces,
     full_queries,
     reasons_query,
@@ -44,6 +43,7 @@ from gpu_exporter.fleet.queries import (
     scraped_query,
 )
 from gpu_exporter.model import GpuSample
+from gpu_exporter.outbound import base_url, exchange, failure
 
 log = logging.getLogger(__name__)
 
@@ -71,33 +71,20 @@ class SourceUnavailable(Exception):
 
 def get_json(url: str, timeout: float) -> Any:
     """The default :data:`Fetch`: a GET without credentials (neither the store nor a host's
-    ``/gpus`` needs any), never through a proxy to a loopback address."""
-    import urllib.error  # here: ``import gpu_exporter.client`` need not load them
-    import urllib.request
-
-    split = urllib.parse.urlsplit(url)
-    local = split.hostname in ("localhost", "::1") or (split.hostname or "").startswith("127.")
-    opener = urllib.request.build_opener(*([urllib.request.ProxyHandler({})] if local else []))
+    ``/gpus`` needs any)."""
+    where = urllib.parse.urlsplit(url).netloc
     headers = {"Accept": "application/json", "User-Agent": "gpu-exporter-cluster"}
     try:
-        if split.scheme.lower() not in ("http", "https"):
-            raise ValueError("not an http:// or https:// URL")
-        with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
-            body = resp.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read()[:300].decode("utf-8", "replace")
-        raise SourceUnavailable(f"HTTP {exc.code} from {split.netloc}: {detail}") from None
+        resp = exchange("GET", url, headers=headers, timeout=timeout)
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        if isinstance(reason, TimeoutError):
-            reason = f"no answer within {timeout:g} s"
-        elif isinstance(reason, ConnectionRefusedError):
-            reason = "connection refused"
-        raise SourceUnavailable(f"cannot reach {split.netloc or url}: {reason}") from None
+        raise SourceUnavailable(f"cannot reach {where or url}: {failure(exc, timeout)}") from None
+    if resp.status >= 400:
+        detail = resp.body[:300].decode("utf-8", "replace")
+        raise SourceUnavailable(f"HTTP {resp.status} from {where}: {detail}")
     try:
-        return json.loads(body)
+        return json.loads(resp.body)
     except ValueError:
-        raise SourceUnavailable(f"{split.netloc} did not answer JSON") from None
+        raise SourceUnavailable(f"{where} did not answer JSON") from None
 
 
 def query(
@@ -303,10 +290,9 @@ def _window(
             past.append(replace(gpu, up=False, error="down"))
             continue
         changes: dict[str, Any] = {}
-        for _, name, _, _ in WINDOW_FIELDS:
+        for _, _, name, series, _ in LIMITS:
             if (value := worst.get((gpu.uuid, name))) is not None:
-                whole = name in ("memory_free_bytes", "compute_processes")
-                changes[name] = int(value) if whole else value
+                changes[name] = VALUE_METRICS[series][1](value)
         past.append(replace(gpu, **changes))
     return Window(seconds, covered, ((seconds, tuple(past)),), worst_case=True)
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu_exporter.units import is_loopback
+from gpu_exporter.outbound import is_loopback
 from gpu_exporter.web.auth import BasicAuth, parse_users
 from gpu_exporter.web.limits import WsgiApp
 from gpu_exporter.web.tls import TlsConfig, parse_tls, ssl_context
