@@ -22,7 +22,6 @@ from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
     DEFAULT_KUBELET_SOCKET,
     DEFAULT_LISTEN,
-    DEFAULT_TELEMETRY_PATH,
     LOG_LEVELS,
     ServeConfig,
     default_state_dir,
@@ -127,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-age",
+        dest="max_age_seconds",
         type=_positive_seconds,
         default=_env("max-age", None),
         metavar="SECONDS",
@@ -206,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Per-field update intervals and node_exporter-style collector groups (collect/groups.py).
     serve.add_argument(
         "--slow-interval",
+        dest="slow_interval_seconds",  # never below --interval: build() sees to it
         type=_positive_seconds,
         default=_env("slow-interval", "30"),
         metavar="SECONDS",
@@ -298,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--web.telemetry-path",
         dest="telemetry_path",
-        default=_env("web.telemetry-path", DEFAULT_TELEMETRY_PATH),
+        default=_env("web.telemetry-path", _DEFAULTS.telemetry_path),
         metavar="PATH",
         help="serve the Prometheus metrics at PATH, and only there (default %(default)s)",
     )
@@ -366,8 +367,6 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     telemetry_path = _checked(
         parser, "--web.telemetry-path", parse_telemetry_path, args.telemetry_path
     )
-    interval = args.interval_seconds
-    max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
     if args.max_gpus_per_requester < 0:
         parser.error("--max-gpus-per-requester must be 0 (no limit) or more")
     process_labels = _checked(parser, "--process-labels", parse_process_labels, args.process_labels)
@@ -406,14 +405,13 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             host=host,
             port=port,
             log_level=level_name(args.log_level),
-            max_age_seconds=max_age,
+            max_age_seconds=args.max_age_seconds or max(10.0, 5 * args.interval_seconds),
             state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or default_state_dir(),
             process_labels=process_labels,
             prometheus_url=args.prometheus_url or None,
             prometheus_selector=selector,
             lease_admins=parse_user_list(args.lease_admins),
             telemetry_path=telemetry_path,
-            slow_interval_seconds=max(float(args.slow_interval), interval),
             collect_disabled=tuple(g for g in GROUPS if not getattr(args, f"collect_{g}")),
         )
     )
