@@ -436,40 +436,42 @@ def _reading(function: str, read: Callable[[SimulatedNvml, SimGpu], Any]) -> Cal
 # The functions that take a whole GPU and answer one figure of its state now, its model or
 # its health: one row each, made methods of SimulatedNvml below.
 _READINGS: dict[str, Callable[[SimulatedNvml, SimGpu], Any]] = {
-    "PciInfo": lambda m, g: SimpleNamespace(busId=g.pci_bus_id.encode()),
-    "PowerUsage": lambda m, g: m.state(g.index).power_usage_mw,
-    "EnforcedPowerLimit": lambda m, g: m.state(g.index).power_limit_mw,
-    "TotalEnergyConsumption": lambda m, g: m.energy_mj(g.index),
-    "FanSpeed": lambda m, g: m.state(g.index).fan_percent,
-    "CurrentClocksEventReasons": lambda m, g: m.state(g.index).clocks_event_reasons,
-    "CurrentClocksThrottleReasons": lambda m, g: m.state(g.index).clocks_event_reasons,
-    "PerformanceState": lambda m, g: m.state(g.index).performance_state,
-    "PersistenceMode": lambda m, g: 1 if g.model.persistence_mode else 0,
-    "ComputeMode": lambda m, g: COMPUTE_MODES[g.compute_mode],
-    "EccMode": lambda m, g: [1, 1],
-    "RemappedRows": lambda m, g: (
+    "nvmlDeviceGetPciInfo": lambda m, g: SimpleNamespace(busId=g.pci_bus_id.encode()),
+    "nvmlDeviceGetPowerUsage": lambda m, g: m.state(g.index).power_usage_mw,
+    "nvmlDeviceGetEnforcedPowerLimit": lambda m, g: m.state(g.index).power_limit_mw,
+    "nvmlDeviceGetTotalEnergyConsumption": lambda m, g: m.energy_mj(g.index),
+    "nvmlDeviceGetFanSpeed": lambda m, g: m.state(g.index).fan_percent,
+    "nvmlDeviceGetCurrentClocksEventReasons": lambda m, g: m.state(g.index).clocks_event_reasons,
+    "nvmlDeviceGetCurrentClocksThrottleReasons": lambda m, g: m.state(g.index).clocks_event_reasons,
+    "nvmlDeviceGetPerformanceState": lambda m, g: m.state(g.index).performance_state,
+    "nvmlDeviceGetPersistenceMode": lambda m, g: 1 if g.model.persistence_mode else 0,
+    "nvmlDeviceGetComputeMode": lambda m, g: COMPUTE_MODES[g.compute_mode],
+    "nvmlDeviceGetEccMode": lambda m, g: [1, 1],
+    "nvmlDeviceGetRemappedRows": lambda m, g: (
         g.health.remapped_rows_correctable,
         g.health.remapped_rows_uncorrectable,
         int(g.health.remapped_rows_pending),
         int(g.health.remapped_rows_failed),
     ),
-    "RetiredPagesPendingStatus": lambda m, g: int(g.health.retired_pages_pending),
-    "CurrPcieLinkGeneration": lambda m, g: m.state(g.index).pcie_generation,
-    "MaxPcieLinkGeneration": lambda m, g: g.model.pcie_generation,
-    "CurrPcieLinkWidth": lambda m, g: m.state(g.index).pcie_width,
-    "MaxPcieLinkWidth": lambda m, g: g.model.pcie_width,
-    "PcieReplayCounter": lambda m, g: g.health.pcie_replays,
-    "PowerManagementDefaultLimit": lambda m, g: round(g.model.power_limit_watts * 1000),
+    "nvmlDeviceGetRetiredPagesPendingStatus": lambda m, g: int(g.health.retired_pages_pending),
+    "nvmlDeviceGetCurrPcieLinkGeneration": lambda m, g: m.state(g.index).pcie_generation,
+    "nvmlDeviceGetMaxPcieLinkGeneration": lambda m, g: g.model.pcie_generation,
+    "nvmlDeviceGetCurrPcieLinkWidth": lambda m, g: m.state(g.index).pcie_width,
+    "nvmlDeviceGetMaxPcieLinkWidth": lambda m, g: g.model.pcie_width,
+    "nvmlDeviceGetPcieReplayCounter": lambda m, g: g.health.pcie_replays,
+    "nvmlDeviceGetPowerManagementDefaultLimit": lambda m, g: round(
+        g.model.power_limit_watts * 1000
+    ),
     # a quarter of the limit … the limit
-    "PowerManagementLimitConstraints": lambda m, g: [
+    "nvmlDeviceGetPowerManagementLimitConstraints": lambda m, g: [
         round(g.model.power_limit_watts * 250),
         round(g.model.power_limit_watts * 1000),
     ],
-    "EncoderUtilization": lambda m, g: [m.state(g.index).encoder_percent, 167000],
-    "DecoderUtilization": lambda m, g: [m.state(g.index).decoder_percent, 167000],
-    "MigMode": lambda m, g: [int(bool(g.mig))] * 2,
-    "MaxMigDeviceCount": lambda m, g: 7,
-    "SupportedEventTypes": lambda m, g: g.model.supported_events,
+    "nvmlDeviceGetEncoderUtilization": lambda m, g: [m.state(g.index).encoder_percent, 167000],
+    "nvmlDeviceGetDecoderUtilization": lambda m, g: [m.state(g.index).decoder_percent, 167000],
+    "nvmlDeviceGetMigMode": lambda m, g: [int(bool(g.mig))] * 2,
+    "nvmlDeviceGetMaxMigDeviceCount": lambda m, g: 7,
+    "nvmlDeviceGetSupportedEventTypes": lambda m, g: g.model.supported_events,
 }
 for _name, _read in _READINGS.items():
-    setattr(SimulatedNvml, f"nvmlDeviceGet{_name}", _reading(f"nvmlDeviceGet{_name}", _read))
+    setattr(SimulatedNvml, _name, _reading(_name, _read))
