@@ -22,7 +22,6 @@ from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
     DEFAULT_KUBELET_SOCKET,
     DEFAULT_LISTEN,
-    LOG_LEVELS,
     ServeConfig,
     default_state_dir,
     parse_listen_address,
@@ -30,7 +29,7 @@ from gpu_exporter.config import (
     parse_telemetry_path,
     parse_user_list,
 )
-from gpu_exporter.logs import LOG_FORMATS, level_name
+from gpu_exporter.logs import LOG_FORMATS, LOG_LEVELS, level_name
 from gpu_exporter.units import parse_bytes, parse_duration
 
 T = TypeVar("T")

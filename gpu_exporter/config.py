@@ -13,7 +13,6 @@ from gpu_exporter.model import PROCESS_LABELS
 
 DEFAULT_PORT = 9400
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 # What "free" means when a /choose names no filter: GPUtil's getAvailable (under 50 % load and
 # 50 % memory). See gpu_exporter.choose.defaults.
 DEFAULT_CHOOSE_DEFAULTS = "max_util=50%&max_mem_util=50%"
