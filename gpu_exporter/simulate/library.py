@@ -289,30 +289,17 @@ class SimulatedNvml(SimulatedMachine):
         """The v3 struct: pid, usedGpuMemory, gpuInstanceId, computeInstanceId."""
         self._check("nvmlDeviceGetComputeRunningProcesses", handle)
         gpu = handle.parent if isinstance(handle, SimMig) else handle
-        slots = [handle.slot] if isinstance(handle, SimMig) else range(len(gpu.mig))
-        if not gpu.mig:
-            return [
-                SimpleNamespace(
-                    pid=pid,
-                    usedGpuMemory=used,
-                    gpuInstanceId=nvml.NO_INSTANCE,
-                    computeInstanceId=nvml.NO_INSTANCE,
-                )
-                for pid, used in self.state(gpu.index).processes
-            ]
-        out: list[SimpleNamespace] = []
-        for slot in slots:
-            ms = self.mig_state(gpu.index, slot)
-            out.extend(
-                SimpleNamespace(
-                    pid=pid,
-                    usedGpuMemory=used,
-                    gpuInstanceId=ms.gpu_instance_id,
-                    computeInstanceId=ms.compute_instance_id,
-                )
-                for pid, used in ms.processes
-            )
-        return out
+        if gpu.mig:  # the MIG devices' processes, each with its instance ids
+            slots = [handle.slot] if isinstance(handle, SimMig) else range(len(gpu.mig))
+            states = [self.mig_state(gpu.index, slot) for slot in slots]
+            found = [(m.processes, m.gpu_instance_id, m.compute_instance_id) for m in states]
+        else:
+            found = [(self.state(gpu.index).processes, nvml.NO_INSTANCE, nvml.NO_INSTANCE)]
+        return [
+            SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=gi, computeInstanceId=ci)
+            for processes, gi, ci in found
+            for pid, used in processes
+        ]
 
     def nvmlDeviceGetMaxClockInfo(self, gpu: SimGpu, clock_type: int) -> int:
         gpu = self._gpu("nvmlDeviceGetMaxClockInfo", gpu)
