@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 from collections.abc import Callable, Sequence
@@ -21,8 +22,6 @@ from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
     DEFAULT_KUBELET_SOCKET,
     DEFAULT_LISTEN,
-    DEFAULT_TELEMETRY_PATH,
-    LOG_LEVELS,
     ServeConfig,
     default_state_dir,
     parse_listen_address,
@@ -30,7 +29,7 @@ from gpu_exporter.config import (
     parse_telemetry_path,
     parse_user_list,
 )
-from gpu_exporter.logs import LOG_FORMATS, level_name
+from gpu_exporter.logs import LOG_FORMATS, LOG_LEVELS, level_name
 from gpu_exporter.units import parse_bytes, parse_duration
 
 T = TypeVar("T")
@@ -102,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--interval",
+        dest="interval_seconds",
         type=_positive_seconds,
         default=_env("interval", "1"),
         metavar="SECONDS",
@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--nvml-timeout",
+        dest="nvml_timeout_seconds",
         type=_positive_seconds,
         default=_env("nvml-timeout", "5"),
         metavar="SECONDS",
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-age",
+        dest="max_age_seconds",
         type=_positive_seconds,
         default=_env("max-age", None),
         metavar="SECONDS",
@@ -140,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-lease",
+        dest="max_lease_seconds",
         type=checked(parse_duration),
         default=_env("max-lease", "1h"),
         metavar="DURATION",
@@ -154,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--mem-headroom",
+        dest="mem_headroom_bytes",
         type=checked(parse_bytes),
         default=_env("mem-headroom", "512MiB"),
         metavar="SIZE",
@@ -201,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Per-field update intervals and node_exporter-style collector groups (collect/groups.py).
     serve.add_argument(
         "--slow-interval",
+        dest="slow_interval_seconds",  # never below --interval: build() sees to it
         type=_positive_seconds,
         default=_env("slow-interval", "30"),
         metavar="SECONDS",
@@ -293,12 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--web.telemetry-path",
         dest="telemetry_path",
-        default=_env("web.telemetry-path", DEFAULT_TELEMETRY_PATH),
+        default=_env("web.telemetry-path", _DEFAULTS.telemetry_path),
         metavar="PATH",
         help="serve the Prometheus metrics at PATH, and only there (default %(default)s)",
     )
     serve.add_argument(
         "--kubernetes",
+        dest="kubernetes_socket",
         nargs="?",
         const=DEFAULT_KUBELET_SOCKET,
         default=_kubernetes_env(),
@@ -310,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(  # for tests and benchmarks: the kubelet asked more often
         "--kubernetes.poll-interval",
-        dest="kubernetes_poll_interval",
+        dest="kubernetes_poll_seconds",
         type=_positive_seconds,
         default=10.0,
         help=argparse.SUPPRESS,
@@ -360,8 +366,6 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     telemetry_path = _checked(
         parser, "--web.telemetry-path", parse_telemetry_path, args.telemetry_path
     )
-    interval = float(args.interval)
-    max_age = float(args.max_age) if args.max_age is not None else max(10.0, 5 * interval)
     if args.max_gpus_per_requester < 0:
         parser.error("--max-gpus-per-requester must be 0 (no limit) or more")
     process_labels = _checked(parser, "--process-labels", parse_process_labels, args.process_labels)
@@ -387,42 +391,28 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             load(args.web_config_file)  # refuse to start on a bad file, with one line
         except WebConfigError as exc:
             parser.error(f"--web-config-file {args.web_config_file}: {exc}")
-    if args.kubernetes is not None and importlib.util.find_spec("grpc") is None:
+    if args.kubernetes_socket is not None and importlib.util.find_spec("grpc") is None:
         parser.error("--kubernetes needs grpcio: pip install 'gpu-exporter[kubernetes]'")
     selector = args.prometheus_selector
     selector = selector and _checked(parser, "--prometheus-selector", check_selector, selector)
+    # Each flag's dest is the field it sets; these are checked or worked out from others.
+    fields = {f.name for f in dataclasses.fields(ServeConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields}
     return ServeConfig(
-        host,
-        port,
-        interval,
-        args.simulate,
-        level_name(args.log_level),
-        max_age,
-        state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or default_state_dir(),
-        max_lease_seconds=float(args.max_lease),
-        max_gpus_per_requester=int(args.max_gpus_per_requester),
-        mem_headroom_bytes=int(args.mem_headroom),
-        process_labels=process_labels,
-        process_series_limit=int(args.process_series_limit),
-        proc_root=args.proc_root,
-        pcie_throughput=bool(args.pcie_throughput),
-        xid_events=bool(args.xid_events),
-        nvml_timeout_seconds=float(args.nvml_timeout),
-        max_requests_in_flight=int(args.max_requests_in_flight),
-        max_waiters=int(args.max_waiters),
-        prometheus_url=args.prometheus_url or None,
-        prometheus_selector=selector,
-        web_config_file=args.web_config_file,
-        auth_scope=args.auth_scope,
-        choose_defaults=args.choose_defaults,
-        lease_admins=parse_user_list(args.lease_admins),
-        max_waiters_per_requester=int(args.max_waiters_per_requester),
-        telemetry_path=telemetry_path,
-        log_format=args.log_format,
-        slow_interval_seconds=max(float(args.slow_interval), interval),
-        collect_disabled=tuple(g for g in GROUPS if not getattr(args, f"collect_{g}")),
-        kubernetes_socket=args.kubernetes,
-        kubernetes_poll_seconds=float(args.kubernetes_poll_interval),
+        **given
+        | dict(
+            host=host,
+            port=port,
+            log_level=level_name(args.log_level),
+            max_age_seconds=args.max_age_seconds or max(10.0, 5 * args.interval_seconds),
+            state_dir=args.state_dir or os.environ.get("STATE_DIRECTORY") or default_state_dir(),
+            process_labels=process_labels,
+            prometheus_url=args.prometheus_url or None,
+            prometheus_selector=selector,
+            lease_admins=parse_user_list(args.lease_admins),
+            telemetry_path=telemetry_path,
+            collect_disabled=tuple(g for g in GROUPS if not getattr(args, f"collect_{g}")),
+        )
     )
 
 

@@ -13,11 +13,9 @@ from gpu_exporter.model import PROCESS_LABELS
 
 DEFAULT_PORT = 9400
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 # What "free" means when a /choose names no filter: GPUtil's getAvailable (under 50 % load and
 # 50 % memory). See gpu_exporter.choose.defaults.
 DEFAULT_CHOOSE_DEFAULTS = "max_util=50%&max_mem_util=50%"
-DEFAULT_TELEMETRY_PATH = "/metrics"
 DEFAULT_PROCESS_SERIES_LIMIT = 64  # --process-series-limit: per device, largest first
 DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"  # --kubernetes
 # The app's own paths (tests/test_logs.py checks them against its routes): the metrics can
@@ -56,7 +54,7 @@ class ServeConfig:
     choose_defaults: str = DEFAULT_CHOOSE_DEFAULTS
     lease_admins: tuple[str, ...] = ()  # basic-auth users who may renew/release any lease by id
     max_waiters_per_requester: int = 2  # waiting /choose requests per client address; 0: any
-    telemetry_path: str = DEFAULT_TELEMETRY_PATH  # where /metrics is served (only there)
+    telemetry_path: str = "/metrics"  # where /metrics is served (only there)
     log_format: str = "logfmt"  # or "json" (gpu_exporter.logs)
     # Health fields (collect.groups.SLOW) are read this often; the fast ones every interval.
     slow_interval_seconds: float = 30.0

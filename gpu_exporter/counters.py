@@ -93,21 +93,19 @@ class XidCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[tuple[str, int]] = Counter()
-        self._index: dict[str, int] = {}
         self._last: dict[str, LastXid] = {}
 
     def record(self, index: int, uuid: str, xid: int, at_seconds: float) -> None:
         with self._lock:
             self._counts[(uuid, xid)] += 1
-            self._index[uuid] = index
             self._last[uuid] = LastXid(index, uuid, xid, at_seconds)
 
     def counts(self) -> tuple[XidCount, ...]:
         with self._lock:
             return tuple(
-                XidCount(self._index[uuid], uuid, xid, n)
+                XidCount(self._last[uuid].index, uuid, xid, n)
                 for (uuid, xid), n in sorted(
-                    self._counts.items(), key=lambda kv: (self._index[kv[0][0]], kv[0])
+                    self._counts.items(), key=lambda kv: (self._last[kv[0][0]].index, kv[0])
                 )
             )
 

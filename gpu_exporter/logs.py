@@ -33,7 +33,8 @@ from typing import Any, TextIO
 
 LOG_FORMATS = ("logfmt", "json")
 LOG_LEVEL_NAMES = ("debug", "info", "warn", "warning", "error")
-_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
+# logging's level names → the Go exporters' (--log.level takes both)
+LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
 
 
 def level_name(text: str) -> str:
@@ -44,7 +45,7 @@ def level_name(text: str) -> str:
 
 def _fields(record: logging.LogRecord) -> Iterator[tuple[str, Any]]:
     yield "ts", _timestamp(record)
-    yield "level", _LEVELS.get(record.levelname.lower(), record.levelname.lower())
+    yield "level", LOG_LEVELS.get(record.levelname.lower(), record.levelname.lower())
     yield "caller", f"{os.path.basename(record.pathname)}:{record.lineno}"
     yield "msg", record.getMessage()
     extra = getattr(record, "fields", None)

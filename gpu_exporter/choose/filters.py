@@ -112,25 +112,30 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     if filters.model is not None and filters.model.lower() not in (gpu.name or "").lower():
         reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
     if filters.min_free_bytes is not None:
-        _at_least(
-            reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free", d
-        )
+        _limit(reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free", d)
     if filters.min_total_bytes is not None:
-        _at_least(
+        _limit(
             reasons, "total memory", gpu.memory_total_bytes, filters.min_total_bytes, "min_total", d
         )
     if filters.max_util_ratio is not None:
-        _at_most(
-            reasons, "utilization", gpu.utilization_ratio, filters.max_util_ratio, "max_util", d
+        _limit(
+            reasons,
+            "utilization",
+            gpu.utilization_ratio,
+            filters.max_util_ratio,
+            "max_util",
+            d,
+            True,
         )
     if filters.max_mem_util_ratio is not None:
-        _at_most(
+        _limit(
             reasons,
             "memory utilization",
             gpu.memory_utilization_ratio,
             filters.max_mem_util_ratio,
             "max_mem_util",
             d,
+            True,
         )
     if filters.max_procs is not None:
         procs = gpu.compute_processes
@@ -165,8 +170,8 @@ def never_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
         reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
     total = gpu.memory_total_bytes
     if total is not None:
-        _at_least(reasons, "total memory", total, filters.min_total_bytes, "min_total", ())
-        _at_least(reasons, "total memory", total, filters.min_free_bytes, "min_free", ())
+        _limit(reasons, "total memory", total, filters.min_total_bytes, "min_total", ())
+        _limit(reasons, "total memory", total, filters.min_free_bytes, "min_free", ())
     return tuple(reasons)
 
 
@@ -194,38 +199,26 @@ def never_enough(gpus: Iterable[GpuSample], n: int, filters: Filters) -> str | N
     )
 
 
-def _at_least(
-    reasons: list[str],
-    what: str,
-    value: int | None,
-    limit: int | None,
-    param: str,
-    defaulted: tuple[str, ...],
-) -> None:
-    if limit is None:
-        return
-    if value is None:
-        if param not in defaulted:
-            reasons.append(f"{what} unknown")
-    elif value < limit:
-        reasons.append(f"{what} {format_bytes(value)} < {param} {format_bytes(limit)}")
-
-
-def _at_most(
+def _limit(
     reasons: list[str],
     what: str,
     value: float | None,
     limit: float | None,
     param: str,
     defaulted: tuple[str, ...],
+    most: bool = False,
 ) -> None:
+    """Add why ``value`` misses ``limit`` (above it if ``most``, else below it); an unknown
+    ``value`` misses unless ``param`` came from the defaults."""
     if limit is None:
         return
     if value is None:
         if param not in defaulted:
             reasons.append(f"{what} unknown")
-    elif value > limit:
+    elif most and value > limit:
         reasons.append(f"{what} {value:.2f} > {param} {limit:.2f}")
+    elif not most and value < limit:
+        reasons.append(f"{what} {format_bytes(int(value))} < {param} {format_bytes(int(limit))}")
 
 
 def window_reasons(gpu: GpuSample, filters: Filters, window: Window) -> tuple[str, ...]:

@@ -35,13 +35,17 @@ class Persistence:
 
     def __init__(self, state: StateFile | None) -> None:
         self._state = state
-        self.unsaved = False  # the last write failed: the table retries on every prune
         self._restored: set[str] = set()  # ids loaded from the file, not yet seen on a sample
 
     @property
     def problem(self) -> str | None:
         """Why the last write of ``leases.json`` failed, until one succeeds (``/readyz``)."""
         return self._state.problem if self._state is not None else None
+
+    @property
+    def unsaved(self) -> bool:
+        """The last write failed: the table writes again on every prune."""
+        return self.problem is not None
 
     @property
     def write_errors(self) -> int:
@@ -55,9 +59,7 @@ class Persistence:
         try:
             self._state.save(leases)
         except StateWriteError as exc:
-            self.unsaved = True
             return exc
-        self.unsaved = False
         return None
 
     def restore(self, now: float, max_ttl_seconds: float) -> dict[str, Lease]:

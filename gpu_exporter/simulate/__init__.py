@@ -16,51 +16,19 @@ Every value is a pure function of the simulator's clock, so a test with a fake c
   and :class:`SimulatedNvml`, its pynvml functions (one module: the host exists for them).
 """
 
-from gpu_exporter.simulate.library import SimEventSet, SimulatedMachine, SimulatedNvml
-from gpu_exporter.simulate.models import (
-    COMPUTE_MODES,
-    DEFAULT_MODEL,
-    GIB,
-    MIB,
-    MIG_FUNCTIONS,
-    MODELS,
-    Model,
-)
-from gpu_exporter.simulate.scenario import (
-    DEFAULT_LOADS,
-    HANG,
-    LOADS,
-    Fault,
-    Health,
-    Load,
-    Scenario,
-    SimGpu,
-    SimMig,
-    XidEvent,
-)
-from gpu_exporter.simulate.state import GpuState, MigState
+from gpu_exporter.simulate.library import SimulatedNvml
+from gpu_exporter.simulate.models import DEFAULT_MODEL, MODELS
+from gpu_exporter.simulate.scenario import HANG, Fault, Health, Load, Scenario, SimGpu, SimMig
 
 __all__ = [
-    "COMPUTE_MODES",
-    "DEFAULT_LOADS",
     "DEFAULT_MODEL",
-    "GIB",
     "HANG",
-    "LOADS",
-    "MIB",
-    "MIG_FUNCTIONS",
     "MODELS",
     "Fault",
-    "GpuState",
     "Health",
     "Load",
-    "MigState",
-    "Model",
     "Scenario",
-    "SimEventSet",
     "SimGpu",
     "SimMig",
-    "SimulatedMachine",
     "SimulatedNvml",
-    "XidEvent",
 ]

@@ -249,10 +249,6 @@ class SimulatedNvml(SimulatedMachine):
             return self.mig_state(handle.parent.index, handle.slot).name.encode()
         return handle.model_name.encode()  # older pynvml returns bytes; the wrapper decodes both
 
-    def nvmlDeviceGetPciInfo(self, gpu: SimGpu) -> SimpleNamespace:
-        gpu = self._gpu("nvmlDeviceGetPciInfo", gpu)
-        return SimpleNamespace(busId=gpu.pci_bus_id.encode())
-
     def nvmlDeviceGetMemoryInfo(
         self, handle: SimGpu | SimMig, version: int | None = None
     ) -> SimpleNamespace:
@@ -277,27 +273,11 @@ class SimulatedNvml(SimulatedMachine):
         s = self.state(gpu.index)
         return SimpleNamespace(gpu=s.utilization_gpu, memory=s.utilization_memory)
 
-    def nvmlDeviceGetPowerUsage(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetPowerUsage", gpu)
-        return self.state(gpu.index).power_usage_mw
-
-    def nvmlDeviceGetEnforcedPowerLimit(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetEnforcedPowerLimit", gpu)
-        return self.state(gpu.index).power_limit_mw
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetTotalEnergyConsumption", gpu)
-        return self.energy_mj(gpu.index)
-
     def nvmlDeviceGetTemperature(self, gpu: SimGpu, sensor: int) -> int:
         gpu = self._gpu("nvmlDeviceGetTemperature", gpu)
         if sensor != nvml.TEMPERATURE_GPU:
             raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
         return self.state(gpu.index).temperature_c
-
-    def nvmlDeviceGetFanSpeed(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetFanSpeed", gpu)
-        return self.state(gpu.index).fan_percent
 
     def nvmlDeviceGetClockInfo(self, gpu: SimGpu, clock_type: int) -> int:
         gpu = self._gpu("nvmlDeviceGetClockInfo", gpu)
@@ -309,39 +289,17 @@ class SimulatedNvml(SimulatedMachine):
         """The v3 struct: pid, usedGpuMemory, gpuInstanceId, computeInstanceId."""
         self._check("nvmlDeviceGetComputeRunningProcesses", handle)
         gpu = handle.parent if isinstance(handle, SimMig) else handle
-        slots = [handle.slot] if isinstance(handle, SimMig) else range(len(gpu.mig))
-        if not gpu.mig:
-            return [
-                SimpleNamespace(
-                    pid=pid,
-                    usedGpuMemory=used,
-                    gpuInstanceId=nvml.NO_INSTANCE,
-                    computeInstanceId=nvml.NO_INSTANCE,
-                )
-                for pid, used in self.state(gpu.index).processes
-            ]
-        out: list[SimpleNamespace] = []
-        for slot in slots:
-            ms = self.mig_state(gpu.index, slot)
-            out.extend(
-                SimpleNamespace(
-                    pid=pid,
-                    usedGpuMemory=used,
-                    gpuInstanceId=ms.gpu_instance_id,
-                    computeInstanceId=ms.compute_instance_id,
-                )
-                for pid, used in ms.processes
-            )
-        return out
-
-    # -- health --------------------------------------------------------------------------------
-    def nvmlDeviceGetCurrentClocksEventReasons(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetCurrentClocksEventReasons", gpu)
-        return self.state(gpu.index).clocks_event_reasons
-
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetCurrentClocksThrottleReasons", gpu)
-        return self.state(gpu.index).clocks_event_reasons
+        if gpu.mig:  # the MIG devices' processes, each with its instance ids
+            slots = [handle.slot] if isinstance(handle, SimMig) else range(len(gpu.mig))
+            states = [self.mig_state(gpu.index, slot) for slot in slots]
+            found = [(m.processes, m.gpu_instance_id, m.compute_instance_id) for m in states]
+        else:
+            found = [(self.state(gpu.index).processes, nvml.NO_INSTANCE, nvml.NO_INSTANCE)]
+        return [
+            SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=gi, computeInstanceId=ci)
+            for processes, gi, ci in found
+            for pid, used in processes
+        ]
 
     def nvmlDeviceGetMaxClockInfo(self, gpu: SimGpu, clock_type: int) -> int:
         gpu = self._gpu("nvmlDeviceGetMaxClockInfo", gpu)
@@ -359,38 +317,12 @@ class SimulatedNvml(SimulatedMachine):
             raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
         return gpu.model.temperature_thresholds[threshold]
 
-    def nvmlDeviceGetPerformanceState(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetPerformanceState", gpu)
-        return self.state(gpu.index).performance_state
-
-    def nvmlDeviceGetPersistenceMode(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetPersistenceMode", gpu)
-        return 1 if gpu.model.persistence_mode else 0
-
-    def nvmlDeviceGetComputeMode(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetComputeMode", gpu)
-        return COMPUTE_MODES[gpu.compute_mode]
-
-    def nvmlDeviceGetEccMode(self, gpu: SimGpu) -> list[int]:
-        self._gpu("nvmlDeviceGetEccMode", gpu)
-        return [1, 1]
-
     def nvmlDeviceGetTotalEccErrors(self, gpu: SimGpu, error_type: int, counter_type: int) -> int:
         gpu = self._gpu("nvmlDeviceGetTotalEccErrors", gpu)
         errors = {v: k for k, v in nvml.ECC_ERROR_TYPES.items()}[error_type]
         counter = {v: k for k, v in nvml.ECC_COUNTERS.items()}[counter_type]
         value: int = getattr(gpu.health, f"ecc_{errors}_{counter}")
         return value
-
-    def nvmlDeviceGetRemappedRows(self, gpu: SimGpu) -> tuple[int, int, int, int]:
-        gpu = self._gpu("nvmlDeviceGetRemappedRows", gpu)
-        h = gpu.health
-        return (
-            h.remapped_rows_correctable,
-            h.remapped_rows_uncorrectable,
-            int(h.remapped_rows_pending),
-            int(h.remapped_rows_failed),
-        )
 
     def nvmlDeviceGetRetiredPages(self, gpu: SimGpu, cause: int) -> list[int]:
         gpu = self._gpu("nvmlDeviceGetRetiredPages", gpu)
@@ -402,31 +334,6 @@ class SimulatedNvml(SimulatedMachine):
         )
         return [0x1000 * (k + 1) for k in range(count)]  # page addresses
 
-    def nvmlDeviceGetRetiredPagesPendingStatus(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetRetiredPagesPendingStatus", gpu)
-        return int(gpu.health.retired_pages_pending)
-
-    # -- PCIe ----------------------------------------------------------------------------------
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetCurrPcieLinkGeneration", gpu)
-        return self.state(gpu.index).pcie_generation
-
-    def nvmlDeviceGetMaxPcieLinkGeneration(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetMaxPcieLinkGeneration", gpu)
-        return gpu.model.pcie_generation
-
-    def nvmlDeviceGetCurrPcieLinkWidth(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetCurrPcieLinkWidth", gpu)
-        return self.state(gpu.index).pcie_width
-
-    def nvmlDeviceGetMaxPcieLinkWidth(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetMaxPcieLinkWidth", gpu)
-        return gpu.model.pcie_width
-
-    def nvmlDeviceGetPcieReplayCounter(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetPcieReplayCounter", gpu)
-        return gpu.health.pcie_replays
-
     def nvmlDeviceGetPcieThroughput(self, gpu: SimGpu, counter: int) -> int:
         """KB/s over a 20 ms window; blocks for ``pcie_sample_seconds`` like the driver."""
         gpu = self._gpu("nvmlDeviceGetPcieThroughput", gpu)
@@ -437,34 +344,7 @@ class SimulatedNvml(SimulatedMachine):
             return s.pcie_tx_kb_per_second
         return s.pcie_rx_kb_per_second
 
-    # -- power and engines ---------------------------------------------------------------------
-    def nvmlDeviceGetPowerManagementDefaultLimit(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetPowerManagementDefaultLimit", gpu)
-        return round(gpu.model.power_limit_watts * 1000)
-
-    def nvmlDeviceGetPowerManagementLimitConstraints(self, gpu: SimGpu) -> list[int]:
-        gpu = self._gpu("nvmlDeviceGetPowerManagementLimitConstraints", gpu)
-        limit = gpu.model.power_limit_watts
-        return [round(limit * 250), round(limit * 1000)]  # a quarter of the limit … the limit
-
-    def nvmlDeviceGetEncoderUtilization(self, gpu: SimGpu) -> list[int]:
-        gpu = self._gpu("nvmlDeviceGetEncoderUtilization", gpu)
-        return [self.state(gpu.index).encoder_percent, 167000]
-
-    def nvmlDeviceGetDecoderUtilization(self, gpu: SimGpu) -> list[int]:
-        gpu = self._gpu("nvmlDeviceGetDecoderUtilization", gpu)
-        return [self.state(gpu.index).decoder_percent, 167000]
-
     # -- MIG -------------------------------------------------------------------------------------
-    def nvmlDeviceGetMigMode(self, gpu: SimGpu) -> list[int]:
-        gpu = self._gpu("nvmlDeviceGetMigMode", gpu)
-        on = 1 if gpu.mig else 0
-        return [on, on]
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, gpu: SimGpu) -> int:
-        self._gpu("nvmlDeviceGetMaxMigDeviceCount", gpu)
-        return 7
-
     def nvmlDeviceGetMigDeviceHandleByIndex(self, gpu: SimGpu, index: int) -> SimMig:
         gpu = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", gpu)
         if not gpu.mig:
@@ -503,10 +383,6 @@ class SimulatedNvml(SimulatedMachine):
             self.event_sets.remove(event_set)
             self._events.notify_all()
 
-    def nvmlDeviceGetSupportedEventTypes(self, gpu: SimGpu) -> int:
-        gpu = self._gpu("nvmlDeviceGetSupportedEventTypes", gpu)
-        return gpu.model.supported_events
-
     def nvmlDeviceRegisterEvents(
         self, gpu: SimGpu, event_types: int, event_set: SimEventSet
     ) -> None:
@@ -532,3 +408,57 @@ class SimulatedNvml(SimulatedMachine):
                     raise nvml.make_error(nvml.error_code("TIMEOUT"))
                 # Wake now and then: scheduled events follow the simulator's own clock.
                 self._events.wait(min(remaining, 0.05))
+
+
+def _reading(function: str, read: Callable[[SimulatedNvml, SimGpu], Any]) -> Callable[..., Any]:
+    """The pynvml function ``function(gpu)``: the call checked, then ``read`` answers it."""
+
+    def call(self: SimulatedNvml, gpu: SimGpu) -> Any:
+        return read(self, self._gpu(function, gpu))
+
+    call.__name__ = call.__qualname__ = function
+    return call
+
+
+# The functions that take a whole GPU and answer one figure of its state now, its model or
+# its health: one row each, made methods of SimulatedNvml below.
+_READINGS: dict[str, Callable[[SimulatedNvml, SimGpu], Any]] = {
+    "nvmlDeviceGetPciInfo": lambda m, g: SimpleNamespace(busId=g.pci_bus_id.encode()),
+    "nvmlDeviceGetPowerUsage": lambda m, g: m.state(g.index).power_usage_mw,
+    "nvmlDeviceGetEnforcedPowerLimit": lambda m, g: m.state(g.index).power_limit_mw,
+    "nvmlDeviceGetTotalEnergyConsumption": lambda m, g: m.energy_mj(g.index),
+    "nvmlDeviceGetFanSpeed": lambda m, g: m.state(g.index).fan_percent,
+    "nvmlDeviceGetCurrentClocksEventReasons": lambda m, g: m.state(g.index).clocks_event_reasons,
+    "nvmlDeviceGetCurrentClocksThrottleReasons": lambda m, g: m.state(g.index).clocks_event_reasons,
+    "nvmlDeviceGetPerformanceState": lambda m, g: m.state(g.index).performance_state,
+    "nvmlDeviceGetPersistenceMode": lambda m, g: 1 if g.model.persistence_mode else 0,
+    "nvmlDeviceGetComputeMode": lambda m, g: COMPUTE_MODES[g.compute_mode],
+    "nvmlDeviceGetEccMode": lambda m, g: [1, 1],
+    "nvmlDeviceGetRemappedRows": lambda m, g: (
+        g.health.remapped_rows_correctable,
+        g.health.remapped_rows_uncorrectable,
+        int(g.health.remapped_rows_pending),
+        int(g.health.remapped_rows_failed),
+    ),
+    "nvmlDeviceGetRetiredPagesPendingStatus": lambda m, g: int(g.health.retired_pages_pending),
+    "nvmlDeviceGetCurrPcieLinkGeneration": lambda m, g: m.state(g.index).pcie_generation,
+    "nvmlDeviceGetMaxPcieLinkGeneration": lambda m, g: g.model.pcie_generation,
+    "nvmlDeviceGetCurrPcieLinkWidth": lambda m, g: m.state(g.index).pcie_width,
+    "nvmlDeviceGetMaxPcieLinkWidth": lambda m, g: g.model.pcie_width,
+    "nvmlDeviceGetPcieReplayCounter": lambda m, g: g.health.pcie_replays,
+    "nvmlDeviceGetPowerManagementDefaultLimit": lambda m, g: round(
+        g.model.power_limit_watts * 1000
+    ),
+    # a quarter of the limit … the limit
+    "nvmlDeviceGetPowerManagementLimitConstraints": lambda m, g: [
+        round(g.model.power_limit_watts * 250),
+        round(g.model.power_limit_watts * 1000),
+    ],
+    "nvmlDeviceGetEncoderUtilization": lambda m, g: [m.state(g.index).encoder_percent, 167000],
+    "nvmlDeviceGetDecoderUtilization": lambda m, g: [m.state(g.index).decoder_percent, 167000],
+    "nvmlDeviceGetMigMode": lambda m, g: [int(bool(g.mig))] * 2,
+    "nvmlDeviceGetMaxMigDeviceCount": lambda m, g: 7,
+    "nvmlDeviceGetSupportedEventTypes": lambda m, g: g.model.supported_events,
+}
+for _name, _read in _READINGS.items():
+    setattr(SimulatedNvml, _name, _reading(_name, _read))

@@ -91,30 +91,16 @@ MODELS: dict[str, Model] = {
     # A consumer card on an old driver: half of NVML says NOT_SUPPORTED, the clocks-event
     # call is missing (FUNCTION_NOT_FOUND; its older name works), and no Xid events.
     "NVIDIA GeForce GTX 1080": Model(
-        8 * GIB,
-        120 * MIB,
-        180.0,
-        8.0,
-        1733,
-        5005,
-        _NO_PAGES
-        | _NO_MIG
-        | {
-            "nvmlDeviceGetTotalEnergyConsumption",
-            "nvmlDeviceGetComputeRunningProcesses",
-            "nvmlDeviceGetClockInfo",
-            "nvmlDeviceGetEccMode",
-            "nvmlDeviceGetTotalEccErrors",
-            "nvmlDeviceGetRemappedRows",
-            "nvmlDeviceGetPcieReplayCounter",
+        8 * GIB, 120 * MIB, 180.0, 8.0, 1733, 5005,
+        _NO_PAGES | _NO_MIG | {
+            "nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetClockInfo", "nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors",
+            "nvmlDeviceGetRemappedRows", "nvmlDeviceGetPcieReplayCounter",
             "nvmlDeviceGetPowerManagementDefaultLimit",
-            "nvmlDeviceGetPowerManagementLimitConstraints",
-            "nvmlDeviceGetTemperatureThreshold",
+            "nvmlDeviceGetPowerManagementLimitConstraints", "nvmlDeviceGetTemperatureThreshold",
         },
         missing=frozenset({"nvmlDeviceGetCurrentClocksEventReasons"}),
-        pcie_generation=3,
-        persistence_mode=False,
-        supported_events=0x4 | 0x10,
+        pcie_generation=3, persistence_mode=False, supported_events=0x4 | 0x10,
     ),
 }  # fmt: skip
 # What NVML answers for a MIG device handle; everything else is NOT_SUPPORTED.
