@@ -21,7 +21,6 @@ import ctypes
 import threading
 from collections import Counter
 from collections.abc import Callable
-from ctypes import byref, c_uint, c_ulonglong
 from typing import Any
 
 import pynvml
@@ -137,11 +136,6 @@ def make_error(code: int) -> Exception:
     return exc
 
 
-def _memory_v2() -> Any:
-    """The v2 memory struct, its version set (the driver checks it)."""
-    return pynvml.c_nvmlMemory_v2_t(version=MEMORY_V2)
-
-
 class NvmlError(Exception):
     """An NVML call failed. ``function`` is the NVML function, ``error`` its error name."""
 
@@ -213,9 +207,6 @@ class Nvml:
 
     def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:
         self._lib = lib
-        # The real bindings (with their function lookup): the hottest getters call C directly.
-        self._direct = lib is pynvml and hasattr(pynvml, "_nvmlGetFunctionPointer")
-        self._pointers: dict[str, Any] = {}  # C symbol → ctypes function
         self.simulated = simulated
         self._errors: Counter[tuple[str, str]] = Counter()
         self._errors_lock = threading.Lock()
@@ -259,48 +250,6 @@ class Nvml:
             raise self._failed(function, exc) from exc
         finally:
             in_flight[thread] = None
-
-    def _get(
-        self,
-        function: str,
-        ctype: Any,
-        *args: Any,
-        symbol: str = "",
-        whole: bool = False,
-        after: tuple[Any, ...] = (),
-        answer: int | None = None,
-        **wrapped: Any,
-    ) -> Any:
-        """``function(*args)`` for a getter whose last C argument points to one ``ctype``.
-
-        Over the real bindings, the C ``symbol`` (``function`` unless it has a version
-        suffix) is called directly: the same call pynvml makes, without its Python frame
-        and with the same error mapping; ``.value`` of the answer unless ``whole``. Over
-        any other library (the simulator), ``function(*args, **wrapped)`` through
-        :meth:`_call`. ``after``: C arguments after the pointer; ``answer``: an error code
-        returned as None, not raised; ``ctype`` may be a function that makes the struct.
-        """
-        if not self._direct:
-            return self._call(function, *args, **wrapped)
-        fn = self._pointers.get(symbol or function)
-        if fn is None:
-            try:
-                fn = pynvml._nvmlGetFunctionPointer(symbol or function)
-            except pynvml.NVMLError as exc:
-                raise self._failed(function, exc) from exc
-            self._pointers[symbol or function] = fn
-        out = ctype()
-        in_flight, thread = self._in_flight, threading.get_ident()
-        in_flight[thread] = function
-        try:
-            code = fn(*args, byref(out), *after)
-        finally:
-            in_flight[thread] = None
-        if code != pynvml.NVML_SUCCESS:
-            if code == answer:
-                return None
-            raise self._failed(function, pynvml.NVMLError(code))
-        return out if whole else out.value
 
     def _failed(self, function: str, exc: Exception) -> NvmlError:
         error = _classify(function, exc)
@@ -353,13 +302,7 @@ class Nvml:
         return int(self._call("nvmlDeviceGetCount"))
 
     def handle(self, index: int) -> Any:
-        return self._get(
-            "nvmlDeviceGetHandleByIndex",
-            pynvml.c_nvmlDevice_t,
-            index,
-            symbol="nvmlDeviceGetHandleByIndex_v2",
-            whole=True,
-        )
+        return self._call("nvmlDeviceGetHandleByIndex", index)
 
     # -- identity ------------------------------------------------------------------------
     def uuid(self, handle: Any) -> str:
@@ -381,14 +324,7 @@ class Nvml:
         """
         if self._memory_v2:
             try:
-                m = self._get(
-                    "nvmlDeviceGetMemoryInfo",
-                    _memory_v2,
-                    handle,
-                    symbol="nvmlDeviceGetMemoryInfo_v2",
-                    whole=True,
-                    version=MEMORY_V2,
-                )
+                m = self._call("nvmlDeviceGetMemoryInfo", handle, version=MEMORY_V2)
                 return MemoryInfo(int(m.total), int(m.used), int(m.free), int(m.reserved))
             except Unsupported:
                 # Driver older than 510: only v1 exists, and its "used" includes reserved.
@@ -399,29 +335,27 @@ class Nvml:
 
     def utilization(self, handle: Any) -> tuple[float, float]:
         """(GPU busy, memory-controller busy), each a ratio 0–1 over the driver's last period."""
-        u = self._get(
-            "nvmlDeviceGetUtilizationRates", pynvml.c_nvmlUtilization_t, handle, whole=True
-        )
+        u = self._call("nvmlDeviceGetUtilizationRates", handle)
         return u.gpu / 100.0, u.memory / 100.0
 
     def power_draw_watts(self, handle: Any) -> float:
-        return int(self._get("nvmlDeviceGetPowerUsage", c_uint, handle)) / 1000.0
+        return int(self._call("nvmlDeviceGetPowerUsage", handle)) / 1000.0
 
     def power_limit_watts(self, handle: Any) -> float:
         return int(self._call("nvmlDeviceGetEnforcedPowerLimit", handle)) / 1000.0
 
     def energy_joules(self, handle: Any) -> float:
         """Energy since the driver was loaded (NVML counts millijoules)."""
-        return int(self._get("nvmlDeviceGetTotalEnergyConsumption", c_ulonglong, handle)) / 1000.0
+        return int(self._call("nvmlDeviceGetTotalEnergyConsumption", handle)) / 1000.0
 
     def temperature_celsius(self, handle: Any) -> float:
-        return float(self._get("nvmlDeviceGetTemperature", c_uint, handle, TEMPERATURE_GPU))
+        return float(self._call("nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU))
 
     def fan_speed_ratio(self, handle: Any) -> float:
         return int(self._call("nvmlDeviceGetFanSpeed", handle)) / 100.0
 
     def clock_hz(self, handle: Any, clock: str) -> float:
-        return int(self._get("nvmlDeviceGetClockInfo", c_uint, handle, CLOCK_TYPES[clock])) * 1e6
+        return int(self._call("nvmlDeviceGetClockInfo", handle, CLOCK_TYPES[clock])) * 1e6
 
     def compute_processes(self, handle: Any) -> tuple[ProcessInfo, ...]:
         """Compute processes with their memory and MIG instance ids (the v3 struct).
@@ -447,7 +381,7 @@ class Nvml:
         """
         if self._clocks_event_reasons_fn == "nvmlDeviceGetCurrentClocksEventReasons":
             try:
-                return int(self._get(self._clocks_event_reasons_fn, c_ulonglong, handle))
+                return int(self._call(self._clocks_event_reasons_fn, handle))
             except Unsupported as exc:
                 if exc.code != _FUNCTION_NOT_FOUND:
                     raise
@@ -576,17 +510,7 @@ class Nvml:
     def event_wait(self, event_set: Any, timeout_ms: int) -> Event | None:
         """The next event, or None when ``timeout_ms`` passed without one (no exception for
         that usual answer: the listener asks every few seconds for the process's life)."""
-        if self._direct:
-            data = self._get(
-                "nvmlEventSetWait_v2",
-                pynvml.c_nvmlEventData_t,
-                event_set,
-                whole=True,
-                after=(c_uint(timeout_ms),),
-                answer=_TIMEOUT,
-            )
-        else:
-            data, _ = self._call_or_code("nvmlEventSetWait_v2", _TIMEOUT, event_set, timeout_ms)
+        data, _ = self._call_or_code("nvmlEventSetWait_v2", _TIMEOUT, event_set, timeout_ms)
         if data is None:
             return None
         return Event(

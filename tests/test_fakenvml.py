@@ -506,29 +506,30 @@ def _scrape_ok(ex: Exporter) -> bool:
         return False
 
 
-def test_the_direct_getters_read_what_pynvml_reads(fake_lib: Path, tmp_path: Path) -> None:
-    """The hottest getters call the C functions directly over the real bindings (issue 15);
-    without that (other bindings) pynvml's own wrappers answer: the same values. The Xid
-    wait too: an event, then a timeout as None (directly, without an exception)."""
+def test_the_getters_and_the_xid_wait_over_the_real_bindings(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    """Over the real bindings and a C library: the hot getters read the library's values and
+    the Xid wait gives an event, then a timeout as None (an answer, not a counted error)."""
     config = tmp_path / "one.conf"
-    fakenvml.write_config(config, [FakeGpu()])
+    gpu = FakeGpu(utilization_gpu=37, utilization_memory=12, power_usage_mw=123_000)
+    fakenvml.write_config(config, [gpu, FakeGpu(temperature_c=61, memory_reserved=2**29)])
     out = _run_python(
         fake_lib,
         config,
         "import pathlib, sys; sys.path.insert(0, 'tests'); import fakenvml\n"
         "from gpu_exporter.nvml import Nvml, handle_key\n"
-        "n = Nvml(); n.init()\n"
-        "for direct in (True, False):\n"
-        "    n._direct = direct; h = n.handle(0)\n"
-        "    print(n.utilization(h), n.power_draw_watts(h), n.memory(h), n.temperature_celsius(h))\n"
-        "    s = n.event_set_create(); n.register_events(h, 8, s)\n"
-        f"    fakenvml.write_config(pathlib.Path({str(config)!r}), [fakenvml.FakeGpu(xids=(79,) * (2 - direct))])\n"
-        "    e = n.event_wait(s, 10)\n"
-        "    print(e.device_key == handle_key(h), e.event_type, e.data, n.event_wait(s, 10))\n"
-        "    n.event_set_free(s)\n"
+        "n = Nvml(); n.init(); h = n.handle(0); m = n.memory(n.handle(1))\n"
+        "print(n.temperature_celsius(n.handle(1)), m.reserved_bytes)\n"
+        "print(n.utilization(h), n.power_draw_watts(h), n.memory(h), n.temperature_celsius(h))\n"
+        "s = n.event_set_create(); n.register_events(h, 8, s)\n"
+        f"fakenvml.write_config(pathlib.Path({str(config)!r}), [fakenvml.FakeGpu(xids=(79,))])\n"
+        "e = n.event_wait(s, 10)\n"
+        "print(e.device_key == handle_key(h), e.event_type, e.data, n.event_wait(s, 10))\n"
+        "n.event_set_free(s)\n"
         "print(dict(n.error_counts()))\n",
     )
-    *lines, errors = out.splitlines()
-    assert lines[:2] == lines[2:]
-    assert "reserved_bytes=" in lines[0] and lines[1] == "True 8 79 None"
+    second, values, event, errors = out.splitlines()
+    assert second == f"61.0 {2**29}"
+    assert values.startswith("(0.37, 0.12) 123.0 MemoryInfo(") and event == "True 8 79 None"
     assert errors == "{}"  # a wait's timeout is an answer, not an error
