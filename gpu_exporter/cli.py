@@ -355,8 +355,10 @@ def _checked(parser: argparse.ArgumentParser, flag: str, parse: Callable[[str], 
 
 
 def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeConfig:
+    from gpu_exporter.outbound import is_http
+
     prometheus = args.prometheus_url or ""
-    if "://" in prometheus and not prometheus.lower().startswith(("http://", "https://")):
+    if "://" in prometheus and not is_http(prometheus):
         parser.error(f"--prometheus-url: not an http:// or https:// URL: {prometheus}")
     host, port = _checked(parser, "--listen-address", parse_listen_address, args.listen_address)
     if level_name(args.log_level) not in LOG_LEVELS:  # from the environment: not checked yet

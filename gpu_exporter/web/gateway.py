@@ -55,8 +55,9 @@ class Workers:
     :class:`~gpu_exporter.web.limits.RequestLimits`' one job): a job that finds every thread
     busy waits for one. The pool is :attr:`Limits.worker_threads
     <gpu_exporter.web.limits.Limits.worker_threads>` large, so a thread is free for the
-    request one too many, answered 503 at once; only credentials (``bcrypt_wait_seconds``
-    and one check at most) hold a thread outside the request limits.
+    request one too many, which waits at most ``slot_wait_seconds`` for a slot, then gets
+    503; only credentials (``bcrypt_wait_seconds`` and one check at most) hold a thread
+    outside the request limits.
     """
 
     def __init__(self, size: int, name: str) -> None:
