@@ -144,6 +144,28 @@ def test_run_with_mem_gives_the_command_the_caps(exporter: Served) -> None:
     assert exporter.leases() == []
 
 
+def test_jax_is_given_one_name_for_its_fraction_never_both(
+    exporter: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JAX 0.11 refuses XLA_PYTHON_CLIENT_MEM_FRACTION beside XLA_CLIENT_MEM_FRACTION: its
+    CUDA plugin does not start and the job runs on the CPU (seen on an H100, docs/real-gpu.md).
+    A memory lease sets the first; a job that inherited the second loses it, under `run` and
+    use_gpus() alike; a whole-card lease leaves the job's own setting alone under `run`."""
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.5")
+    script = 'echo "${XLA_PYTHON_CLIENT_MEM_FRACTION:-unset} ${XLA_CLIENT_MEM_FRACTION:-unset}"'
+    status, out, err = gpu_exporter_cli("run", "--mem", "8GiB", "--", "sh", "-c", script)
+    assert status == 0, err
+    assert out.split() == ["0.0938", "unset"]
+    with use_gpus(1, mem="8GiB", framework="jax"):
+        assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.0938"
+        assert "XLA_CLIENT_MEM_FRACTION" not in os.environ
+    assert os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.5"  # put back as it was
+    status, out, err = gpu_exporter_cli("run", "--max-util", "100%", "--", "sh", "-c", script)
+    assert status == 0, err
+    assert out.split() == ["unset", "0.5"]
+    assert exporter.leases() == []
+
+
 def test_choose_with_mem_prints_the_env_line(exporter: Served) -> None:
     status, out, err = gpu_exporter_cli("choose", "--mem", "8G", "--format", "env")
     assert status == 0, err

@@ -286,7 +286,7 @@ def test_format_env_carries_the_caps() -> None:
     assert words["GPU_MEM_FRACTION"] == "0.0938"
     assert words["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
     assert words["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.0938"
-    assert words["XLA_CLIENT_MEM_FRACTION"] == "0.0938"
+    assert "XLA_CLIENT_MEM_FRACTION" not in words  # JAX 0.11 refuses both: memory.py
     plain = s.client.get("/choose?format=env&lease=0&max_util=100%25").text
     assert "MEM" not in plain and "TF_" not in plain
 

@@ -44,8 +44,13 @@ CUDA_CONTEXT_BYTES = 500 * MIB
 MEM_LIMIT_ENV = "GPU_MEM_LIMIT_BYTES"  # the lease's bytes per card
 MEM_FRACTION_ENV = "GPU_MEM_FRACTION"  # (mem − context allowance) / the card's total
 TF_GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"  # growth, not a cap
-JAX_FRACTION_ENVS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
-MEM_ENV_NAMES = (MEM_LIMIT_ENV, MEM_FRACTION_ENV, TF_GROWTH_ENV, *JAX_FRACTION_ENVS)
+# JAX's cap. Every JAX reads XLA_PYTHON_CLIENT_MEM_FRACTION; newer JAX also reads
+# XLA_CLIENT_MEM_FRACTION, and refuses the two together: its CUDA plugin does not start and
+# JAX runs on the CPU (JAX 0.11.2 on an H100, docs/real-gpu.md). So only the first is set,
+# and `run` and use_gpus() take the second out of the job's environment.
+JAX_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+JAX_FRACTION_CONFLICT = "XLA_CLIENT_MEM_FRACTION"
+MEM_ENV_NAMES = (MEM_LIMIT_ENV, MEM_FRACTION_ENV, TF_GROWTH_ENV, JAX_FRACTION_ENV)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +152,7 @@ def caps_env(mem: int, share: float) -> dict[str, str]:
         MEM_LIMIT_ENV: str(mem),
         MEM_FRACTION_ENV: text,
         TF_GROWTH_ENV: "true",
-        **dict.fromkeys(JAX_FRACTION_ENVS, text),
+        JAX_FRACTION_ENV: text,
     }
 
 

@@ -26,7 +26,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, JAX_FRACTION_ENVS
+from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, JAX_FRACTION_ENV
 from gpu_exporter.client.transport import GpuExporterError, GpuExporterWarning
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def check_jax() -> None:
     already imported, as the variable may then come too late."""
     if "jax" in sys.modules:
         warnings.warn(
-            f"jax was imported before use_gpus(): {JAX_FRACTION_ENVS[0]} is read when JAX's "
+            f"jax was imported before use_gpus(): {JAX_FRACTION_ENV} is read when JAX's "
             "GPU backend starts, so the memory cap may not apply; import jax inside the block",
             GpuExporterWarning,
             stacklevel=4,

@@ -18,6 +18,7 @@ import sys
 from types import FrameType
 
 from gpu_exporter.argparsing import EXIT_USAGE
+from gpu_exporter.choose.memory import JAX_FRACTION_CONFLICT, JAX_FRACTION_ENV
 from gpu_exporter.client.commands import (
     across_hosts,
     choose_across_hosts,
@@ -160,6 +161,8 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
             env = {**os.environ, **choice.env()}
             if choice.lease_id is None:
                 env.pop("GPU_LEASE", None)
+            if JAX_FRACTION_ENV in choice.env():  # beside it, JAX refuses the GPU (memory.py)
+                env.pop(JAX_FRACTION_CONFLICT, None)
             signals.holding = True
             try:
                 proc = subprocess.Popen(command, env=env)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Literal
 
-from gpu_exporter.choose.memory import MEM_ENV_NAMES
+from gpu_exporter.choose.memory import JAX_FRACTION_CONFLICT, MEM_ENV_NAMES
 from gpu_exporter.client.caps import FRAMEWORKS, apply
 from gpu_exporter.client.envcheck import near_miss_warning
 from gpu_exporter.client.hostapi import DEFAULT_LEASE, Choice, register_pids, release, renew
@@ -174,7 +174,14 @@ def cuda_initialised_by() -> list[str]:
     return found
 
 
-_ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPU_LEASE", *MEM_ENV_NAMES)
+# Set (or taken out) for the block, and put back as they were afterwards.
+_ENV_KEYS = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "GPU_LEASE",
+    *MEM_ENV_NAMES,
+    JAX_FRACTION_CONFLICT,
+)
 
 
 def replaced_visible_devices(choice: Choice) -> str | None:
