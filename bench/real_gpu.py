@@ -155,7 +155,8 @@ def summary(data: dict[str, Any]) -> str:
         + (" (self-test: fake library)" if meta["mode"] == "self-test" else ""),
         "",
         f"{counts['ok']} ok, {counts['fail']} failed, {counts['skipped']} skipped, "
-        f"{counts['info']} for information; {meta.get('seconds', '?')} s. "
+        f"{counts['info']} for information; {meta.get('seconds', '?')} s; gpu-exporter "
+        f"{meta.get('revision', '?')}. "
         + ", ".join(f"{k}: {v}" for k, v in sorted(meta.get("versions", {}).items())),
         "",
         "| Step | Check | Result | Detail |",
@@ -552,6 +553,7 @@ class Run:
             raise RuntimeError("gpu-exporter never became ready")
         m = scrape(self.port)
         backend = [lab for lab, _ in m.series("gpu_exporter_build_info")]
+        self.report.meta["revision"] = backend[0].get("revision") if backend else None
         self.report.expect(
             "the real driver, not the simulator",
             bool(backend)
@@ -781,7 +783,7 @@ class Run:
             f"NVML probe ({when})",
             "info",
             f"GPM {gpm.get('supported')}: {gpm.get('metrics')}; "
-            f"memory temp {found.get('fields', {}).get('memory_temp')}; "
+            f"memory temp {found.get('fields', {}).get('memory_temp_c')}; "
             f"NVLinks up {found.get('nvlink', {}).get('up')}",
         )
 
@@ -880,7 +882,10 @@ class Run:
             self.report.expect(
                 "PyTorch's cap, as seen from inside torch",
                 bool(capped.get("oom_past_cap"))
-                and capped.get("fraction_seen") in (None, capped.get("fraction_env")),
+                and abs(
+                    (capped.get("fraction_seen") or capped["fraction_env"]) - capped["fraction_env"]
+                )
+                < 1e-6,
                 json.dumps(
                     {
                         k: capped.get(k)
@@ -936,6 +941,8 @@ class Run:
     def jax(self) -> None:
         progress = self.work / "jax.progress"
         env = dict(self.env, GPU_EXPORTER_URL=f"http://{HOST}:{self.port}")
+        # A user's own newer-name fraction: beside the one `run` sets, JAX would refuse the GPU.
+        env["XLA_CLIENT_MEM_FRACTION"] = "0.5"
         run = self.start(
             "run-jax",
             self.python(
@@ -958,12 +965,40 @@ class Run:
         if done.get("cap") == "skipped":
             self.report.skip("JAX's cap (XLA_PYTHON_CLIENT_MEM_FRACTION)", done.get("why", ""))
             return
-        limit, expected = done.get("bytes_limit"), done.get("expected_bytes")
         self.report.expect(
-            "JAX's cap (XLA_PYTHON_CLIENT_MEM_FRACTION)",
-            bool(limit and expected and abs(limit - expected) <= 0.02 * self.total_bytes),
+            "JAX's cap (XLA_PYTHON_CLIENT_MEM_FRACTION), on the GPU",
+            self.jax_capped(done),
             json.dumps({k: v for k, v in done.items() if k != "phase"}),
         )
+        self.jax_names()
+
+    def jax_capped(self, done: dict[str, Any]) -> bool:
+        limit, expected = done.get("bytes_limit"), done.get("expected_bytes")
+        near = bool(limit and expected and abs(limit - expected) <= 0.02 * self.total_bytes)
+        return near and done.get("backend") == "gpu"
+
+    def jax_names(self) -> None:
+        """Which of JAX's two names for the fraction this JAX honours, alone and together."""
+        found = {}
+        for names in (
+            ("XLA_PYTHON_CLIENT_MEM_FRACTION",),
+            ("XLA_CLIENT_MEM_FRACTION",),
+            ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"),
+        ):
+            progress = self.work / f"jax-{len(found)}.progress"
+            env = {k: v for k, v in self.env.items() if not k.startswith("XLA_")}
+            env |= dict.fromkeys(names, "0.2") | {"CUDA_VISIBLE_DEVICES": self.uuid}
+            job = self.start(f"jax-names-{len(found)}", self.job_command("jax", progress), env)
+            job.proc.wait(90)
+            lines = progress.read_text().splitlines() if progress.exists() else []
+            last = json.loads(lines[-1]) if lines else {}
+            found[" + ".join(names)] = {
+                "capped_on_gpu": self.jax_capped(last),
+                "backend": last.get("backend"),
+                "bytes_limit": last.get("bytes_limit"),
+            }
+        self.report.measurements["jax_fraction_names"] = found
+        self.report.add("JAX's fraction variables, alone and together", "info", json.dumps(found))
 
     def job_command(self, kind: str, progress: Path) -> list[str]:
         job = f"fake-{kind}" if self.card.fake else kind
@@ -1378,7 +1413,7 @@ def probe(path: Path) -> int:
                 h, [n.NVML_FI_DEV_POWER_INSTANT]
             ),
             "nvmlDeviceGetFieldValues(8 fields)": lambda: n.nvmlDeviceGetFieldValues(
-                h, BATCH_FIELDS(n)
+                h, list(batch_fields(n).values())
             ),
         }
         costs = {}
@@ -1395,17 +1430,18 @@ def probe(path: Path) -> int:
     return 0
 
 
-def BATCH_FIELDS(n: Any) -> list[int]:
-    return [
-        n.NVML_FI_DEV_POWER_INSTANT,
-        n.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
-        n.NVML_FI_DEV_MEMORY_TEMP,
-        n.NVML_FI_DEV_PCIE_REPLAY_COUNTER,
-        n.NVML_FI_DEV_ECC_CURRENT,
-        n.NVML_FI_DEV_ECC_SBE_VOL_TOTAL,
-        n.NVML_FI_DEV_ECC_DBE_VOL_TOTAL,
-        n.NVML_FI_DEV_NVLINK_LINK_COUNT,
-    ]
+def batch_fields(n: Any) -> dict[str, int]:
+    """The field values the probe reads in one call: name → NVML field id."""
+    return {
+        "power_instant_mw": n.NVML_FI_DEV_POWER_INSTANT,
+        "energy_mj": n.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
+        "memory_temp_c": n.NVML_FI_DEV_MEMORY_TEMP,
+        "pcie_replay": n.NVML_FI_DEV_PCIE_REPLAY_COUNTER,
+        "ecc_current": n.NVML_FI_DEV_ECC_CURRENT,
+        "ecc_sbe_volatile": n.NVML_FI_DEV_ECC_SBE_VOL_TOTAL,
+        "ecc_dbe_volatile": n.NVML_FI_DEV_ECC_DBE_VOL_TOTAL,
+        "nvlink_count": n.NVML_FI_DEV_NVLINK_LINK_COUNT,
+    }
 
 
 def _cost(call: Callable[[], Any], n: int = 100, budget_s: float = 1.0) -> dict[str, Any]:
@@ -1433,22 +1469,13 @@ def _cost(call: Callable[[], Any], n: int = 100, budget_s: float = 1.0) -> dict[
 
 
 def _field_values(n: Any, h: Any) -> dict[str, Any]:
-    names = (
-        "memory_temp",
-        "power_instant",
-        "energy",
-        "pcie_replay",
-        "ecc_current",
-        "sbe_volatile",
-        "dbe_volatile",
-        "nvlink_count",
-    )
+    fields = batch_fields(n)
     out: dict[str, Any] = {}
     try:
-        values = n.nvmlDeviceGetFieldValues(h, BATCH_FIELDS(n))
+        values = n.nvmlDeviceGetFieldValues(h, list(fields.values()))
     except Exception as exc:
         return {"error": str(exc)}
-    for name, v in zip(names, values, strict=True):
+    for name, v in zip(fields, values, strict=True):
         if v.nvmlReturn != 0:
             out[name] = f"error {v.nvmlReturn}"
             continue
@@ -1666,17 +1693,17 @@ def _jax_job(say: Callable[..., None], env: dict[str, str], busy_s: float) -> in
     started = time.perf_counter()
     while time.perf_counter() - started < min(busy_s, 5):
         (x @ x).block_until_ready()
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "nan"))
-    total = int(stats.get("bytes_limit", 0) / fraction) if fraction == fraction else None
+    names = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
+    given = [float(os.environ[name]) for name in names if name in os.environ]
+    fraction = given[0] if given else None
     say(
         "done",
-        env=env,
+        env={k: os.environ[k] for k in names if k in os.environ},
         jax=jax.__version__,
+        backend=jax.default_backend(),
         device=str(device),
         bytes_limit=stats.get("bytes_limit"),
-        fraction=fraction,
-        expected_bytes=int(fraction * _total_bytes()) if fraction == fraction else None,
-        implied_total=total,
+        expected_bytes=int(fraction * _total_bytes()) if fraction is not None else None,
     )
     return 0
 
@@ -1840,20 +1867,20 @@ def prepare(dest: Path) -> int:
         str(dest),
         *WHEELS,
     ]
-    project = [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        str(dest),
-        str(ROOT),
-    ]
-    for command in (download, project):
-        print("+", " ".join(command), file=sys.stderr)
-        subprocess.run(command, check=True)
+    project = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    project += ["-w", str(dest), str(ROOT)]
+    print("+", " ".join(download), file=sys.stderr)
+    subprocess.run(download, check=True)
+    # The wheel says which commit it is (gpu_exporter_build_info{revision}), as a packager's does.
+    stamp = ROOT / "gpu_exporter" / "_revision.txt"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    stamp.write_text(head.stdout.strip() or "unknown")
+    try:
+        print("+", " ".join(project), file=sys.stderr)
+        subprocess.run(project, check=True)
+    finally:  # and the checkout's own builds go on reading git
+        stamp.unlink()
+        (ROOT / "build" / "lib" / "gpu_exporter" / "_revision.txt").unlink(missing_ok=True)
     total = sum(p.stat().st_size for p in dest.glob("*.whl"))
     print(
         f"{len(list(dest.glob('*.whl')))} wheels, {total / MiB:.1f} MiB in {dest}", file=sys.stderr
