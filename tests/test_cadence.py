@@ -43,7 +43,7 @@ def test_nvml_calls_per_minute_are_fast_per_interval_plus_slow_per_slow_interval
     s = a100s(gpus, interval_seconds=interval, slow_interval_seconds=slow_interval)
     s.sample()  # identity, static values, the first slow read
     fast, slow = supported(s, fields.FAST), supported(s, fields.SLOW)
-    assert len(fast) == 13 and len(slow) == 14, (fast, slow)
+    assert len(fast) == 12 and len(slow) == 15, (fast, slow)
     before = Counter(s.sim.calls)
     samples = 0
     for _ in range(60):  # one minute, nobody scrapes
@@ -58,7 +58,8 @@ def test_nvml_calls_per_minute_are_fast_per_interval_plus_slow_per_slow_interval
         + len(slow) * gpus * 60 / slow_interval
         + samples * (1 + gpus)  # nvmlDeviceGetCount, and each GPU's handle, per sample
     )
-    assert per_minute == expected == 13 * 3 * 60 + 14 * 3 * 2 + 60 * 4
+    assert per_minute == expected == 12 * 3 * 60 + 15 * 3 * 2 + 60 * 4
+    assert calls["nvmlDeviceGetTotalEnergyConsumption"] == gpus * 2  # a counter: slow
     # Per function: identity and static values not at all; a slow one twice.
     for once in ("nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMaxClockInfo"):
         assert calls[once] == 0, once

@@ -35,7 +35,8 @@ def mixed() -> Stack:
             SimGpu(1, "NVIDIA GeForce GTX 1080", Load("busy")),  # half of NVML unsupported
             SimGpu(2, A100, Load("idle")),
             faults=[Fault("*", "GPU_IS_LOST", gpu=2, after_seconds=5)],
-        )
+        ),
+        slow_interval_seconds=10,  # the second sample reads the slow fields (energy) again
     )
     s.sample()
     s.clock.advance(10)

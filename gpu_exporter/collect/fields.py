@@ -324,7 +324,9 @@ GPU_FIELDS = (
     _m("mig_mode", "mig_mode_enabled", SLOW, CORE),
     _m("power_draw", "power_draw_watts", FAST, "power"),
     _m("power_limit", "power_limit_watts", SLOW, "power"),
-    _m("energy", "energy_joules", FAST, "power"),
+    # Read as a health counter: one call takes ~3 ms on an H100 (docs/real-gpu.md), the
+    # other getters 2-10 µs; a counter loses nothing but resolution between two reads.
+    _m("energy", "energy_joules", SLOW, "power"),
     _m("temperature", "temperature_celsius", FAST, "temperature"),
     _m("fan_speed", "fan_speed_ratio", FAST, "temperature"),
     *(_clock(clock) for clock in CLOCKS),
