@@ -29,7 +29,7 @@ from fleets import (
 )
 from gpu_exporter import client
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_cluster_args
 from gpu_exporter.client import Choice
 from gpu_exporter.client.choosing import http_claimer

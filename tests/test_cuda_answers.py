@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_choose_args
 from gpu_exporter.simulate import Load, SimGpu, SimulatedNvml
 from served import served

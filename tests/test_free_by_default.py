@@ -19,7 +19,7 @@ from conftest import build_stack, sim_of
 from fleets import NOW, claimed, fake_fetch, gpu, host_results
 from gpu_exporter import client
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS, parse_defaults
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_choose_args, parse_cluster_args
 from gpu_exporter.client import Choice, NoGpusAvailable
 from gpu_exporter.client.choosing import http_claimer
