@@ -119,17 +119,6 @@ def host_problem(
     return None
 
 
-def allocated_to(pods: set[str]) -> str:
-    """Why a card the kubelet gave to pods is passed over, as the host's /choose says it.
-
-    >>> allocated_to({"ml/train-0"}), allocated_to({"b/y", "a/x"})
-    ('allocated to pod ml/train-0', 'allocated to pods a/x, b/y')
-    """
-    if len(pods) == 1:
-        return f"allocated to pod {next(iter(pods))}"
-    return f"allocated to pods {', '.join(sorted(pods))}"
-
-
 def host_from_snapshot(
     url: str, name: str, snapshot: Any, held: Any, max_age_seconds: float
 ) -> Host:
