@@ -16,13 +16,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import build_stack, fake_proc, sim_of
-from fakekubelet import FakeKubelet, fake_kubelet
+from fakekubelet import FakeKubelet, encode_list_response, fake_kubelet
 from gpu_exporter.cli import _serve_config, build_parser
-from gpu_exporter.collect.podresources import (
-    DecodeError,
-    decode_list_response,
-    encode_list_response,
-)
+from gpu_exporter.collect.podresources import DecodeError, decode_list_response
 from gpu_exporter.config import DEFAULT_KUBELET_SOCKET
 from gpu_exporter.podallocations import PodDevice, physical_id, resolve, taken_reasons
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
