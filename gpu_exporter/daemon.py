@@ -143,10 +143,10 @@ def open_nvml(config: ServeConfig, clock: Clock) -> Nvml:
     """The real driver, or simulated GPUs with ``--simulate``."""
     if config.simulate is None:
         return Nvml()
-    from gpu_exporter.simulate import SimulatedNvml
+    from gpu_exporter.simulate import Scenario, SimulatedNvml
 
     try:
-        lib = SimulatedNvml.from_argument(config.simulate, clock=clock.monotonic)
+        lib = SimulatedNvml.of(Scenario.from_argument(config.simulate), clock=clock.monotonic)
     except ValueError as exc:
         raise BuildError(str(exc)) from None
     log.warning(

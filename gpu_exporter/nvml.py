@@ -215,8 +215,12 @@ class Nvml:
         self._in_flight: dict[int, str | None] = {}  # thread id → NVML function it is inside
 
     # -- plumbing ------------------------------------------------------------------------
-    def _call(self, function: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``function``, recording which thread is inside it; errors mapped."""
+    def _call(self, function: str, *args: Any, answer: int | None = None, **kwargs: Any) -> Any:
+        """Call ``function``, recording which thread is inside it; errors mapped.
+
+        ``answer``: an error code that is an answer, not a failure (``NOT_FOUND`` for an empty
+        MIG slot, ``TIMEOUT`` of a wait): None is returned, nothing counted or raised.
+        """
         fn: Callable[..., Any] | None = getattr(self._lib, function, None)
         if fn is None:  # bindings older than this function: same as a driver without it
             raise Unsupported(function, _FUNCTION_NOT_FOUND, "not in these NVML bindings")
@@ -227,26 +231,8 @@ class Nvml:
         except Exception as exc:
             if not hasattr(exc, "value"):  # not an NVMLError: a bug, let it surface
                 raise
-            raise self._failed(function, exc) from exc
-        finally:
-            in_flight[thread] = None
-
-    def _call_or_code(self, function: str, expected: int, *args: Any) -> tuple[Any, bool]:
-        """(result, True); or (None, False) when the call answered ``expected``, an error
-        code that is an answer, not a failure (``NOT_FOUND`` for an empty MIG slot,
-        ``TIMEOUT`` of a wait): neither counted nor raised."""
-        fn: Callable[..., Any] | None = getattr(self._lib, function, None)
-        if fn is None:
-            raise Unsupported(function, _FUNCTION_NOT_FOUND, "not in these NVML bindings")
-        in_flight, thread = self._in_flight, threading.get_ident()
-        in_flight[thread] = function
-        try:
-            return fn(*args), True
-        except Exception as exc:
-            if not hasattr(exc, "value"):
-                raise
-            if exc.value == expected:
-                return None, False
+            if exc.value == answer:
+                return None
             raise self._failed(function, exc) from exc
         finally:
             in_flight[thread] = None
@@ -483,10 +469,7 @@ class Nvml:
 
     def mig_device_handle(self, handle: Any, index: int) -> Any | None:
         """The MIG device in slot ``index`` of a parent GPU, or None if that slot is empty."""
-        found, ok = self._call_or_code(
-            "nvmlDeviceGetMigDeviceHandleByIndex", _NOT_FOUND, handle, index
-        )
-        return found if ok else None
+        return self._call("nvmlDeviceGetMigDeviceHandleByIndex", handle, index, answer=_NOT_FOUND)
 
     def gpu_instance_id(self, mig_handle: Any) -> int:
         return int(self._call("nvmlDeviceGetGpuInstanceId", mig_handle))
@@ -510,7 +493,7 @@ class Nvml:
     def event_wait(self, event_set: Any, timeout_ms: int) -> Event | None:
         """The next event, or None when ``timeout_ms`` passed without one (no exception for
         that usual answer: the listener asks every few seconds for the process's life)."""
-        data, _ = self._call_or_code("nvmlEventSetWait_v2", _TIMEOUT, event_set, timeout_ms)
+        data = self._call("nvmlEventSetWait_v2", event_set, timeout_ms, answer=_TIMEOUT)
         if data is None:
             return None
         return Event(

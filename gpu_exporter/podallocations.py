@@ -73,21 +73,26 @@ def resolve(
     return out
 
 
+def allocated_to(pods: set[str]) -> str:
+    """Why a card the kubelet gave to pods is passed over, as ``/choose`` says it (on the host,
+    and across the fleet from ``gpu_pod_info``).
+
+    >>> allocated_to({"ml/train-0"}), allocated_to({"b/y", "a/x"})
+    ('allocated to pod ml/train-0', 'allocated to pods a/x, b/y')
+    """
+    if len(pods) == 1:
+        return f"allocated to pod {next(iter(pods))}"
+    return f"allocated to pods {', '.join(sorted(pods))}"
+
+
 def taken_reasons(devices: Iterable[PodDevice], gpus: tuple[GpuSample, ...]) -> dict[str, str]:
     """UUID → ``allocated to pod ns/name`` for every device of ``gpus`` a container holds;
     a time-sliced card several pods share names them all (``pods a/x, b/y``)."""
-    holders: dict[str, list[str]] = {}
+    holders: dict[str, set[str]] = {}
     for gpu, device in resolve(devices, gpus):
         if gpu is not None:
-            pods = holders.setdefault(gpu.uuid, [])
-            if device.pod_ref not in pods:
-                pods.append(device.pod_ref)
-    return {
-        uuid: f"allocated to pod {pods[0]}"
-        if len(pods) == 1
-        else f"allocated to pods {', '.join(sorted(pods))}"
-        for uuid, pods in holders.items()
-    }
+            holders.setdefault(gpu.uuid, set()).add(device.pod_ref)
+    return {uuid: allocated_to(pods) for uuid, pods in holders.items()}
 
 
 Owner = tuple[str, ...]  # (namespace, pod) or (namespace, pod, container)

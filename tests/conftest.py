@@ -21,7 +21,7 @@ from gpu_exporter.daemon import Daemon, build
 from gpu_exporter.export.exposition import Exposition
 from gpu_exporter.model import Snapshot
 from gpu_exporter.nvml import Nvml
-from gpu_exporter.simulate import SimGpu, SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimGpu, SimulatedNvml
 from served import NO_PROC
 
 
@@ -129,7 +129,7 @@ def make_stack() -> Callable[..., Stack]:
 @pytest.fixture
 def stack() -> Stack:
     """Four default simulated A100s (busy, idle, sine, light), sampled once."""
-    s = build_stack(lambda clock: SimulatedNvml.with_gpus(4, clock=clock.monotonic))
+    s = build_stack(lambda clock: SimulatedNvml.of(Scenario.with_gpus(4), clock=clock.monotonic))
     s.sample()
     return s
 

@@ -1,9 +1,10 @@
 """A fake kubelet: the PodResources v1 ``List`` served by a real grpcio server on a Unix
 socket, from the test process (also used by bench/run.py's ``--kubernetes`` row).
 
-``pods`` is what ``List`` answers, in :func:`gpu_exporter.collect.podresources.encode_list_response`'s
-shape; a test changes it at any time. :meth:`FakeKubelet.stop` takes the server (and its
-socket) away, :meth:`FakeKubelet.start` brings it back on the same path.
+``pods`` is what ``List`` answers, in :func:`encode_list_response`'s shape: the protobuf
+that :mod:`gpu_exporter.collect.podresources` decodes. A test changes it at any time.
+:meth:`FakeKubelet.stop` takes the server (and its socket) away, :meth:`FakeKubelet.start`
+brings it back on the same path.
 """
 
 from __future__ import annotations
@@ -14,13 +15,59 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
 
-from gpu_exporter.collect.podresources import Pod, encode_list_response
+LEN = 2  # protobuf's wire type of a length-delimited field
+
+
+def _key(number: int, wire: int) -> bytes:
+    return _encode_varint(number << 3 | wire)
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    return _key(number, LEN) + _encode_varint(len(payload)) + payload
+
+
+def _str_field(number: int, text: str) -> bytes:
+    return _len_field(number, text.encode("utf-8"))
+
+
+Pod = tuple[str, str, Iterable[tuple[str, Iterable[tuple[str, Iterable[str]]]]]]
+
+
+def encode_list_response(pods: Iterable[Pod], *, cpu_ids: Iterable[int] = ()) -> bytes:
+    """The ``List`` answer for ``(namespace, name, [(container, [(resource, [ids])])])``;
+    ``cpu_ids`` adds a field the decoder must skip, as a real kubelet sends."""
+    out = b""
+    for namespace, name, containers in pods:
+        body = _str_field(1, name) + _str_field(2, namespace)
+        for container, devices in containers:
+            cbody = _str_field(1, container)
+            for resource, ids in devices:
+                dbody = _str_field(1, resource) + b"".join(_str_field(2, i) for i in ids)
+                cbody += _len_field(2, dbody)
+            packed = b"".join(_encode_varint(c) for c in cpu_ids)
+            if packed:
+                cbody += _len_field(3, packed)
+            body += _len_field(3, cbody)
+        out += _len_field(1, body)
+    return out
 
 
 class FakeKubelet:

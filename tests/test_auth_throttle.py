@@ -21,7 +21,7 @@ import pytest
 from werkzeug.test import Client
 
 from conftest import FakeClock, build_stack
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 from gpu_exporter.web.auth import AuthThrottle
 from gpu_exporter.web.limits import Limits
 from served import served
@@ -116,7 +116,7 @@ def test_wrong_passwords_from_one_address_do_not_starve_a_right_one(tmp_path: Pa
 def test_throttled_answers_follow_the_error_contract(tmp_path: Path) -> None:
     clock = FakeClock()
     stack = build_stack(
-        lambda c: SimulatedNvml.with_gpus(2, clock=c.monotonic),
+        lambda c: SimulatedNvml.of(Scenario.with_gpus(2), clock=c.monotonic),
         clock=clock,
         web_config_file=web_config(tmp_path, 4),
     )

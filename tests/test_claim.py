@@ -22,7 +22,7 @@ from gpu_exporter.choose.claim import (
 )
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.leases import LeaseTable
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import ChooseRequest, parse_choose_args
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.model import GpuSample, Snapshot

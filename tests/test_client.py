@@ -45,7 +45,7 @@ from gpu_exporter.client import (
     use_gpus,
 )
 from gpu_exporter.nvml import Nvml
-from gpu_exporter.simulate import Fault, SimulatedNvml
+from gpu_exporter.simulate import Fault, Scenario, SimulatedNvml
 from harness import free_port
 from served import Served, four_gpus, served
 
@@ -543,7 +543,7 @@ def test_tensorflow_with_a_live_context_is_detected(monkeypatch: pytest.MonkeyPa
 
 
 def simulated(*faults: Fault, gpus: int = 2) -> Nvml:
-    sim = SimulatedNvml.with_gpus(gpus, clock=time.monotonic)
+    sim = SimulatedNvml.of(Scenario.with_gpus(gpus), clock=time.monotonic)
     sim.faults.extend(faults)
     return Nvml(sim, simulated=True)
 

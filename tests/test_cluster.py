@@ -29,7 +29,7 @@ from fleets import (
 )
 from gpu_exporter import client
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_cluster_args
 from gpu_exporter.client import Choice
 from gpu_exporter.client.choosing import http_claimer
@@ -37,7 +37,7 @@ from gpu_exporter.fleet.inventory import Fleet, Host
 from gpu_exporter.fleet.placing import ClaimRefused, ClusterChoice, choose_fleet, place
 from gpu_exporter.fleet.ranking import rank_fleet
 from gpu_exporter.fleet.reading import PrometheusReader, parse_full
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 from gpu_exporter.web.cluster import ClusterService
 from harness import ROOT
 
@@ -529,7 +529,7 @@ def test_the_removed_fleet_rule_prefix_flag_is_refused_clearly(
 
 def cluster_stack(**config: Any) -> Any:
     """An exporter serving /cluster/choose over a fleet where no GPU qualifies (all busy)."""
-    s = build_stack(lambda c: SimulatedNvml.with_gpus(1, clock=c.monotonic), **config)
+    s = build_stack(lambda c: SimulatedNvml.of(Scenario.with_gpus(1), clock=c.monotonic), **config)
     busy = host_results({"a:9400": gpu("a:9400", 0, util=0.9)})
     s.daemon.services.cluster = ClusterService(
         PrometheusReader("prom:9090", fetch=fake_fetch({"prometheus": busy})),

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import pytest
 
 from gpu_exporter import client
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.client import GpuExporterWarning, NoGpusAvailable
 from gpu_exporter.client.choosing import http_claimer
 from gpu_exporter.fleet.placing import choose_fleet

@@ -17,9 +17,9 @@ import urllib.request
 import pytest
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_choose_args
-from gpu_exporter.simulate import Load, SimGpu, SimulatedNvml
+from gpu_exporter.simulate import Load, Scenario, SimGpu, SimulatedNvml
 from served import served
 
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -96,7 +96,7 @@ def test_a_mig_allow_lease_holds_one_kind() -> None:
 
 def test_idle_for_longer_than_the_history_is_refused() -> None:
     # The history is 600 samples back: 10 minutes at a 1 s interval, 20 at 2 s.
-    s = build_stack(lambda c: SimulatedNvml.with_gpus(1, clock=c.monotonic))
+    s = build_stack(lambda c: SimulatedNvml.of(Scenario.with_gpus(1), clock=c.monotonic))
     s.sample()
     resp = s.client.get("/choose?idle_for=30m&format=json")
     assert resp.status_code == 400
@@ -105,7 +105,9 @@ def test_idle_for_longer_than_the_history_is_refused() -> None:
     assert "longer than the 600 s of history" in error["message"]
     assert "idle_for=600s or less" in error["message"]
     assert s.client.get("/choose?idle_for=10m&lease=0").status_code == 503  # allowed, not met yet
-    slow = build_stack(lambda c: SimulatedNvml.with_gpus(1, clock=c.monotonic), interval_seconds=2)
+    slow = build_stack(
+        lambda c: SimulatedNvml.of(Scenario.with_gpus(1), clock=c.monotonic), interval_seconds=2
+    )
     slow.sample()
     assert slow.client.get("/choose?idle_for=20m&lease=0").status_code == 503
     assert slow.client.get("/choose?idle_for=21m&lease=0").status_code == 400
@@ -114,7 +116,7 @@ def test_idle_for_longer_than_the_history_is_refused() -> None:
 
 
 def test_idle_for_limit_through_a_real_socket() -> None:
-    with served(SimulatedNvml.with_gpus(1, clock=time.monotonic)) as srv:
+    with served(SimulatedNvml.of(Scenario.with_gpus(1), clock=time.monotonic)) as srv:
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(srv.url + "/choose?idle_for=1h", timeout=10)
         assert info.value.code == 400

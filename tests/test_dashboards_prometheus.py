@@ -17,7 +17,7 @@ import pytest
 
 import promql
 from fakekubelet import fake_kubelet
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 from harness import Prometheus, exporter, get, prometheus
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def wait_all(prom: Prometheus, exprs: dict[str, str], timeout: float) -> dict[st
 
 def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -> None:
     scenario = str(promql.FLEET_SCENARIO)
-    sim = SimulatedNvml.from_argument(scenario, clock=time.monotonic).gpus
+    sim = SimulatedNvml.of(Scenario.from_argument(scenario), clock=time.monotonic).gpus
     pods = [
         ("ml", "train", [("trainer", [("nvidia.com/gpu", [sim[1].uuid])])]),
         ("team-a", "nb1", [("jupyter", [("nvidia.com/gpu", [sim[5].uuid + "::0"])])]),

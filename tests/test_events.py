@@ -9,7 +9,7 @@ import pytest
 
 from conftest import FakeClock, Stack, build_stack, sim_of
 from gpu_exporter.collect.xid import XidListener
-from gpu_exporter.simulate import Fault, Load, SimGpu, SimulatedNvml
+from gpu_exporter.simulate import Fault, Load, Scenario, SimGpu, SimulatedNvml
 
 A100 = "NVIDIA A100-SXM4-80GB"
 GTX = "NVIDIA GeForce GTX 1080"  # reports no Xid events in the simulator
@@ -119,14 +119,16 @@ def test_no_xid_support_anywhere_is_not_an_error() -> None:
 def test_scenario_xids_follow_the_simulated_clock() -> None:
     clock = FakeClock()
     s = build_stack(
-        lambda c: SimulatedNvml.from_scenario(
-            {
-                "gpus": [{"model": A100}, {"model": A100}],
-                "xid_events": [
-                    {"gpu": 1, "xid": 79, "after_seconds": 10},
-                    {"gpu": 0, "xid": 31, "after_seconds": 5, "every_seconds": 5},
-                ],
-            },
+        lambda c: SimulatedNvml.of(
+            Scenario.from_table(
+                {
+                    "gpus": [{"model": A100}, {"model": A100}],
+                    "xid_events": [
+                        {"gpu": 1, "xid": 79, "after_seconds": 10},
+                        {"gpu": 0, "xid": 31, "after_seconds": 5, "every_seconds": 5},
+                    ],
+                }
+            ),
             clock=c.monotonic,
         ),
         clock=clock,
@@ -147,8 +149,9 @@ def test_scenario_xids_follow_the_simulated_clock() -> None:
 
 def test_scenario_xid_events_are_checked() -> None:
     with pytest.raises(ValueError, match="xid_events: no GPU 3"):
-        SimulatedNvml.from_scenario(
-            {"gpus": [{}], "xid_events": [{"gpu": 3, "xid": 79}]}, clock=FakeClock().monotonic
+        SimulatedNvml.of(
+            Scenario.from_table({"gpus": [{}], "xid_events": [{"gpu": 3, "xid": 79}]}),
+            clock=FakeClock().monotonic,
         )
 
 

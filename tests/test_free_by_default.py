@@ -19,7 +19,7 @@ from conftest import build_stack, sim_of
 from fleets import NOW, claimed, fake_fetch, gpu, host_results
 from gpu_exporter import client
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS, parse_defaults
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_choose_args, parse_cluster_args
 from gpu_exporter.client import Choice, NoGpusAvailable
 from gpu_exporter.client.choosing import http_claimer
@@ -27,7 +27,7 @@ from gpu_exporter.daemon import BuildError
 from gpu_exporter.fleet.inventory import Fleet, Host
 from gpu_exporter.fleet.placing import choose_fleet
 from gpu_exporter.nvml import Nvml
-from gpu_exporter.simulate import Load, SimGpu, SimulatedNvml
+from gpu_exporter.simulate import Load, Scenario, SimGpu, SimulatedNvml
 from served import served
 
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -57,7 +57,7 @@ def test_a_busy_card_is_not_handed_out_without_filters() -> None:
 
 
 def test_json_shows_the_filters_applied_and_where_each_came_from() -> None:
-    s = build_stack(lambda c: SimulatedNvml.with_gpus(2, clock=c.monotonic))
+    s = build_stack(lambda c: SimulatedNvml.of(Scenario.with_gpus(2), clock=c.monotonic))
     s.sample()
     body = s.client.get("/choose?format=json&lease=0&max_util=0.9&min_free=1GiB").get_json()
     assert body["filters"] == {
@@ -186,7 +186,7 @@ def test_the_exporters_cluster_choose_uses_its_defaults_and_the_host_its_own() -
 
 def test_choosing_locally_without_a_server_applies_the_shipped_defaults() -> None:
     def busy_card() -> Nvml:  # GPU 0 of --simulate is the busy one (97 %)
-        return Nvml(SimulatedNvml.with_gpus(2, clock=time.monotonic), simulated=True)
+        return Nvml(SimulatedNvml.of(Scenario.with_gpus(2), clock=time.monotonic), simulated=True)
 
     with pytest.raises(NoGpusAvailable, match=r"max_util 0\.50"):
         client.choose_locally(1, {"include": "0"}, open_nvml=busy_card)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from conftest import Stack, build_stack
 from gpu_exporter.choose.params import CHOOSE_PARAMS
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 
 DOCUMENTED_503 = {
     "not_enough_gpus",
@@ -50,7 +50,7 @@ def stack() -> Stack:
     """One stack for every example (building one per example would dominate the run)."""
     global _stack
     if _stack is None:
-        _stack = build_stack(lambda c: SimulatedNvml.with_gpus(4, clock=c.monotonic))
+        _stack = build_stack(lambda c: SimulatedNvml.of(Scenario.with_gpus(4), clock=c.monotonic))
         _stack.sample()
     return _stack
 

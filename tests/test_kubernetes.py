@@ -16,16 +16,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import build_stack, fake_proc, sim_of
-from fakekubelet import FakeKubelet, fake_kubelet
+from fakekubelet import FakeKubelet, encode_list_response, fake_kubelet
 from gpu_exporter.cli import _serve_config, build_parser
-from gpu_exporter.collect.podresources import (
-    DecodeError,
-    decode_list_response,
-    encode_list_response,
-)
+from gpu_exporter.collect.podresources import DecodeError, decode_list_response
 from gpu_exporter.config import DEFAULT_KUBELET_SOCKET
 from gpu_exporter.podallocations import PodDevice, physical_id, resolve, taken_reasons
-from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
+from gpu_exporter.simulate import DEFAULT_MODEL, Load, Scenario, SimGpu, SimulatedNvml
 from harness import exporter, get
 from served import Served, served
 
@@ -34,7 +30,7 @@ POLL = 0.1
 
 def lab() -> SimulatedNvml:
     """8 GPUs; GPU 3 is split into 4 MIG devices (simulate/scenarios/lab.toml)."""
-    return SimulatedNvml.from_argument("lab", clock=time.monotonic)
+    return SimulatedNvml.of(Scenario.from_argument("lab"), clock=time.monotonic)
 
 
 def metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -103,7 +99,9 @@ def test_the_list_answer_decodes_to_devices_and_skips_what_it_does_not_read() ->
 
 
 def test_device_ids_name_cards_mig_devices_and_replicas_and_nothing_else() -> None:
-    stack = build_stack(lambda clock: SimulatedNvml.from_argument("lab", clock=clock.monotonic))
+    stack = build_stack(
+        lambda clock: SimulatedNvml.of(Scenario.from_argument("lab"), clock=clock.monotonic)
+    )
     gpus = stack.sample().gpus
     mig = gpus[3].mig_devices[1].uuid
     devices = [

@@ -19,9 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import FakeClock, Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.lease import LeaseError
 from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.rank import NotEnoughGpus
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.model import ProcessSample
 from gpu_exporter.simulate import Fault, Load, SimGpu
@@ -467,7 +467,7 @@ test_lease_state_machine = LeaseMachine.TestCase
 
 
 def test_lease_error_carries_status() -> None:
-    exc = LeaseError(429, "too_many_gpus", "no", "n")
+    exc = ApiError(429, "too_many_gpus", "no", "n")
     assert (exc.status, exc.code, exc.param, str(exc)) == (429, "too_many_gpus", "n", "no")
 
 

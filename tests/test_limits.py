@@ -17,7 +17,7 @@ from gpu_exporter.clock import SystemClock
 from gpu_exporter.config import ServeConfig
 from gpu_exporter.daemon import build
 from gpu_exporter.nvml import Nvml
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 from gpu_exporter.web.limits import Limits
 
 LIMITS = Limits()
@@ -31,7 +31,7 @@ class Running:
 
     def __init__(self, *, max_in_flight: int, max_waiters: int) -> None:
         clock = SystemClock()
-        nvml = Nvml(SimulatedNvml.with_gpus(1, clock=clock.monotonic), simulated=True)
+        nvml = Nvml(SimulatedNvml.of(Scenario.with_gpus(1), clock=clock.monotonic), simulated=True)
         config = ServeConfig(max_requests_in_flight=max_in_flight, max_waiters=max_waiters)
         daemon = build(config, nvml=nvml, clock=clock)
         daemon.sampler.sample_once()
@@ -143,7 +143,9 @@ def test_a_long_query_string_is_414(running: Running) -> None:
 
 
 def test_unknown_parameters_are_rejected_everywhere() -> None:
-    client = build_stack(lambda c: SimulatedNvml.with_gpus(1, clock=c.monotonic)).client
+    client = build_stack(
+        lambda c: SimulatedNvml.of(Scenario.with_gpus(1), clock=c.monotonic)
+    ).client
     for path in ("/gpus?verbose=1", "/leases?all=1", "/choose?gpus=2"):
         resp = client.get(path, headers={"Accept": "application/json"})
         assert resp.status_code == 400, path
@@ -167,7 +169,9 @@ def test_oversized_headers_are_431_and_bodies_413_one_line(running: Running) -> 
 
 def test_requests_without_wait_are_never_waiters() -> None:
     """Concurrent wait=0 requests are served as they come: none takes a waiter slot."""
-    s = build_stack(lambda c: SimulatedNvml.with_gpus(2, clock=c.monotonic), max_waiters=0)
+    s = build_stack(
+        lambda c: SimulatedNvml.of(Scenario.with_gpus(2), clock=c.monotonic), max_waiters=0
+    )
     s.sample()
     rejections, app = s.daemon.rejections, s.app
     out: list[int] = []

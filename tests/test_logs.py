@@ -19,7 +19,7 @@ from conftest import build_stack
 from gpu_exporter import logs
 from gpu_exporter.cli import build_parser
 from gpu_exporter.config import APP_PATHS, parse_telemetry_path
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 from harness import free_port, get, start, stop, wait_ready
 
 
@@ -100,7 +100,7 @@ def test_a_telemetry_path_the_app_uses_is_refused(path: str) -> None:
 
 
 def test_app_paths_cover_every_route() -> None:
-    stack = build_stack(lambda c: SimulatedNvml.with_gpus(1, clock=c.monotonic))
+    stack = build_stack(lambda c: SimulatedNvml.of(Scenario.with_gpus(1), clock=c.monotonic))
     for rule in stack.app.url_map.iter_rules():
         static = rule.rule.split("<")[0].rstrip("/") or "/"
         with pytest.raises(ValueError, match=r"taken by the exporter|expected a path"):

@@ -33,10 +33,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import FakeClock
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.lease import LeaseError
 from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.memory import DEFAULT_HEADROOM_BYTES
 from gpu_exporter.choose.rank import NotEnoughGpus
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.statefile import StateFile
 from gpu_exporter.model import GpuSample, ProcessSample, Snapshot
 
@@ -240,7 +240,7 @@ def test_a_refused_claim_saves_nothing_and_a_failed_write_grants_nothing(tmp_pat
     machine = MemoryLeases()
     machine.clock = clock
     snapshot = machine._snapshot()
-    with pytest.raises(LeaseError, match="No space left") as refused:
+    with pytest.raises(ApiError, match="No space left") as refused:
         table.claim(snapshot, 1, Filters(), ttl_seconds=60, requester="x", mem=8 * GIB)
     assert refused.value.code == "state_unwritable"
     assert not table.active()

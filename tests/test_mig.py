@@ -6,7 +6,7 @@ import pytest
 
 from conftest import FakeClock, Stack, build_stack, sim_of
 from gpu_exporter.nvml import error_code, make_error
-from gpu_exporter.simulate import Load, SimGpu, SimMig, SimulatedNvml
+from gpu_exporter.simulate import Load, Scenario, SimGpu, SimMig, SimulatedNvml
 
 A100 = "NVIDIA A100-SXM4-80GB"
 PROFILES = ("3g.40gb", "2g.20gb", "1g.10gb")
@@ -168,21 +168,24 @@ def test_gpus_json_nests_mig_devices() -> None:
 
 def test_scenario_mig_validation() -> None:
     clock = FakeClock()
-    sim = SimulatedNvml.from_scenario(
-        {"gpus": [{"model": A100, "mig": ["7g.80gb"]}]}, clock=clock.monotonic
+    sim = SimulatedNvml.of(
+        Scenario.from_table({"gpus": [{"model": A100, "mig": ["7g.80gb"]}]}), clock=clock.monotonic
     )
     assert sim.gpus[0].mig == ("7g.80gb",)
     with pytest.raises(ValueError, match=r"no MIG profile '1g\.5gb'"):
-        SimulatedNvml.from_scenario(
-            {"gpus": [{"model": A100, "mig": ["1g.5gb"]}]}, clock=clock.monotonic
+        SimulatedNvml.of(
+            Scenario.from_table({"gpus": [{"model": A100, "mig": ["1g.5gb"]}]}),
+            clock=clock.monotonic,
         )
     with pytest.raises(ValueError, match="no MIG on this model"):
-        SimulatedNvml.from_scenario(
-            {"gpus": [{"model": "NVIDIA L4", "mig": ["1g.10gb"]}]}, clock=clock.monotonic
+        SimulatedNvml.of(
+            Scenario.from_table({"gpus": [{"model": "NVIDIA L4", "mig": ["1g.10gb"]}]}),
+            clock=clock.monotonic,
         )
     with pytest.raises(ValueError, match=r"use 8 of 7 slices"):
-        SimulatedNvml.from_scenario(
-            {"gpus": [{"model": A100, "mig": ["4g.40gb", "4g.40gb"]}]}, clock=clock.monotonic
+        SimulatedNvml.of(
+            Scenario.from_table({"gpus": [{"model": A100, "mig": ["4g.40gb", "4g.40gb"]}]}),
+            clock=clock.monotonic,
         )
 
 

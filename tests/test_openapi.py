@@ -15,7 +15,7 @@ from schemathesis.specs.openapi.checks import (
 
 from conftest import FakeClock, Stack, build_stack
 from gpu_exporter.choose.params import CHOOSE_FORMATS, CHOOSE_PARAMS, CLUSTER_PARAMS
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 from gpu_exporter.web.openapi import document
 
 
@@ -77,7 +77,9 @@ class _FastClock(FakeClock):
 def _fuzz_app() -> Flask:
     clock = _FastClock()
     s = build_stack(
-        lambda c: SimulatedNvml.with_gpus(4, clock=c.monotonic), clock=clock, max_age_seconds=1e12
+        lambda c: SimulatedNvml.of(Scenario.with_gpus(4), clock=c.monotonic),
+        clock=clock,
+        max_age_seconds=1e12,
     )
     s.sample()
     return s.app

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gpu_exporter.choose.params import BY_NAME, PARAMS, ApiError
+from gpu_exporter.choose.params import BY_NAME, PARAMS
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_choose_args, parse_cluster_args
 from gpu_exporter.choose.selectors import selector_matches
 from gpu_exporter.model import GpuSample

@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 from conftest import build_stack
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -47,7 +47,9 @@ def _run(command: str, get: object) -> list[str]:
 
 
 def test_quickstart_prints_what_the_readme_shows() -> None:
-    stack = build_stack(lambda clock: SimulatedNvml.with_gpus(4, clock=clock.monotonic))
+    stack = build_stack(
+        lambda clock: SimulatedNvml.of(Scenario.with_gpus(4), clock=clock.monotonic)
+    )
     stack.sample()
     client = stack.client
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import build_stack
 from gpu_exporter.revision import UNKNOWN, revision
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -61,7 +61,7 @@ def test_unknown_without_either(tmp_path: Path) -> None:
 
 
 def test_build_info_carries_this_checkouts_revision() -> None:
-    s = build_stack(lambda clock: SimulatedNvml.with_gpus(1, clock=clock.monotonic))
+    s = build_stack(lambda clock: SimulatedNvml.of(Scenario.with_gpus(1), clock=clock.monotonic))
     s.sample()
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False

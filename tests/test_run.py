@@ -25,7 +25,7 @@ from gpu_exporter.choose.filters import Filters
 from gpu_exporter.cli import build_parser, main
 from gpu_exporter.client.run import run_main
 from gpu_exporter.nvml import Nvml
-from gpu_exporter.simulate import Fault, SimulatedNvml
+from gpu_exporter.simulate import Fault, Scenario, SimulatedNvml
 from harness import ROOT, cli, finish, free_port, get, run
 from harness import exporter as real_exporter
 from served import Served, served
@@ -192,7 +192,7 @@ def run_with_nvml(argv: list[str], nvml: Callable[[], Nvml]) -> int:
 def test_run_without_a_server_falls_back_to_local_nvml_with_a_warning(
     closed_port_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    nvml = Nvml(SimulatedNvml.with_gpus(2, clock=time.monotonic), simulated=True)
+    nvml = Nvml(SimulatedNvml.of(Scenario.with_gpus(2), clock=time.monotonic), simulated=True)
     assert run_with_nvml(["--url", closed_port_url, "--", "sh", "-c", "exit 4"], lambda: nvml) == 4
     err = capsys.readouterr().err
     assert "warning: cannot reach gpu-exporter" in err and "No lease protects" in err

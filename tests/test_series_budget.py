@@ -180,13 +180,13 @@ NOT_FROM_CHOOSE = {"unknown_lease", "forbidden", "not_configured"}
 
 
 def _error_codes(path: Path) -> set[str]:
-    """The code (second argument) of every ApiError(...)/LeaseError(...) in ``path``."""
+    """The code (second argument) of every ApiError(...) in ``path``."""
     codes = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
-            and node.func.id in ("ApiError", "LeaseError")
+            and node.func.id == "ApiError"
             and len(node.args) >= 2
             and isinstance(node.args[1], ast.Constant)
         ):

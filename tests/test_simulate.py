@@ -9,7 +9,7 @@ import pytest
 
 from conftest import FakeClock, build_stack
 from gpu_exporter import nvml
-from gpu_exporter.simulate import MODELS, Fault, SimulatedNvml
+from gpu_exporter.simulate import MODELS, Fault, Scenario, SimulatedNvml
 
 LAB = (
     Path(__file__).resolve().parent.parent / "gpu_exporter" / "simulate" / "scenarios" / "lab.toml"
@@ -17,7 +17,9 @@ LAB = (
 
 
 def test_bundled_lab_scenario_runs_through_the_real_path() -> None:
-    s = build_stack(lambda clock: SimulatedNvml.from_argument(str(LAB), clock=clock.monotonic))
+    s = build_stack(
+        lambda clock: SimulatedNvml.of(Scenario.from_argument(str(LAB)), clock=clock.monotonic)
+    )
     s.sample()
     gpus = s.cache.get().gpus
     assert len(gpus) == 8 and all(g.up for g in gpus)
@@ -35,16 +37,16 @@ def test_scenario_errors_are_clear(tmp_path: Path) -> None:
     clock = FakeClock()
     bad.write_text('[[gpus]]\nmodel = "Voodoo 2"\n')
     with pytest.raises(ValueError, match="unknown GPU model 'Voodoo 2'"):
-        SimulatedNvml.from_argument(str(bad), clock=clock.monotonic)
+        SimulatedNvml.of(Scenario.from_argument(str(bad)), clock=clock.monotonic)
     bad.write_text('[[gpus]]\nload = "party"\n')
     with pytest.raises(ValueError, match="unknown load 'party'"):
-        SimulatedNvml.from_argument(str(bad), clock=clock.monotonic)
+        SimulatedNvml.of(Scenario.from_argument(str(bad)), clock=clock.monotonic)
     bad.write_text('[[faults]]\nerror = "OOPS"\n')
     with pytest.raises(ValueError, match="unknown NVML error 'OOPS'"):
-        SimulatedNvml.from_argument(str(bad), clock=clock.monotonic)
+        SimulatedNvml.of(Scenario.from_argument(str(bad)), clock=clock.monotonic)
     bad.write_text("gpus = [")
     with pytest.raises(ValueError, match=r"bad\.toml"):
-        SimulatedNvml.from_argument(str(bad), clock=clock.monotonic)
+        SimulatedNvml.of(Scenario.from_argument(str(bad)), clock=clock.monotonic)
 
 
 @pytest.mark.parametrize("name", ["lab", "lab.toml"])
@@ -53,8 +55,8 @@ def test_bundled_scenarios_by_name_from_any_directory(
 ) -> None:
     """A wheel install has no checkout to point a path at: the name alone must do."""
     monkeypatch.chdir(tmp_path)  # no gpu_exporter/ here: the name is not a relative path
-    by_name = SimulatedNvml.from_argument(name, clock=FakeClock().monotonic)
-    by_path = SimulatedNvml.from_argument(str(LAB), clock=FakeClock().monotonic)
+    by_name = SimulatedNvml.of(Scenario.from_argument(name), clock=FakeClock().monotonic)
+    by_path = SimulatedNvml.of(Scenario.from_argument(str(LAB)), clock=FakeClock().monotonic)
     assert [g.model for g in by_name.gpus] == [g.model for g in by_path.gpus]
 
 
@@ -63,7 +65,7 @@ def test_unknown_scenario_name_lists_the_bundled_ones(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"bundled scenario \(a100, fleet, lab\)"):
-        SimulatedNvml.from_argument("labb", clock=FakeClock().monotonic)
+        SimulatedNvml.of(Scenario.from_argument("labb"), clock=FakeClock().monotonic)
 
 
 def test_serve_help_lists_the_bundled_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,8 +79,8 @@ def test_serve_help_lists_the_bundled_scenarios(capsys: pytest.CaptureFixture[st
 
 def test_load_changes_over_time_and_is_deterministic() -> None:
     clock = FakeClock()
-    a = SimulatedNvml.with_gpus(3, clock=clock.monotonic)
-    b = SimulatedNvml.with_gpus(3, clock=clock.monotonic)
+    a = SimulatedNvml.of(Scenario.with_gpus(3), clock=clock.monotonic)
+    b = SimulatedNvml.of(Scenario.with_gpus(3), clock=clock.monotonic)
     seen = set()
     for _ in range(12):
         assert a.state(2) == b.state(2)
@@ -90,8 +92,8 @@ def test_load_changes_over_time_and_is_deterministic() -> None:
 def test_memory_adds_up_for_every_model() -> None:
     clock = FakeClock()
     for name in MODELS:
-        sim = SimulatedNvml.from_scenario(
-            {"gpus": [{"model": name, "load": "busy"}]}, clock=clock.monotonic
+        sim = SimulatedNvml.of(
+            Scenario.from_table({"gpus": [{"model": name, "load": "busy"}]}), clock=clock.monotonic
         )
         st = sim.state(0)
         assert st.memory_used + st.memory_free + st.memory_reserved == st.memory_total
@@ -107,7 +109,7 @@ def test_faults_are_windows_in_time() -> None:
 
 
 def test_uninitialised_calls_fail_like_the_real_library() -> None:
-    sim = SimulatedNvml.with_gpus(1, clock=FakeClock().monotonic)
+    sim = SimulatedNvml.of(Scenario.with_gpus(1), clock=FakeClock().monotonic)
     with pytest.raises(Exception, match="Uninitialized") as info:
         sim.nvmlDeviceGetCount()
     assert info.value.value == nvml.error_code("UNINITIALIZED")  # type: ignore[attr-defined]

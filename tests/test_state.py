@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 import harness
 from conftest import FakeClock, build_stack, sim_of
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.lease import Lease, LeaseError
+from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.leases import LeaseTable
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.statefile import StateFile, write_atomically
 from gpu_exporter.simulate import Load, SimGpu
 from served import four_gpus, served
@@ -94,14 +95,14 @@ def test_a_claim_or_renewal_that_cannot_be_saved_is_rolled_back(tmp_path: Path) 
     assert kept is not None
 
     disk.error = OSError(errno.ENOSPC, "No space left on device")
-    with pytest.raises(LeaseError) as refused:
+    with pytest.raises(ApiError) as refused:
         table.claim(snapshot, 1, Filters(), ttl_seconds=60, requester="b")
     assert (refused.value.status, refused.value.code) == (503, "state_unwritable")
     assert str(path) in refused.value.message
     assert "No space left on device (ENOSPC)" in refused.value.message
     assert [x.id for x in table.active()] == [kept.id]  # nothing granted
     assert table.claim(snapshot, 1, Filters(), ttl_seconds=0, requester="b")[1] is None
-    with pytest.raises(LeaseError, match="not renewed"):
+    with pytest.raises(ApiError, match="not renewed"):
         table.renew(kept.id, 600)
     assert table.get(kept.id).expires_at == kept.expires_at
     assert table.state_write_errors == 2

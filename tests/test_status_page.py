@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Stack, build_stack, sim_of
-from gpu_exporter.simulate import Fault, Load, SimGpu, SimulatedNvml
+from gpu_exporter.simulate import Fault, Load, Scenario, SimGpu, SimulatedNvml
 from harness import exporter, get
 from served import served
 
@@ -281,7 +281,7 @@ def test_phone_widths_and_dark_mode_in_headless_chromium() -> None:
     """No sideways scrolling at 360 and 420 px, MIG devices inside their card, the dark
     palette when the system asks for it, and values updated in place without a reload."""
     browser = _chromium()
-    sim = SimulatedNvml.from_argument(str(LAB), clock=time.monotonic)
+    sim = SimulatedNvml.of(Scenario.from_argument(str(LAB)), clock=time.monotonic)
     with served(sim) as ex:
         handler = type("Probe", (_Probe,), {"upstream": ex.url})
         proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)

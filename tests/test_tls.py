@@ -22,7 +22,7 @@ import pytest
 from tls_certs import CA, Issued
 
 from conftest import build_stack
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 from gpu_exporter.web.webconfig import WebConfigWatcher
 from harness import free_port, start, stop
 
@@ -52,7 +52,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def serve_in_thread(config: Path) -> Iterator[tuple[str, WebConfigWatcher]]:
     """Four simulated GPUs, sampled once, served on loopback with ``config``."""
     stack = build_stack(
-        lambda clock: SimulatedNvml.with_gpus(4, clock=clock.monotonic),
+        lambda clock: SimulatedNvml.of(Scenario.with_gpus(4), clock=clock.monotonic),
         web_config_file=str(config),
     )
     stack.sample()

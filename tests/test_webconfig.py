@@ -19,7 +19,7 @@ from werkzeug.test import Client
 
 from conftest import Stack, build_stack
 from gpu_exporter.export.collectors import WebConfigCollector
-from gpu_exporter.simulate import SimulatedNvml
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 from gpu_exporter.web.auth import BasicAuth, credentials, is_advice_only, needs_auth
 from gpu_exporter.web.webconfig import (
     WebConfigError,
@@ -316,7 +316,7 @@ def write_config(path: Path, text: str) -> Path:
 def secured_stack(config: Path, scope: str = "all") -> Stack:
     """Four simulated GPUs, sampled once, served with ``config`` as --web-config-file."""
     stack = build_stack(
-        lambda clock: SimulatedNvml.with_gpus(4, clock=clock.monotonic),
+        lambda clock: SimulatedNvml.of(Scenario.with_gpus(4), clock=clock.monotonic),
         web_config_file=str(config),
         auth_scope=scope,
     )

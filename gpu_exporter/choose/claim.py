@@ -38,8 +38,8 @@ from typing import Protocol
 from gpu_exporter.choose.filters import Window, never_enough
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.leases import LeaseTable
-from gpu_exporter.choose.params import ApiError
 from gpu_exporter.choose.rank import NotEnoughGpus, Selection
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import ChooseRequest
 from gpu_exporter.choose.tokens import ClaimKey
 from gpu_exporter.choose.waitqueue import Waiter, WaitQueue, reserved_for
@@ -220,7 +220,7 @@ class Claimer:
         connected: Callable[[], bool] | None = None,
     ) -> Claimed:
         """Serve ``req`` for ``requester`` (its address); raises :class:`ApiError` or
-        :class:`~gpu_exporter.choose.lease.LeaseError`.
+        :class:`~gpu_exporter.choose.refusal.ApiError`.
 
         With ``key`` (its ``Idempotency-Key``), a retry of a claim already granted gets that
         lease at once, without queueing behind anyone. ``connected`` says whether the client

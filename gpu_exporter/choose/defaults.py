@@ -18,7 +18,8 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Mapping
 
-from gpu_exporter.choose.params import DEFAULTABLE, ApiError
+from gpu_exporter.choose.params import DEFAULTABLE
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_choose_args
 from gpu_exporter.config import DEFAULT_CHOOSE_DEFAULTS
 

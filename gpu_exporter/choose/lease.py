@@ -5,7 +5,6 @@ one lock is :class:`~gpu_exporter.choose.leases.LeaseTable`, the file
 :mod:`gpu_exporter.choose.statefile`. Release and renewal take the lease's token
 (:mod:`gpu_exporter.choose.tokens`), not just its id. :meth:`Lease.from_state` checks every
 entry strictly, so one malformed entry in ``leases.json`` is skipped, never served.
-:class:`LeaseError` is how a lease request is refused, whichever module refuses it.
 """
 
 from __future__ import annotations
@@ -236,14 +235,3 @@ def _held(entry: object) -> Held:
         _counts(kin, "a held GPU's kin", MAX_PID),
         _texts(cgroups, "a held GPU's cgroups"),
     )
-
-
-class LeaseError(Exception):
-    """A lease request that must be refused; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param

@@ -38,7 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from gpu_exporter.choose.filters import Filters, Window, rejection_reasons
-from gpu_exporter.choose.lease import Held, Lease, LeaseError
+from gpu_exporter.choose.lease import Held, Lease
 from gpu_exporter.choose.memory import (
     DEFAULT_HEADROOM_BYTES,
     card_memory,
@@ -49,6 +49,7 @@ from gpu_exporter.choose.memory import (
 )
 from gpu_exporter.choose.persistence import Persistence
 from gpu_exporter.choose.rank import Selection, choose
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.settle import settle
 from gpu_exporter.choose.statefile import StateFile
 from gpu_exporter.choose.tokens import (
@@ -153,7 +154,7 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.get(lease_id)
         if lease is None or lease.expires_at <= self._clock.time():
-            raise LeaseError(
+            raise ApiError(
                 404, "unknown_lease", f"no active lease {lease_id!r} (expired or released?)"
             )
         return lease
@@ -175,7 +176,7 @@ class LeaseTable:
             )
         else:
             message = f"wrong token for lease {lease.id}"
-        raise LeaseError(403, "forbidden", message, "lease")
+        raise ApiError(403, "forbidden", message, "lease")
 
     # -- changes ----------------------------------------------------------------------------
     def claim(
@@ -205,7 +206,7 @@ class LeaseTable:
         retry with the key derives again (the caller asks :meth:`again` first).
         ``reserved`` (UUID → why) are GPUs that earlier waiters keep from this request.
 
-        Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`LeaseError`.
+        Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`ApiError`.
         """
         self._check_ttl(ttl_seconds, "lease")
         with self._changing():
@@ -224,7 +225,7 @@ class LeaseTable:
                     if lease.requester == requester
                 )
                 if holding + n > self.max_gpus_per_requester:
-                    raise LeaseError(
+                    raise ApiError(
                         429,
                         "too_many_gpus",
                         f"{requester} holds {plural(holding, 'GPU')} in leases; {n} more would "
@@ -238,7 +239,7 @@ class LeaseTable:
                 headroom = self.mem_headroom_bytes
                 never = never_fits(snapshot.gpus, mem, headroom)
                 if never is not None:  # waiting cannot help
-                    raise LeaseError(503, "not_enough_gpus", never, "mem")
+                    raise ApiError(503, "not_enough_gpus", never, "mem")
                 wanted = {  # what the request could have but for memory: a refusal's note
                     g.uuid
                     for g in snapshot.gpus
@@ -283,7 +284,7 @@ class LeaseTable:
     def again(self, key: ClaimKey, snapshot: Snapshot) -> tuple[Selection, Lease] | None:
         """The lease a claim with ``key`` already made, with its token, or None if none did.
 
-        Raises :class:`LeaseError`: 422 ``idempotency_key_reused`` if that claim had other
+        Raises :class:`ApiError`: 422 ``idempotency_key_reused`` if that claim had other
         parameters, 409 ``lease_ended`` if its lease was released (or let go) before expiry.
         """
         with self._lock:
@@ -291,7 +292,7 @@ class LeaseTable:
                 if lease.keyed is None or lease.keyed.key_hash != key.key_hash:
                     continue
                 if lease.keyed.request_hash != key.request_hash:
-                    raise LeaseError(
+                    raise ApiError(
                         422,
                         "idempotency_key_reused",
                         f"this Idempotency-Key was used for another request (lease {lease.id}); "
@@ -302,7 +303,7 @@ class LeaseTable:
                 token = make_token(lease.id, new_secret(lease.keyed.salt, key.key))
                 return Selection(chosen, ()), replace(lease, token=token)
             if self._spent.get(key.key_hash, 0.0) > self._clock.time():
-                raise LeaseError(
+                raise ApiError(
                     409,
                     "lease_ended",
                     "the lease claimed with this Idempotency-Key has already ended (released, "
@@ -346,14 +347,14 @@ class LeaseTable:
                 f"({self.max_ttl_seconds:g} s, --max-lease)"
             )
             advice = "; renew it instead" if param == "lease" else ""
-            raise LeaseError(429, "lease_too_long", message + advice, param)
+            raise ApiError(429, "lease_too_long", message + advice, param)
 
     def _with_pids(self, lease: Lease, pids: Iterable[int]) -> Lease:
         new = [p for p in dict.fromkeys(pids) if p not in lease.pids]
         if not new:
             return lease
         if len(lease.pids) + len(new) > MAX_PIDS:
-            raise LeaseError(
+            raise ApiError(
                 400,
                 "too_many_pids",
                 f"a lease takes at most {MAX_PIDS} PIDs; register the job's launcher, "
@@ -418,7 +419,7 @@ class LeaseTable:
                 del self._leases[lease.id]
             else:
                 self._leases[lease.id] = old
-            raise LeaseError(503, "state_unwritable", f"{failure}; {refused}")
+            raise ApiError(503, "state_unwritable", f"{failure}; {refused}")
         self._dirty = True
 
     def _set(self, leases: Mapping[str, Lease]) -> None:

@@ -13,7 +13,8 @@ applies. Everything else is built from it:
   the filters choosing locally can apply (:data:`LOCAL_FILTERS`) and those a host checks again
   when a cluster choice claims there (:data:`POINT_FILTERS`).
 
-Every refusal is an :class:`ApiError` carrying the HTTP status, a code and the parameter.
+Every refusal is a :class:`~gpu_exporter.choose.refusal.ApiError` carrying the HTTP status,
+a code and the parameter.
 
 >>> BY_NAME["min_free"].option
 '--min-free'
@@ -30,6 +31,7 @@ from typing import Any, NoReturn
 from gpu_exporter.choose.filters import MIG_MODES
 from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, MEM_ENV_NAMES
 from gpu_exporter.choose.rank import SORTS
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.values import (
     Reader,
     flag,
@@ -56,17 +58,6 @@ DEFAULT_FLEET_MAX_AGE_SECONDS = 60.0  # four missed scrapes at Prometheus' usual
 MAX_FLEET_MAX_AGE_SECONDS = 3600.0
 MAX_OWNER_CHARS = 64
 MAX_PIDS = 64  # per request; leases.MAX_PIDS caps a lease
-
-
-@dataclass
-class ApiError(Exception):
-    status: int
-    code: str
-    message: str
-    param: str | None = None
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def bad(param: str, message: str) -> NoReturn:

@@ -9,7 +9,7 @@ message.
 
 ``args`` is anything with ``in``, ``[]``, ``.get`` and iteration — a plain ``dict`` of strings
 or Werkzeug's ``MultiDict`` (whose ``getlist`` also catches repeated parameters). Every refusal
-is an :class:`~gpu_exporter.choose.params.ApiError` carrying the HTTP status, a code and the
+is an :class:`~gpu_exporter.choose.refusal.ApiError` carrying the HTTP status, a code and the
 parameter.
 
 >>> parse_choose_args({"n": "2", "min_free": "8GiB"}).filters.min_free_bytes
@@ -41,10 +41,10 @@ from gpu_exporter.choose.params import (
     DEFAULT_LEASE_SECONDS,
     MIG_LIST_FORMATS,
     PARAMS,
-    ApiError,
     Param,
     bad,
 )
+from gpu_exporter.choose.refusal import ApiError
 
 Args: TypeAlias = Mapping[str, str]
 """What the parsers read: a ``dict[str, str]`` or a Werkzeug ``MultiDict`` (a dict too)."""

@@ -11,7 +11,8 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from gpu_exporter.choose.params import POINT_FILTERS, ApiError
+from gpu_exporter.choose.params import POINT_FILTERS
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import ClusterRequest
 from gpu_exporter.client.hostapi import DEFAULT_LEASE, Choice, choose_host, release
 from gpu_exporter.client.query import Duration, FilterValue, choose_params, format_duration

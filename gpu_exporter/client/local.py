@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.choose.params import LOCAL_FILTERS, ApiError
+from gpu_exporter.choose.params import LOCAL_FILTERS
 from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.rank import choose as rank_and_choose
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_choose_args
 from gpu_exporter.client.hostapi import Choice, choose_host
 from gpu_exporter.client.query import Duration, FilterValue, filter_value

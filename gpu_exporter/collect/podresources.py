@@ -12,15 +12,15 @@ is skipped by its wire type, as protobuf itself does::
 
 The ``List`` request is the empty message: zero bytes. A hand-written decoder of four
 messages keeps the ``kubernetes`` extra at grpcio alone (no protobuf runtime, no generated
-code whose runtime version must match). :func:`encode_list_response` is its inverse, for the
-tests' and the benchmark's fake kubelet.
+code whose runtime version must match). The tests' fake kubelet (``tests/fakekubelet.py``)
+encodes its answers.
 
 Note what the API does not say: a pod's UID. Pods are named (namespace, name) only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from gpu_exporter.podallocations import PodDevice
@@ -129,57 +129,3 @@ def _container_devices(data: bytes, namespace: str, pod: str) -> Iterator[PodDev
         resource, ids = _named(device, _text)
         for device_id in ids:
             yield PodDevice(namespace, pod, name, resource, device_id)
-
-
-# -- encoding: the fake kubelet's side ---------------------------------------------------------
-
-
-def _key(number: int, wire: int) -> bytes:
-    return _encode_varint(number << 3 | wire)
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _len_field(number: int, payload: bytes) -> bytes:
-    return _key(number, _LEN) + _encode_varint(len(payload)) + payload
-
-
-def _str_field(number: int, text: str) -> bytes:
-    return _len_field(number, text.encode("utf-8"))
-
-
-Pod = tuple[str, str, Iterable[tuple[str, Iterable[tuple[str, Iterable[str]]]]]]
-
-
-def encode_list_response(pods: Iterable[Pod], *, cpu_ids: Iterable[int] = ()) -> bytes:
-    """The ``List`` answer for ``(namespace, name, [(container, [(resource, [ids])])])``;
-    ``cpu_ids`` adds a field the decoder must skip, as a real kubelet sends.
-
-    >>> encoded = encode_list_response([("ns", "p", [("c", [("nvidia.com/gpu", ["0"])])])])
-    >>> decode_list_response(encoded)
-    [PodDevice(namespace='ns', pod='p', container='c', resource='nvidia.com/gpu', device_id='0')]
-    """
-    out = b""
-    for namespace, name, containers in pods:
-        body = _str_field(1, name) + _str_field(2, namespace)
-        for container, devices in containers:
-            cbody = _str_field(1, container)
-            for resource, ids in devices:
-                dbody = _str_field(1, resource) + b"".join(_str_field(2, i) for i in ids)
-                cbody += _len_field(2, dbody)
-            packed = b"".join(_encode_varint(c) for c in cpu_ids)
-            if packed:
-                cbody += _len_field(3, packed)
-            body += _len_field(3, cbody)
-        out += _len_field(1, body)
-    return out

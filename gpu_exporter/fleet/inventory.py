@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from gpu_exporter.choose.filters import Window
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.model import GpuSample
 from gpu_exporter.outbound import base_url, is_http
 
@@ -71,7 +71,7 @@ def check_sources(prometheus: str | None, hosts: Sequence[str]) -> None:
     >>> check_sources(None, ["ftp://a"])
     Traceback (most recent call last):
     ...
-    gpu_exporter.choose.params.ApiError: ftp://a: not an http:// or https:// URL
+    gpu_exporter.choose.refusal.ApiError: ftp://a: not an http:// or https:// URL
     """
     named = [("prometheus", prometheus)] if prometheus else []
     for param, where in [*named, *(("hosts", h) for h in hosts)]:
@@ -117,17 +117,6 @@ def host_problem(
             f"(max_age {max_age_seconds:g} s)"
         )
     return None
-
-
-def allocated_to(pods: set[str]) -> str:
-    """Why a card the kubelet gave to pods is passed over, as the host's /choose says it.
-
-    >>> allocated_to({"ml/train-0"}), allocated_to({"b/y", "a/x"})
-    ('allocated to pod ml/train-0', 'allocated to pods a/x, b/y')
-    """
-    if len(pods) == 1:
-        return f"allocated to pod {next(iter(pods))}"
-    return f"allocated to pods {', '.join(sorted(pods))}"
 
 
 def host_from_snapshot(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import ClusterRequest, parse_cluster_args
 from gpu_exporter.fleet.inventory import Fleet, Host, check_sources, host_labels
 from gpu_exporter.fleet.queries import check_selector

@@ -28,7 +28,6 @@ from gpu_exporter.fleet.inventory import (
     URL_LABEL,
     Fleet,
     Host,
-    allocated_to,
     exporter_url,
     host_from_snapshot,
     host_problem,
@@ -44,6 +43,7 @@ from gpu_exporter.fleet.queries import (
 )
 from gpu_exporter.model import GpuSample
 from gpu_exporter.outbound import base_url, exchange, failure
+from gpu_exporter.podallocations import allocated_to
 
 log = logging.getLogger(__name__)
 

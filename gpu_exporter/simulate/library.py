@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, TypeVar
@@ -91,6 +91,8 @@ class SimulatedMachine:
     # -- building ------------------------------------------------------------------------------
     @classmethod
     def of(cls: type[_M], scenario: Scenario, *, clock: Callable[[], float]) -> _M:
+        """The host ``scenario`` describes (``Scenario.from_argument`` reads ``--simulate``'s
+        argument: a GPU count or a scenario file)."""
         return cls(
             list(scenario.gpus),
             faults=list(scenario.faults),
@@ -100,21 +102,6 @@ class SimulatedMachine:
             xid_events=list(scenario.xid_events),
             pcie_sample_seconds=scenario.pcie_sample_seconds,
         )
-
-    @classmethod
-    def with_gpus(cls: type[_M], count: int, *, clock: Callable[[], float]) -> _M:
-        """``--simulate N``: N A100s with a mix of busy, idle and changing loads."""
-        return cls.of(Scenario.with_gpus(count), clock=clock)
-
-    @classmethod
-    def from_scenario(cls: type[_M], data: Mapping[str, Any], *, clock: Callable[[], float]) -> _M:
-        """A scenario file's contents (see :mod:`gpu_exporter.simulate.scenario`)."""
-        return cls.of(Scenario.from_table(data), clock=clock)
-
-    @classmethod
-    def from_argument(cls: type[_M], arg: str, *, clock: Callable[[], float]) -> _M:
-        """``--simulate``'s argument: a GPU count or the path of a TOML scenario."""
-        return cls.of(Scenario.from_argument(arg), clock=clock)
 
     # -- state -------------------------------------------------------------------------------
     def elapsed(self) -> float:

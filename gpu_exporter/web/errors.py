@@ -17,8 +17,7 @@ from flask import Flask, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Request, Response
 
-from gpu_exporter.choose.lease import LeaseError
-from gpu_exporter.choose.params import ApiError
+from gpu_exporter.choose.refusal import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ def _answer(status: int, code: str, message: str, param: str | None = None) -> f
     return cast(flask.Response, resp)  # built as Flask's Response class
 
 
-def _refused(exc: ApiError | LeaseError) -> flask.Response:
+def _refused(exc: ApiError) -> flask.Response:
     return _answer(exc.status, exc.code, exc.message, exc.param)
 
 
@@ -77,6 +76,5 @@ def register(app: Flask) -> None:
     """Answer every error of ``app``'s views by the contract: refusals with their own status
     and code, HTTP errors (404, 405 …) by name, anything else as a logged 500."""
     app.register_error_handler(ApiError, _refused)
-    app.register_error_handler(LeaseError, _refused)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)

@@ -16,10 +16,11 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 
-from gpu_exporter.choose.lease import Lease, LeaseError
+from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.memory import MEM_FRACTION_ENV, env_caps, usage_json
-from gpu_exporter.choose.params import BY_NAME, DEFAULT_LEASE_SECONDS, ApiError, bad
+from gpu_exporter.choose.params import BY_NAME, DEFAULT_LEASE_SECONDS, bad
 from gpu_exporter.choose.rank import Rejected, Selection, score
+from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import (
     check_params,
     parse_choose_args,
@@ -113,7 +114,7 @@ def choose_route() -> Response:
             req = replace(req, lease_seconds=0.0)
         key = claim_key(req.lease_seconds, requester)
         claimed = svc.claimer.claim(req, requester, key, connected=request.environ.get(CONNECTED))
-    except (ApiError, LeaseError) as exc:
+    except ApiError as exc:
         svc.requests.inc(exc.code)
         raise
     svc.requests.inc("ok")
