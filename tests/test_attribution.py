@@ -27,6 +27,7 @@ from gpu_exporter.choose.tokens import lease_id_of
 from gpu_exporter.collect.procinfo import ProcInfo, ProcInfoCache, ancestors, cgroup_key
 from gpu_exporter.model import GpuSample, ProcessSample, Snapshot
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, SimGpu, SimulatedNvml
+from harness import run as run_cli
 from served import served
 
 T = 1_800_000_000.0
@@ -451,6 +452,18 @@ def test_a_neighbours_growing_job_never_gets_my_gpu_granted_again(
             time.sleep(0.1)
         assert ex.daemon.cache.get().gpus[7].memory_used_bytes > 60 * GIB
         assert ex.daemon.leases.dropped["arrived"] == 0
+
+
+def test_gpu_exporter_choose_registers_the_job_scripts_shell() -> None:
+    """The command's parent (the job script's shell; here this test) is registered with the
+    lease by its token: registering by the public id was refused, so every `choose` printed
+    "could not register" and the lease had no PIDs."""
+    with served() as ex:
+        status, out, err = run_cli("choose", "--url", ex.url, "--max-util", "100%")
+        assert status == 0, err
+        assert "could not register" not in err
+        (held,) = client.leases(ex.url)
+        assert held.pids == (os.getpid(),)
 
 
 def test_the_client_registers_its_process_and_survives_an_older_server(tmp_path: Path) -> None:

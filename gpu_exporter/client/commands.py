@@ -260,9 +260,9 @@ def choose_main(args: argparse.Namespace) -> int:
             owner=args.owner,
             **filters_of(args),
         )
-        if answer.lease_id is not None:
+        if answer.lease_token is not None:
             # Our parent is the job script's shell: what it starts is the lease's work.
-            note = register_pids(answer.lease_id, [os.getppid()], answer.url)
+            note = register_pids(answer.lease_token, [os.getppid()], answer.url)
             if note is not None:
                 print(f"gpu-exporter: note: {note}", file=sys.stderr)
     except GpuExporterError as exc:

@@ -330,15 +330,15 @@ def register_pids(
     Never raises: a server from before 13.1 (404), a lease already ended or no answer leaves
     the lease as it was, ended early only by a new process nobody else claims.
     """
-    lease_id, base = _lease_ref(choice_or_id, url)
-    if lease_id is None:
+    ref, base = _lease_ref(choice_or_id, url)
+    if ref is None:
         return None
-    path, params = _lease_path(lease_id, "/pids"), {"pid": ",".join(str(p) for p in pids)}
+    path, params = _lease_path(ref, "/pids"), {"pid": ",".join(str(p) for p in pids)}
     try:
         request("POST", base, path, params, timeout=timeout, lease_endpoint=True)
     except GpuExporterError as exc:
-        note = (
-            f"could not register the job's process with lease {lease_id} (an older "
+        note = (  # the public id: a note is printed, and the token is the lease's secret
+            f"could not register the job's process with lease {lease_id_of(ref)} (an older "
             f"gpu-exporter?): {exc}; the lease works without it"
         )
         log.info("%s", note)
