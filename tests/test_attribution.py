@@ -460,7 +460,7 @@ def test_gpu_exporter_choose_registers_the_job_scripts_shell() -> None:
     "could not register" and the lease had no PIDs."""
     with served() as ex:
         status, out, err = run_cli("choose", "--url", ex.url, "--max-util", "100%")
-        assert status == 0, err
+        assert status == 0 and out.strip().startswith("GPU-"), err
         assert "could not register" not in err
         (held,) = client.leases(ex.url)
         assert held.pids == (os.getpid(),)

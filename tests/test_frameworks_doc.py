@@ -40,7 +40,13 @@ def exporter() -> Iterator[Served]:
 
 
 def _run(code: str, url: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "GPU_"))}
+    masks = (
+        "CUDA_",
+        "GPU_",
+        "SLURM_",
+        "NVIDIA_VISIBLE_DEVICES",
+    )  # a launcher's, test_allocation.py
+    env = {k: v for k, v in os.environ.items() if not k.startswith(masks)}
     env.update(GPU_EXPORTER_URL=url, PYTHONPATH=str(STANDINS))
     return subprocess.run(
         [sys.executable, "-c", code],

@@ -165,8 +165,10 @@ def test_run_reports_a_missing_command(exporter: Served) -> None:
 def test_run_warns_before_replacing_a_schedulers_cuda_visible_devices(
     exporter: Served,
 ) -> None:
+    """With --ignore-mask (test_allocation.py: without it, run chooses inside the mask)."""
     proc = cli(
-        "run", "--", sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])",
+        "run", "--ignore-mask", "--", sys.executable, "-c",
+        "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])",
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"},
     )  # fmt: skip
     status, out, err = finish(proc)

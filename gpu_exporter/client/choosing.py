@@ -39,6 +39,7 @@ def choose(
     hosts: Iterable[str] | str | None = None,
     max_age: Duration | None = None,
     selector: str | None = None,
+    ignore_mask: bool = False,
     **filters: FilterValue,
 ) -> Choice:
     """Choose ``n`` GPUs and lease them for ``lease`` (``0``: advice only, nothing reserved).
@@ -60,6 +61,9 @@ def choose(
     across a fleet instead of asking one host: all ``n`` GPUs on one host, leased by that
     host's exporter; the Choice's ``host`` says which, ``url`` is its exporter (renew and
     release go there). See :func:`choose_cluster`.
+
+    Inside a job a launcher gave GPUs (Slurm, a container, ``CUDA_VISIBLE_DEVICES``), only
+    those are chosen from; ``ignore_mask=True`` chooses among every GPU of the host.
     """
     if "format" in filters:
         raise TypeError("format is not a filter: choose() reads JSON; see choose_raw()")
@@ -72,7 +76,10 @@ def choose(
             **filters,
         )  # fmt: skip
         return fleet.placements[0]
-    return choose_host(n, url, lease=lease, wait=wait, owner=owner, timeout=timeout, **filters)
+    return choose_host(
+        n, url, lease=lease, wait=wait, owner=owner, timeout=timeout,
+        ignore_mask=ignore_mask, **filters,
+    )  # fmt: skip
 
 
 def choose_cluster(

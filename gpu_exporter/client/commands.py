@@ -96,6 +96,12 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         help="who holds the lease, shown on the status page and in /leases "
         "(default: your login name; '' for none)",
     )
+    parser.add_argument(
+        "--ignore-mask",
+        action="store_true",
+        help="choose among every GPU of this host, not only those a launcher gave this job "
+        "(CUDA_VISIBLE_DEVICES, SLURM_JOB_GPUS, NVIDIA_VISIBLE_DEVICES)",
+    )
     fleet = parser.add_argument_group(
         "across hosts (instead of --url): all N GPUs on one host, leased by its exporter"
     )
@@ -258,6 +264,7 @@ def choose_main(args: argparse.Namespace) -> int:
             lease=args.lease,
             wait=args.wait,
             owner=args.owner,
+            ignore_mask=args.ignore_mask,
             **filters_of(args),
         )
         if answer.lease_token is not None:

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import urllib.parse
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gpu_exporter.choose.memory import caps_env
 from gpu_exporter.choose.tokens import IDEMPOTENCY_HEADER, lease_id_of
+from gpu_exporter.client.allocation import HostGpu, allocation
 from gpu_exporter.client.query import (
     Duration,
     FilterValue,
@@ -213,6 +215,7 @@ def choose_raw(
     wait: Duration | None = None,
     owner: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    ignore_mask: bool = False,
     **filters: FilterValue,
 ) -> ChooseAnswer:
     """Ask ``/choose`` and return its body untouched (``"GPU-a,GPU-b\\n"``) and lease.
@@ -222,9 +225,14 @@ def choose_raw(
     answer comes back (timeout, reset), the claim is sent once more with the same key: the
     server answers a retry of a granted claim with the same lease, so a retry never takes
     a second lease.
+
+    Inside a job a launcher gave GPUs (Slurm, a container, ``CUDA_VISIBLE_DEVICES``), only
+    those are chosen from (:mod:`~gpu_exporter.client.allocation`); ``ignore_mask`` chooses
+    among every GPU of the host.
     """
     base = resolve_url(url)
-    params = choose_params(n, format, lease, wait, owner, filters)
+    asked = filters if ignore_mask else within_allocation(filters, lambda: host_gpus(base, timeout))
+    params = choose_params(n, format, lease, wait, owner, asked)
     waited = duration_seconds(wait) if wait is not None else None
     headers = {IDEMPOTENCY_HEADER: f'"{uuid.uuid4()}"'}  # the draft's structured-field string
     for attempt in (1, 2):
@@ -242,6 +250,33 @@ def choose_raw(
     return ChooseAnswer(body, lease_id_of(token) if token else None, base, token)
 
 
+def within_allocation(
+    filters: Mapping[str, FilterValue], gpus: Callable[[], Sequence[HostGpu]]
+) -> Mapping[str, FilterValue]:
+    """``filters`` with ``include=`` this job's GPUs, where a launcher gave it some."""
+    found = allocation(os.environ, gpus)
+    if found is None:
+        return filters
+    if filters.get("include") not in (None, "", (), []):
+        raise GpuExporterError(
+            f"include= and this job's GPUs ({found.source}) together: leave include= out to "
+            "choose among the job's GPUs, or add --ignore-mask (ignore_mask=True)"
+        )
+    return {**filters, "include": ",".join(found.include)}
+
+
+def host_gpus(base: str, timeout: float) -> list[HostGpu]:
+    """The whole GPUs of the host the exporter at ``base`` serves (``/gpus``)."""
+    body = request("GET", base, "/gpus", timeout=timeout).body
+    try:
+        listed = json.loads(body)["gpus"]
+        return [
+            HostGpu(g["index"], g["uuid"], g["pci_bus_id"] or "", g["name"] or "") for g in listed
+        ]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GpuExporterError(f"{base}/gpus: unexpected answer ({exc})") from None
+
+
 def choose_host(
     n: int,
     url: str | None,
@@ -250,12 +285,14 @@ def choose_host(
     wait: Duration | None,
     owner: str | None,
     timeout: float,
+    ignore_mask: bool = False,
     **filters: FilterValue,
 ) -> Choice:
     """:func:`gpu_exporter.client.choose` on the one exporter at ``url``."""
     answer = choose_raw(
-        n, url, format="json", lease=lease, wait=wait, owner=owner, timeout=timeout, **filters
-    )
+        n, url, format="json", lease=lease, wait=wait, owner=owner, timeout=timeout,
+        ignore_mask=ignore_mask, **filters,
+    )  # fmt: skip
     try:
         return Choice.from_json(
             json.loads(answer.body), url=answer.url, lease_header=answer.lease_token

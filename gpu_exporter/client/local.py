@@ -25,7 +25,8 @@ from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.rank import choose as rank_and_choose
 from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_choose_args
-from gpu_exporter.client.hostapi import Choice, choose_host
+from gpu_exporter.client.allocation import HostGpu
+from gpu_exporter.client.hostapi import Choice, choose_host, within_allocation
 from gpu_exporter.client.query import Duration, FilterValue, filter_value
 from gpu_exporter.client.transport import (
     GpuExporterError,
@@ -42,7 +43,12 @@ OpenNvml: TypeAlias = "Callable[[], Nvml]"
 
 
 def choose_locally(
-    n: int, filters: Mapping[str, FilterValue], *, url: str = "", open_nvml: OpenNvml | None = None
+    n: int,
+    filters: Mapping[str, FilterValue],
+    *,
+    url: str = "",
+    open_nvml: OpenNvml | None = None,
+    ignore_mask: bool = False,
 ) -> Choice:
     """Rank this host's GPUs through NVML, as the server would, but with no lease.
 
@@ -90,6 +96,11 @@ def choose_locally(
         nvml.shutdown()
     if not samples:
         raise GpuExporterError("NVML sees no GPU on this host; refusing to run without a GPU")
+    if not ignore_mask:  # inside what a launcher gave this job, as the server path does
+        whole = [HostGpu(g.index, g.uuid, g.pci_bus_id or "", g.name or "") for g in samples]
+        masked = within_allocation(given, lambda: whole)
+        if masked is not given:
+            local_filters, sort = _local_filters(masked)
     try:
         picked = rank_and_choose(samples, n, local_filters, sort=sort).chosen
     except NotEnoughGpus as exc:
@@ -127,6 +138,7 @@ def choose_or_fallback(
     filters: Mapping[str, FilterValue],
     stacklevel: int = 2,
     open_nvml: OpenNvml | None = None,
+    ignore_mask: bool = False,
 ) -> Choice:
     """:func:`~gpu_exporter.client.hostapi.choose_host`; if no server answers and
     ``local_fallback``, :func:`choose_locally` (with NVML from ``open_nvml``).
@@ -136,7 +148,10 @@ def choose_or_fallback(
     :class:`GpuExporterError` says so instead of choosing without them.
     """
     try:
-        return choose_host(n, url, lease=lease, wait=wait, owner=owner, timeout=timeout, **filters)
+        return choose_host(
+            n, url, lease=lease, wait=wait, owner=owner, timeout=timeout,
+            ignore_mask=ignore_mask, **filters,
+        )  # fmt: skip
     except ServerUnreachable as exc:
         if not local_fallback:
             raise
@@ -148,7 +163,9 @@ def choose_or_fallback(
             ) from None
         unreachable = exc
     try:
-        choice = choose_locally(n, filters, url=unreachable.url, open_nvml=open_nvml)
+        choice = choose_locally(
+            n, filters, url=unreachable.url, open_nvml=open_nvml, ignore_mask=ignore_mask
+        )
     except NoGpusAvailable:
         raise
     except GpuExporterError as exc:

@@ -148,6 +148,7 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
                         timeout=DEFAULT_TIMEOUT_SECONDS,
                         local_fallback=args.local_fallback,
                         filters=filters_of(args),
+                        ignore_mask=args.ignore_mask,
                         open_nvml=open_nvml,
                     )
             keeper, note = keep(choice)  # COMMAND, our child, is this process's work
@@ -155,7 +156,7 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
                 print(f"{prefix}note: {note}", file=sys.stderr)
             if not args.quiet:
                 print(f"{prefix}{_describe(choice, keeper)}", file=sys.stderr)
-            replacing = replaced_visible_devices(choice)
+            replacing = replaced_visible_devices(choice) if args.ignore_mask else None
             if replacing is not None:
                 print(f"{prefix}warning: {replacing}", file=sys.stderr)
             env = {**os.environ, **choice.env()}

@@ -185,7 +185,8 @@ _ENV_KEYS = (
 
 
 def replaced_visible_devices(choice: Choice) -> str | None:
-    """A warning when ``choice`` would replace a different CUDA_VISIBLE_DEVICES already set.
+    """A warning when ``choice`` would replace a different CUDA_VISIBLE_DEVICES already set
+    (asked with ``ignore_mask``: otherwise the choice is inside it).
 
     Slurm and the Kubernetes device plugin set it to the GPUs they allocated; replacing it
     silently would put a job on cards the scheduler gave someone else.
@@ -209,12 +210,14 @@ class GpuSession:
         timeout: float,
         on_unavailable: OnUnavailable,
         framework: str | None,
+        ignore_mask: bool = False,
     ) -> None:
         self._choose = choose  # choose_or_fallback with the request's arguments
         self._url = url
         self._timeout = timeout
         self._on_unavailable = on_unavailable
         self._framework = framework
+        self._ignore_mask = ignore_mask  # then replacing a launcher's mask is warned about
         self.choice: Choice | None = None
         self.keeper: LeaseKeeper | None = None
         self._saved: dict[str, str | None] = {}
@@ -241,7 +244,7 @@ class GpuSession:
         self.choice = choice
         try:
             self.keeper, _ = keep(choice, self._timeout)
-            replacing = replaced_visible_devices(choice)
+            replacing = replaced_visible_devices(choice) if self._ignore_mask else None
             if replacing is not None:
                 warnings.warn(replacing, GpuExporterWarning, stacklevel=2)
             self._saved = {key: os.environ.get(key) for key in _ENV_KEYS}
@@ -299,6 +302,7 @@ def use_gpus(
     open_nvml: OpenNvml | None = None,
     on_unavailable: OnUnavailable = "error",
     framework: str | None = None,
+    ignore_mask: bool = False,
     **filters: FilterValue,
 ) -> GpuSession:
     """Run a block on ``n`` GPUs that nobody else is handed meanwhile.
@@ -330,6 +334,11 @@ def use_gpus(
     Environment variables that look like typos of ``CUDA_VISIBLE_DEVICES`` (which CUDA
     silently ignores) are warned about.
 
+    Inside a job a launcher already gave GPUs (Slurm's ``SLURM_JOB_GPUS``, a container's
+    ``NVIDIA_VISIBLE_DEVICES``, an outer ``CUDA_VISIBLE_DEVICES``), only those are chosen
+    from (:mod:`~gpu_exporter.client.allocation`); ``ignore_mask=True`` chooses among every
+    GPU of the host, and warns when it replaces a ``CUDA_VISIBLE_DEVICES`` already set.
+
     ``mem="8GiB"`` asks for a memory lease: that much of each card, on cards shared with other
     such jobs; the environment then also carries the caps (``GPU_MEM_LIMIT_BYTES``,
     ``GPU_MEM_FRACTION``, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` …), and ``framework`` applies the
@@ -354,5 +363,6 @@ def use_gpus(
         local_fallback=local_fallback,
         filters=dict(filters),
         open_nvml=open_nvml,
+        ignore_mask=ignore_mask,
     )
-    return GpuSession(choose, url, timeout, on_unavailable, framework)
+    return GpuSession(choose, url, timeout, on_unavailable, framework, ignore_mask)
