@@ -249,7 +249,7 @@ def test_more_gpus_than_could_ever_qualify_are_refused_at_once() -> None:
         "n=5&wait=1h": "4 of 4 GPUs qualify, 5 requested; at most 4 of the 4 GPUs here could",
         "n=3&model=h100&wait=1h": "at most 2 of the 4 GPUs here could ever qualify (gpu 0: model",
         "n=1&min_total=100GiB&wait=1h": "total memory 80.0 GiB < min_total 100.0 GiB",
-        "n=1&min_free=81GiB&wait=1h": "total memory 80.0 GiB < min_free 81.0 GiB",
+        "n=1&min_free=81GiB&wait=1h": "usable memory 80.0 GiB < min_free 81.0 GiB",
         "n=1&mig=only&lease=0&wait=1h": "gpu 0: not a MIG device (mig=only)",
         "n=3&exclude=0,1&wait=1h": "gpu 1: excluded",
     }

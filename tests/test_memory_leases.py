@@ -130,8 +130,8 @@ def test_a_size_no_card_could_ever_hold_is_refused_at_once_even_with_wait() -> N
     assert resp.status_code == 503
     body = resp.get_json()["error"]
     assert body["code"] == "not_enough_gpus" and body["param"] == "mem"
-    assert "can never fit here" in body["message"]
-    assert "takes 79.0 GiB" in body["message"]  # 81,386 - 512 MiB
+    assert "can never fit" in body["message"]
+    assert "headroom is 79.0 GiB" in body["message"]  # 81,386 - 512 MiB
 
 
 def test_advice_says_which_card_would_take_it_and_claims_nothing() -> None:

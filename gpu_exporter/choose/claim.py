@@ -13,8 +13,9 @@ one request at a time per thread. What a request does, and what it blocks:
 * Advice (``lease=0``) never joins the queue and ignores reservations: it answers from the
   current sample and leases. With ``wait=`` it may still wait for GPUs to become free, in a
   ``--max-waiters`` slot but without a place in the queue, so it blocks nobody.
-* ``n`` more than the GPUs here could ever give under the request's fixed filters (device
-  count, kind, ``include``/``exclude``, ``model``, total memory;
+* ``n`` more than the GPUs here could ever give under what no job changes (device count,
+  kind, ``include``/``exclude``, ``model``, total memory against ``min_free`` and ``mem``,
+  the fields a card cannot report, MIG devices per answer;
   :func:`~gpu_exporter.choose.filters.never_enough`) is refused at once, never waited for.
 * Waiting holds one of the ``--max-waiters`` slots (:class:`Waiters`, shared by everything
   that long-polls) until the request ends, so long-polling clients can never take every
@@ -298,8 +299,10 @@ class Claimer:
                 mem=req.mem_bytes,
             )
         except NotEnoughGpus as exc:
-            never = never_enough(snapshot.gpus, req.n, req.filters)
+            headroom = self._table.mem_headroom_bytes
+            never = never_enough(snapshot.gpus, req.n, req.filters, req.mem_bytes, headroom)
             if never is not None:  # waiting cannot help: refused at once
-                raise ApiError(503, "not_enough_gpus", f"{exc}; {never}") from None
+                blamed = "mem" if "can never fit" in never else None
+                raise ApiError(503, "not_enough_gpus", f"{exc}; {never}", blamed) from None
             return ApiError(503, "not_enough_gpus", str(exc))
         return Claimed(choice, lease, snapshot, now)

@@ -154,43 +154,93 @@ def _identity_reasons(reasons: list[str], gpu: GpuSample, filters: Filters) -> N
         reasons.append("excluded")
 
 
-def never_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
-    """Why ``gpu`` can never qualify under ``filters``, whatever its load; empty when it might.
+# The fields each filter reads (GpuSample.fields_supported's names): a filter the request
+# gave on a field the device answered NOT_SUPPORTED for can never pass there.
+_FILTER_FIELDS = (
+    ("max_util", "max_util_ratio", "utilization"),
+    ("max_mem_util", "max_mem_util_ratio", "utilization"),
+    ("max_procs", "max_procs", "processes"),
+    ("min_free", "min_free_bytes", "memory"),
+)
+
+
+def never_reasons(
+    gpu: GpuSample, filters: Filters, mem: int | None = None, headroom: int = 0
+) -> tuple[str, ...]:
+    """Why ``gpu`` can never qualify under ``filters`` (and a memory lease of ``mem`` with
+    ``headroom`` kept free), whatever its load; empty when it might.
 
     Only what no job changes counts: the device's kind (whole card or MIG device, MIG mode),
-    ``include``/``exclude``, its model and its total memory (also against ``min_free``). A GPU
-    that is down, or a figure it does not report, might still come good.
+    ``include``/``exclude``, its model, its total memory less the driver's reservation (against
+    ``min_total``, ``min_free`` and ``mem``), and what it cannot report (a field NVML answered
+    NOT_SUPPORTED for, utilization in MIG mode) where the request filters on it. A GPU that
+    is down, or a figure that failed once, might still come good.
     """
     mig_reason = _mig_reason(gpu, filters.mig)
     if mig_reason is not None:
         return (mig_reason,)
     reasons: list[str] = []
     _identity_reasons(reasons, gpu, filters)
-    if filters.model is not None and gpu.name and filters.model.lower() not in gpu.name.lower():
-        reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
+    if filters.model is not None:  # a name is read once: unknown on a GPU up stays unknown
+        if gpu.name is None and gpu.up:
+            reasons.append("model unknown")
+        elif gpu.name and filters.model.lower() not in gpu.name.lower():
+            reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
     total = gpu.memory_total_bytes
     if total is not None:
+        usable = total - (gpu.memory_reserved_bytes or 0)
         _limit(reasons, "total memory", total, filters.min_total_bytes, "min_total", ())
-        _limit(reasons, "total memory", total, filters.min_free_bytes, "min_free", ())
+        _limit(reasons, "usable memory", usable, filters.min_free_bytes, "min_free", ())
+        if mem is not None and usable - headroom < mem:
+            reasons.append(
+                f"mem={format_bytes(mem)} can never fit: its total less the driver's "
+                f"reservation and {format_bytes(headroom)} headroom is "
+                f"{format_bytes(max(0, usable - headroom))}"
+            )
+    if mem is not None and (gpu.is_mig_device or gpu.mig_mode_enabled or gpu.mig_devices):
+        reasons.append("memory leases take shares of whole cards, not MIG")
+    unsupported = {field for field, ok in gpu.fields_supported if not ok}
+    if gpu.is_mig_device or gpu.mig_mode_enabled:
+        unsupported.add("utilization")  # NVML reports none for MIG (README, MIG)
+    for param, attribute, field in _FILTER_FIELDS:
+        given = getattr(filters, attribute) is not None and param not in filters.defaulted
+        if given and field in unsupported:
+            reasons.append(f"cannot report its {field} ({param})")
     return tuple(reasons)
 
 
-def never_enough(gpus: Iterable[GpuSample], n: int, filters: Filters) -> str | None:
-    """Why ``n`` devices can never qualify here under ``filters`` (too few devices, or too
-    few that the filters' fixed limits could ever accept), or None when they might.
+def never_enough(
+    gpus: Iterable[GpuSample],
+    n: int,
+    filters: Filters,
+    mem: int | None = None,
+    headroom: int = 0,
+) -> str | None:
+    """Why ``n`` devices can never qualify here under ``filters`` (and ``mem``): too few
+    devices, too few that the fixed limits could ever accept, or more MIG devices than one
+    answer may name; None when they might.
 
     >>> gpu = GpuSample(index=0, uuid="GPU-0", up=True, memory_total_bytes=40 * 2**30)
     >>> never_enough([gpu], 2, Filters()), never_enough([gpu], 1, Filters()) is None
     ('at most 1 of the 1 GPU here could ever qualify', True)
     """
-    possible, never = 0, []
+    whole = mig = 0
+    never = []
     devices = candidates(gpus, filters.mig)
     for gpu in devices:
-        reasons = never_reasons(gpu, filters)
+        reasons = never_reasons(gpu, filters, mem, headroom)
         if reasons:
             never.append(f"gpu {gpu.index}: {', '.join(reasons)}")
+        elif gpu.is_mig_device:
+            mig += 1
         else:
-            possible += 1
+            whole += 1
+    # One answer holds one kind (mig=allow: the kind that has n) and at most
+    # max_mig_devices MIG devices.
+    if filters.max_mig_devices is not None and mig > filters.max_mig_devices:
+        never.append(f"one answer names at most {plural(filters.max_mig_devices, 'MIG device')}")
+        mig = filters.max_mig_devices
+    possible = max(whole, mig)
     if possible >= n:
         return None
     details = f" ({'; '.join(never)})" if never else ""

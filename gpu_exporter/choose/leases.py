@@ -44,7 +44,6 @@ from gpu_exporter.choose.memory import (
     card_memory,
     memory_fit,
     memory_leases,
-    never_fits,
     shared_cards,
 )
 from gpu_exporter.choose.persistence import Persistence
@@ -237,9 +236,6 @@ class LeaseTable:
                 leased.update(shared_cards(self._leases.values()))
             else:
                 headroom = self.mem_headroom_bytes
-                never = never_fits(snapshot.gpus, mem, headroom)
-                if never is not None:  # waiting cannot help
-                    raise ApiError(503, "not_enough_gpus", never, "mem")
                 wanted = {  # what the request could have but for memory: a refusal's note
                     g.uuid
                     for g in snapshot.gpus

@@ -219,23 +219,6 @@ def memory_fit(
     return MemoryFit(refused, room, note)
 
 
-def never_fits(gpus: Iterable[GpuSample], mem: int, headroom: int) -> str | None:
-    """Why no card here could ever take ``mem`` (even idle), or None."""
-    usable = [
-        (g.memory_total_bytes or 0) - (g.memory_reserved_bytes or 0)
-        for g in gpus
-        if g.up and not g.is_mig_device and not _in_mig_mode(g)
-    ]
-    most = max(usable, default=0)
-    if mem + headroom <= most:
-        return None
-    return (
-        f"mem={format_bytes(mem)} can never fit here: the largest card takes "
-        f"{format_bytes(max(0, most - headroom))} (its total, less the driver's reservation "
-        f"and {format_bytes(headroom)} headroom)"
-    )
-
-
 def usage_json(lease: Lease, gpus: Iterable[GpuSample], leases: Iterable[Lease]) -> list[Any]:
     """``/leases``' ``memory`` of a memory lease: per card, the bytes and PIDs attributed to
     it now (empty before the first sample shows its cards)."""
