@@ -29,6 +29,7 @@ CHOOSE_RESULTS = (
     "ok",
     "invalid_parameter",
     "unknown_parameter",
+    "unsupported_media_type",
     "mig_single_device",
     "invalid_idempotency_key",
     "idempotency_key_reused",

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
+from werkzeug.datastructures import MultiDict
 
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.memory import MEM_FRACTION_ENV, env_caps, usage_json
@@ -83,7 +84,36 @@ def authorized(ref: str) -> str:
     return services().leases.authorize(ref, admin=is_lease_admin())
 
 
-def claim_key(lease_seconds: float, requester: str) -> ClaimKey | None:
+def choose_params() -> MultiDict[str, str]:
+    """``/choose``'s parameters: the query string, and a form or a JSON object body under the
+    same names (a list is a comma-separated value), validated alike; a name given twice is
+    the validator's 400 as in a query string. Any other body is 415: never ignored."""
+    params: MultiDict[str, str] = MultiDict(request.args)
+    if not request.content_length and not request.headers.get("Transfer-Encoding"):
+        return params
+    if request.mimetype == "application/x-www-form-urlencoded":
+        params.update(request.form)
+        return params
+    if request.mimetype != "application/json" and not request.mimetype.endswith("+json"):
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"a body of type {request.mimetype or 'unknown'!r} is not read: give the "
+            "parameters in the query string, a form, or a JSON object",
+        )
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_parameter", "the JSON body must be an object of parameters")
+    for name, value in body.items():
+        if isinstance(value, list) and all(isinstance(v, (str, int)) for v in value):
+            value = ",".join(str(v) for v in value)
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ApiError(400, "invalid_parameter", f"{name}: expected text or a number", name)
+        params.add(str(name), str(value))
+    return params
+
+
+def claim_key(lease_seconds: float, requester: str, given: MultiDict[str, str]) -> ClaimKey | None:
     """The request's ``Idempotency-Key``, to match retries by; 400 if malformed."""
     headers = request.headers.getlist(IDEMPOTENCY_HEADER)
     if not headers:
@@ -96,7 +126,7 @@ def claim_key(lease_seconds: float, requester: str) -> ClaimKey | None:
         raise ApiError(400, "invalid_idempotency_key", str(exc)) from None
     if lease_seconds <= 0:
         return None  # advice claims nothing, so there is nothing to repeat
-    params = [(name, v) for name, values in request.values.lists() for v in values]
+    params = [(name, v) for name, values in given.lists() for v in values]
     return ClaimKey(key, requester, request_hash(params))
 
 
@@ -105,14 +135,15 @@ def choose_route() -> Response:
     svc = services()
     requester = request.remote_addr or "unknown"
     try:
+        given = choose_params()
         req = parse_choose_args(
-            request.values,
+            given,
             defaults=svc.choose_defaults,
             max_idle_for_seconds=svc.max_idle_for_seconds,
         )
         if request.method == "HEAD":  # a link checker or monitor must never take a GPU
             req = replace(req, lease_seconds=0.0)
-        key = claim_key(req.lease_seconds, requester)
+        key = claim_key(req.lease_seconds, requester, given)
         claimed = svc.claimer.claim(req, requester, key, connected=request.environ.get(CONNECTED))
     except ApiError as exc:
         svc.requests.inc(exc.code)

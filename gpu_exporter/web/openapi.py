@@ -225,6 +225,8 @@ def _errors(*statuses: int, **override: str) -> dict[str, Any]:
         429: "Over a lease limit, or this client already has --max-waiters-per-requester "
         "requests waiting (too_many_waiters).",
         414: "The query string is longer than 4096 bytes (uri_too_long).",
+        415: "A body that is neither a form nor a JSON object (unsupported_media_type): it is "
+        "never ignored.",
         503: "Not enough GPUs qualify (not_enough_gpus), NVML is unavailable "
         "(nvml_unavailable), the sample is stale (snapshot_stale), the server is at its "
         "request or waiter limit (too_many_requests with Retry-After, too_many_waiters), "
@@ -233,6 +235,28 @@ def _errors(*statuses: int, **override: str) -> dict[str, Any]:
     }
     described.update({int(k.removeprefix("s")): v for k, v in override.items()})
     return {str(s): _answer(described[s], json=_ref("Error"), text=_type(STRING)) for s in statuses}
+
+
+def _with_body(choose_op: dict[str, Any]) -> dict[str, Any]:
+    """``POST /choose``: the same parameters in the query string, a form or a JSON object
+    (a list for include/exclude), validated alike."""
+    properties = {
+        p["name"]: {"anyOf": [p["schema"], {"type": "number"}, _array(_type(STRING))]}
+        for p in choose_op["parameters"]
+    }
+    body = {"type": "object", "properties": properties, "additionalProperties": False}
+    return {
+        **choose_op,
+        "operationId": "choosePost",
+        "requestBody": {
+            "required": False,
+            "content": {
+                "application/json": {"schema": body},
+                "application/x-www-form-urlencoded": {"schema": body},
+            },
+        },
+        "responses": {**choose_op["responses"], **_errors(415)},
+    }
 
 
 def _answer(description: str, **schemas: Any) -> dict[str, Any]:
@@ -331,7 +355,7 @@ def document() -> dict[str, Any]:
         # No credentials, or HTTP basic auth when the exporter is configured for it.
         "security": [{}, {"basicAuth": []}],
         "paths": {
-            "/choose": {"get": choose_op, "post": {**choose_op, "operationId": "choosePost"}},
+            "/choose": {"get": choose_op, "post": _with_body(choose_op)},
             "/cluster/choose": {"get": cluster_op},
             "/leases": {
                 "get": {
