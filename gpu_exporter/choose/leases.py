@@ -101,6 +101,7 @@ class LeaseTable:
     ) -> None:
         self._clock = clock
         self.mem_headroom_bytes = mem_headroom_bytes  # kept free on a card memory leases share
+        self._renewed_by_id: set[str] = set()  # leases whose renewal by id was logged
         # pid → its cgroup key (procinfo.read_cgroup_key, injected: choose/ reads no /proc)
         self._cgroup_of = cgroup_of
         self._file = Persistence(
@@ -158,8 +159,13 @@ class LeaseTable:
             )
         return lease
 
-    def authorize(self, ref: str, *, admin: bool = False) -> str:
+    def authorize(self, ref: str, *, admin: bool = False, renewing_for: str | None = None) -> str:
         """The id of the lease ``ref`` (its token) may change; ``admin`` may change any by id.
+
+        ``renewing_for``: a renewal from this requester. A client from before lease tokens
+        renews by the id; renewing never takes a card from anyone, so the requester that
+        claimed the lease may still do that (logged once per lease, as deprecated), and only
+        that: release and the rest take the token.
 
         404 ``unknown_lease`` when no such lease is active, 403 ``forbidden`` when ``ref`` is
         not its token. Never echoes ``ref``, which may be a token.
@@ -167,11 +173,22 @@ class LeaseTable:
         lease = self.get(lease_id_of(ref))
         if admin or lease.accepts(ref):
             return lease.id
+        if ref == lease.id and renewing_for is not None and renewing_for == lease.requester:
+            if lease.id not in self._renewed_by_id:
+                self._renewed_by_id &= set(self._leases)  # only active leases' ids stay
+                self._renewed_by_id.add(lease.id)
+                log.warning(
+                    "lease %s renewed by its id from %s, which claimed it: a client from "
+                    "before lease tokens; renewing by id is deprecated (use the token)",
+                    lease.id,
+                    renewing_for,
+                )
+            return lease.id
         if ref == lease.id:
             message = (
                 f"lease {lease.id} can only be renewed or released with its token "
                 "(the X-GPU-Lease header, $GPU_LEASE or lease.token of the claim's answer), "
-                "not its id"
+                "not its id (only the address that claimed it may still renew it by id)"
             )
         else:
             message = f"wrong token for lease {lease.id}"

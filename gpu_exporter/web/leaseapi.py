@@ -243,7 +243,12 @@ def renew_lease(lease_id: str) -> Response:
     if ttl is not None and ttl <= 0:
         bad("ttl", "ttl must be more than 0; DELETE the lease to release it")
     lease_seconds = DEFAULT_LEASE_SECONDS if ttl is None else ttl
-    lease = services().leases.renew(authorized(lease_id), lease_seconds)
+    svc = services()
+    requester = request.remote_addr or "unknown"
+    leases = svc.leases
+    lease = leases.renew(
+        leases.authorize(lease_id, admin=is_lease_admin(), renewing_for=requester), lease_seconds
+    )
     return jsonify(lease.to_json())
 
 
