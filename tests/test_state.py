@@ -546,6 +546,21 @@ def test_malformed_entries_withhold_the_gpus_they_name(tmp_path: Path) -> None:
     assert s.client.get("/choose?n=3&lease=0").status_code == 200  # the leases ended too
 
 
+def test_malformed_entries_naming_more_gpus_than_a_host_has_withhold_every_gpu(
+    tmp_path: Path,
+) -> None:
+    """Names are withheld one by one up to 4096; past that, the entry is no list of GPUs."""
+    clock = FakeClock()
+    junk = {"id": "x", "held": [f"GPU-{i}" for i in range(5000)]}
+    state = tmp_path / "leases.json"
+    state.write_text(json.dumps({"version": 1, "leases": [junk]}))
+    os.utime(state, (clock.time(), clock.time()))
+    s = build_stack(idle_sim(2), clock=clock, state_dir=str(tmp_path))
+    s.sample()
+    assert s.client.get("/choose?n=1").status_code == 503
+    assert json.loads(state.read_text())["withheld"][0]["gpus"] is None
+
+
 def test_a_leases_json_over_the_size_limit_is_set_aside(tmp_path: Path) -> None:
     """Issue 28.5: read no further than 16 MiB; what is larger is no lease table we wrote."""
     clock = FakeClock()

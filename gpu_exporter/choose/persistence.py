@@ -14,7 +14,7 @@ stays refused (409 ``lease_ended``) after a restart.
 
 A file that was read and not trusted (set aside as not a lease table, or with malformed
 entries) may have held leases nobody can see any more: the GPUs it could have named (every
-GPU for a file set aside, the strings of the malformed entries otherwise) are **withheld**
+GPU for a file set aside, the GPU UUIDs in the malformed entries otherwise) are **withheld**
 from claims until ``--max-lease`` after the file last changed (no lease in it could end
 later), never before the restart plus ``--max-lease``. The withheld GPUs are saved with the
 table, so a second restart keeps them; ``--discard-leases`` starts with none of it.

@@ -49,6 +49,8 @@ STATE_VERSION = 1
 LOCK_NAME = "lock"
 MAX_STATE_BYTES = 16 * 2**20  # a lease table of 500 leases with 64 PIDs each is under 2 MiB
 MAX_DEPTH = 16  # a lease table is 5 deep: {"leases": [{"held": [[uuid, …, [pid, …]]]}]}
+UUID_PREFIXES = ("GPU-", "MIG-")  # how NVML's UUIDs begin
+MAX_NAMES = 4096  # GPU names withheld one by one after malformed entries; more: every GPU
 DISCARD_ADVICE = "start once with --discard-leases if no job holds a lease from it"
 # Opening a file in the state directory: never through a link, never into a child process.
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -209,7 +211,7 @@ class StateFile:
                     take(entry)
                 except ValueError as exc:
                     errors.append(str(exc))
-                    names.update(strings_in(entry))
+                    names.update(s for s in strings_in(entry) if s.startswith(UUID_PREFIXES))
         if not errors:
             return Loaded(tuple(leases), 0, ended, tuple(withheld))
         with contextlib.suppress(OSError):  # a copy: the good entries are written back
@@ -221,7 +223,9 @@ class StateFile:
             errors[0],
             self.aside,
         )
-        doubt = Doubt(mtime, tuple(sorted(names)), f"{self.path.name} had malformed entries")
+        # More names than a host has GPUs is no list of GPUs: then every GPU is in doubt.
+        named = tuple(sorted(names)) if len(names) <= MAX_NAMES else None
+        doubt = Doubt(mtime, named, f"{self.path.name} had malformed entries")
         return Loaded(tuple(leases), len(errors), ended, tuple(withheld), doubt)
 
 
