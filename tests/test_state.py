@@ -561,6 +561,23 @@ def test_malformed_entries_naming_more_gpus_than_a_host_has_withhold_every_gpu(
     assert json.loads(state.read_text())["withheld"][0]["gpus"] is None
 
 
+@pytest.mark.parametrize(
+    "junk", [5, "GPU-a", {"GPU-b": 1}, [["k", 10**400]], [["k", True]], [{"until": 1e400}]]
+)
+def test_junk_beside_the_leases_is_skipped(tmp_path: Path, junk: Any) -> None:
+    """``ended_keys`` and ``withheld`` are read as carefully as the leases (no overflow)."""
+    clock = FakeClock()
+    state = tmp_path / "leases.json"
+    text = json.dumps({"leases": [], "ended_keys": junk, "withheld": junk})
+    state.write_text(text)
+    os.utime(state, (clock.time(), clock.time()))
+    s = build_stack(idle_sim(2), clock=clock, state_dir=str(tmp_path))
+    s.sample()
+    assert s.client.get("/choose?n=1").status_code == 200  # it names no GPU of this host
+    assert (tmp_path / "leases.corrupt").read_text() == text
+    assert json.loads(state.read_text())["ended_keys"] == []
+
+
 def test_a_leases_json_over_the_size_limit_is_set_aside(tmp_path: Path) -> None:
     """Issue 28.5: read no further than 16 MiB; what is larger is no lease table we wrote."""
     clock = FakeClock()

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu_exporter.choose.lease import Lease
+from gpu_exporter.choose.lease import MAX_UNIX_TIME, Lease
 from gpu_exporter.units import plural
 
 log = logging.getLogger(__name__)
@@ -97,11 +97,10 @@ class Withheld:
             isinstance(uuids, list) and all(isinstance(u, str) for u in uuids)
         ):
             raise ValueError("a withheld entry's 'gpus' must be null or a list of strings")
-        if isinstance(until, bool) or not isinstance(until, (int, float)) or until != until:
-            raise ValueError("a withheld entry's 'until' must be a number")
         if not isinstance(why, str):
             raise ValueError("a withheld entry's 'why' must be a string")
-        return cls(None if uuids is None else tuple(uuids), float(until), why)
+        until = unix_time(until, "a withheld entry's 'until'")
+        return cls(None if uuids is None else tuple(uuids), until, why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +205,11 @@ class StateFile:
             ("withheld", lambda x: withheld.append(Withheld.from_state(x))),
         ]
         for key, take in sections:
-            for entry in data.get(key) or ():
+            section = data.get(key) or []
+            for entry in section if isinstance(section, list) else [section]:
                 try:
+                    if entry is section:
+                        raise ValueError(f"{key!r} must be a list")
                     take(entry)
                 except ValueError as exc:
                     errors.append(str(exc))
@@ -230,15 +232,19 @@ class StateFile:
 
 
 def _ended_key(entry: object) -> tuple[str, float]:
-    if not (
-        isinstance(entry, list)
-        and len(entry) == 2
-        and isinstance(entry[0], str)
-        and isinstance(entry[1], (int, float))
-        and not isinstance(entry[1], bool)
-    ):
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
         raise ValueError("each of 'ended_keys' must be [key_hash, until]")
-    return entry[0], float(entry[1])
+    return entry[0], unix_time(entry[1], "an ended key's 'until'")
+
+
+def unix_time(value: object, what: str) -> float:
+    """``value`` as a Unix time; :class:`ValueError` for anything else (a huge integer too,
+    before ``float()`` could overflow)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number")
+    if not 0 <= value <= MAX_UNIX_TIME:  # also false for NaN
+        raise ValueError(f"{what} is not a Unix time: {value!r:.40}")
+    return float(value)
 
 
 def read_regular(path: Path, limit: int) -> tuple[bytes, float] | None:
