@@ -137,8 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("state-dir", None),
         metavar="DIR",
         help="keep leases in DIR/leases.json so a restart never re-issues claimed GPUs; DIR "
-        "must be writable and is locked: one exporter per DIR "
+        "must be writable by this user alone and is locked: one exporter per DIR "
         "(default: $STATE_DIRECTORY as systemd sets it, else ~/.local/state/gpu-exporter)",
+    )
+    serve.add_argument(
+        "--discard-leases",
+        action="store_true",
+        default=_env_bool("discard-leases"),
+        help="start without the leases in DIR/leases.json (moved, unread, to "
+        "leases.discarded): for once, when no job holds one and the file cannot be read or "
+        "was set aside",
     )
     serve.add_argument(
         "--max-lease",

@@ -35,6 +35,7 @@ class ServeConfig:
     log_level: str = "info"
     max_age_seconds: float = 10.0
     state_dir: str | None = None  # None: leases are not kept across restarts
+    discard_leases: bool = False  # start without the leases (and withheld GPUs) in the state dir
     max_lease_seconds: float = 3600.0
     max_gpus_per_requester: int = 0  # 0: no limit
     mem_headroom_bytes: int = 512 * 2**20  # kept free on a card memory leases share

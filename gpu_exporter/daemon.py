@@ -35,7 +35,13 @@ from gpu_exporter import __version__
 from gpu_exporter.choose.claim import Claimer, Waiters
 from gpu_exporter.choose.defaults import parse_defaults
 from gpu_exporter.choose.leases import LeaseTable
-from gpu_exporter.choose.statefile import StateDirError, StateLock, lock_state_dir, probe_dir
+from gpu_exporter.choose.statefile import (
+    StateDirError,
+    StateFile,
+    StateLock,
+    lock_state_dir,
+    probe_dir,
+)
 from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.background import BackgroundThread
 from gpu_exporter.collect.cache import HISTORY_LENGTH, SnapshotCache, new_cache
@@ -157,17 +163,21 @@ def open_nvml(config: ServeConfig, clock: Clock) -> Nvml:
     return Nvml(lib, simulated=True)
 
 
-def state_file(state_dir: str | None) -> Path | None:
-    """``<state-dir>/leases.json`` (None: leases in memory only), once the directory is made
-    and a file in it was written. Raises :class:`BuildError` when it cannot be: an exporter
+def state_file(state_dir: str | None, *, discard: bool = False) -> StateFile | None:
+    """``<state-dir>/leases.json`` (None: leases in memory only), once the directory is made,
+    checked and a file in it was written; with ``discard`` (``--discard-leases``) the old
+    file is moved aside unread. Raises :class:`BuildError` when it cannot be: an exporter
     that cannot save its leases must not hand them out."""
     if state_dir is None:
         return None
+    state = StateFile(Path(state_dir) / "leases.json")
     try:
         probe_dir(Path(state_dir))
+        if discard:
+            state.discard()
     except StateDirError as exc:
         raise BuildError(str(exc)) from None
-    return Path(state_dir) / "leases.json"
+    return state
 
 
 def listen_address(config: ServeConfig) -> str:
@@ -202,18 +212,21 @@ def build(
         )
     except ValueError as exc:
         raise BuildError(f"--choose-defaults {config.choose_defaults!r}: {exc}") from None
+    try:  # reads leases.json: one it cannot read is a start-up error, not an empty table
+        leases = LeaseTable(
+            clock,
+            state_file=state_file(config.state_dir, discard=config.discard_leases),
+            max_ttl_seconds=config.max_lease_seconds,
+            max_gpus_per_requester=config.max_gpus_per_requester,
+            mem_headroom_bytes=config.mem_headroom_bytes,
+            cgroup_of=functools.partial(read_cgroup_key, proc_root=config.proc_root),
+        )
+    except StateDirError as exc:
+        raise BuildError(str(exc)) from None
     nvml = nvml if nvml is not None else open_nvml(config, clock)
     kubelet = kubelet_poller(config)  # --kubernetes: which pod holds which GPU
 
     cache = new_cache(nvml, clock)
-    leases = LeaseTable(
-        clock,
-        state_file=state_file(config.state_dir),
-        max_ttl_seconds=config.max_lease_seconds,
-        max_gpus_per_requester=config.max_gpus_per_requester,
-        mem_headroom_bytes=config.mem_headroom_bytes,
-        cgroup_of=functools.partial(read_cgroup_key, proc_root=config.proc_root),
-    )
     # Leases are pruned once per sample (expired, GPU gone or down, the job arrived), never
     # by a read: a scrape must not fsync leases.json.
     cache.subscribe(leases.prune)

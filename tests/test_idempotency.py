@@ -6,9 +6,12 @@ and expiry); the client's retry through a real socket whose first answer is lost
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import threading
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import harness
 from conftest import Stack, build_stack, sim_of
 from gpu_exporter.cli import main as client_main
 from gpu_exporter.client import ServerUnreachable, choose, release
@@ -119,6 +123,34 @@ def test_keys_survive_a_restart(tmp_path: Path) -> None:
     restarted.sample()
     assert get(restarted, "n=1", key).headers["X-GPU-Lease"] == token
     assert len(restarted.leases.active()) == 1
+
+
+def test_a_released_key_stays_refused_after_a_restart(tmp_path: Path) -> None:
+    """Issue 28.2: claim with K, release, restart, retry with K gave a new lease."""
+    key = "job-7f3a-retry"
+
+    def claim(base: str) -> tuple[int, str, str]:
+        req = urllib.request.Request(f"{base}/choose?n=1&lease=10m", headers={KEY: key})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.headers["X-GPU-Lease"], resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, "", exc.read().decode()
+
+    args = ("--simulate", "2", "--state-dir", str(tmp_path))
+    with harness.exporter(*args) as ex:
+        status, token, _ = claim(ex.base)
+        assert status == 200
+        req = urllib.request.Request(f"{ex.base}/leases/{token}", method="DELETE")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+        assert claim(ex.base)[0] == 409
+    saved = (tmp_path / "leases.json").read_text()
+    assert key not in saved  # hashed
+    with harness.exporter(*args) as ex:
+        status, _, body = claim(ex.base)
+        assert status == 409 and "already ended" in body, body
+        assert json.loads(harness.get(ex.base + "/leases")[1])["leases"] == []
 
 
 def test_advice_and_head_ignore_the_key() -> None:

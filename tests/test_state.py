@@ -13,6 +13,7 @@ import os
 import re
 import resource
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -192,10 +193,13 @@ def test_a_real_exporter_whose_disk_refuses_writes_grants_nothing(tmp_path: Path
         assert [x["gpus"] for x in leases] == [[granted.strip()]]
 
 
-def serve(*args: str, **popen: Any) -> subprocess.CompletedProcess[str]:
+def serve(
+    *args: str, prefix: tuple[str, ...] = (), **popen: Any
+) -> subprocess.CompletedProcess[str]:
+    """``gpu-exporter serve ARGS`` that is expected to exit (under ``prefix``, a command)."""
     listen = f"127.0.0.1:{harness.free_port()}"
     return subprocess.run(
-        [sys.executable, "-m", "gpu_exporter", "serve", "--listen-address", listen, *args],
+        [*prefix, sys.executable, "-m", "gpu_exporter", "serve", "--listen-address", listen, *args],
         capture_output=True,
         text=True,
         timeout=30,
@@ -408,3 +412,243 @@ def test_one_restored_lease_is_logged_in_the_singular(
     with caplog.at_level(logging.INFO, logger="gpu_exporter"):
         build_stack(idle_sim(2), clock=clock, state_dir=str(tmp_path))
     assert f"restored 1 active lease from {tmp_path / 'leases.json'}" in caplog.messages
+
+
+# -- what the exporter trusts in its state directory (issue 28) ------------------------------
+
+
+def one_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused start writes, having exited 2 (no traceback)."""
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    return line
+
+
+def without_root_file_access() -> tuple[str, ...]:
+    """A command prefix under which file permissions apply to this user (root included)."""
+    if os.geteuid() != 0:
+        return ()
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root reads any file, and setpriv (util-linux) is not there to stop it")
+    return (setpriv, "--bounding-set=-dac_override,-dac_read_search")
+
+
+def test_a_leases_json_that_cannot_be_read_is_a_start_up_error(tmp_path: Path) -> None:
+    """Issue 28.1: not "moved to leases.corrupt, starting empty", which hands its GPUs out."""
+    state = tmp_path / "leases.json"
+    state.write_text(json.dumps({"version": 1, "leases": []}))
+    state.chmod(0)
+    done = serve("--simulate", "2", "--state-dir", str(tmp_path), prefix=without_root_file_access())
+    line = one_line(done)
+    assert f"cannot read leases from {state}: Permission denied (EACCES)" in line
+    assert "--discard-leases" in line
+    assert state.exists() and not (tmp_path / "leases.corrupt").exists()  # left as it was
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda p: p.mkdir(), "it is a directory, not a regular file"),
+        (lambda p: os.mkfifo(p), "it is a FIFO, not a regular file"),  # opening it hung
+        (lambda p: p.symlink_to("/dev/zero"), "it is a symbolic link"),  # read until OOM
+    ],
+    ids=["directory", "fifo", "link-to-dev-zero"],
+)
+def test_a_leases_json_that_is_not_a_regular_file_is_a_start_up_error(
+    tmp_path: Path, make: Any, says: str
+) -> None:
+    """Issue 28.1 and 28.5: one line and exit 2, never a hang, a runaway read or a rename."""
+    state = tmp_path / "leases.json"
+    make(state)
+
+    def capped() -> None:  # what reading /dev/zero would meet first
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, resource.RLIM_INFINITY))
+
+    line = one_line(serve("--simulate", "2", "--state-dir", str(tmp_path), preexec_fn=capped))
+    assert f"cannot read leases from {state}: {says}" in line
+    assert os.path.lexists(state) and not (tmp_path / "leases.corrupt").exists()
+    # The operator's way out: the file is moved aside unread, and the exporter starts.
+    with harness.exporter("--simulate", "2", "--state-dir", str(tmp_path), "--discard-leases"):
+        assert not os.path.lexists(state)
+        assert os.path.lexists(tmp_path / "leases.discarded")
+
+
+def choose_json(base: str, query: str = "n=1") -> tuple[int, Any]:
+    status, body = http(f"{base}/choose?{query}&format=json", json_body=True)
+    return status, json.loads(body)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", "[" * 3000 + "]" * 3000, '{"leases": ' * 3000 + "[]" + "}" * 3000],
+    ids=["not-json", "nested-3000-deep", "objects-3000-deep"],
+)
+def test_a_leases_json_set_aside_withholds_every_gpu_for_max_lease(
+    tmp_path: Path, text: str
+) -> None:
+    """Issue 28.1 and 28.5: a file that is not a lease table is set aside (no traceback), and
+    no GPU it could have named is handed out until --max-lease after it last changed."""
+    state = tmp_path / "leases.json"
+    state.write_text(text)
+    args = (
+        "--simulate",
+        "2",
+        "--interval",
+        "0.2",
+        "--state-dir",
+        str(tmp_path),
+        "--max-lease",
+        "1h",
+    )
+    with harness.exporter(*args) as ex:
+        assert (tmp_path / "leases.corrupt").read_text() == text
+        status, body = choose_json(ex.base)
+        assert status == 503, body
+        assert "withheld for" in body["error"]["message"]
+        assert "leases.json was not a lease table" in body["error"]["message"]
+        assert choose_json(ex.base, "n=1&lease=0")[0] == 503  # advice says the same
+        err = harness.stop(ex.proc)
+    assert "Traceback" not in err and "every GPU" in err
+    # A restart keeps them withheld: they are in leases.json now.
+    with harness.exporter(*args) as ex:
+        status, body = choose_json(ex.base)
+        assert status == 503 and "withheld for" in body["error"]["message"]
+    # Once --max-lease has passed since the file changed, they are free.
+    state.unlink()
+    (tmp_path / "leases.corrupt").rename(state)
+    os.utime(state, (time.time() - 3700, time.time() - 3700))
+    with harness.exporter(*args) as ex:
+        assert choose_json(ex.base)[0] == 200
+    # And --discard-leases frees them at once.
+    state.write_text(text)
+    with harness.exporter(*args, "--discard-leases") as ex:
+        assert choose_json(ex.base)[0] == 200
+
+
+def test_malformed_entries_withhold_the_gpus_they_name(tmp_path: Path) -> None:
+    """Issue 28.1: a skipped entry may have been a lease; its GPUs wait out --max-lease."""
+    clock = FakeClock()
+    uuids = [SimGpu(i, A100, Load("idle")).uuid for i in range(3)]
+    bad = {**lease_entry([uuids[1]], 1, now=clock.time(), lease_id="bad"), "expires_at": "soon"}
+    state = tmp_path / "leases.json"
+    state.write_text(json.dumps({"version": 1, "leases": [bad]}))
+    os.utime(state, (clock.time() - 60, clock.time() - 60))
+    s = build_stack(idle_sim(3), clock=clock, state_dir=str(tmp_path), max_lease_seconds=600)
+    s.sample()
+    got = {s.client.get("/choose?n=1").text.strip() for _ in range(2)}
+    assert got == {uuids[0], uuids[2]}
+    refused = s.client.get("/choose?n=1", headers={"Accept": "application/json"})
+    assert refused.status_code == 503
+    assert "withheld for 540 s more" in refused.get_json()["error"]["message"]
+    clock.advance(541)
+    s.sample()
+    assert s.client.get("/choose?n=3&lease=0").status_code == 200  # the leases ended too
+
+
+def test_malformed_entries_naming_more_gpus_than_a_host_has_withhold_every_gpu(
+    tmp_path: Path,
+) -> None:
+    """Names are withheld one by one up to 4096; past that, the entry is no list of GPUs."""
+    clock = FakeClock()
+    junk = {"id": "x", "held": [f"GPU-{i}" for i in range(5000)]}
+    state = tmp_path / "leases.json"
+    state.write_text(json.dumps({"version": 1, "leases": [junk]}))
+    os.utime(state, (clock.time(), clock.time()))
+    s = build_stack(idle_sim(2), clock=clock, state_dir=str(tmp_path))
+    s.sample()
+    assert s.client.get("/choose?n=1").status_code == 503
+    assert json.loads(state.read_text())["withheld"][0]["gpus"] is None
+
+
+@pytest.mark.parametrize(
+    "junk", [5, "GPU-a", {"GPU-b": 1}, [["k", 10**400]], [["k", True]], [{"until": 1e400}]]
+)
+def test_junk_beside_the_leases_is_skipped(tmp_path: Path, junk: Any) -> None:
+    """``ended_keys`` and ``withheld`` are read as carefully as the leases (no overflow)."""
+    clock = FakeClock()
+    state = tmp_path / "leases.json"
+    text = json.dumps({"leases": [], "ended_keys": junk, "withheld": junk})
+    state.write_text(text)
+    os.utime(state, (clock.time(), clock.time()))
+    s = build_stack(idle_sim(2), clock=clock, state_dir=str(tmp_path))
+    s.sample()
+    assert s.client.get("/choose?n=1").status_code == 200  # it names no GPU of this host
+    assert (tmp_path / "leases.corrupt").read_text() == text
+    assert json.loads(state.read_text())["ended_keys"] == []
+
+
+def test_a_leases_json_over_the_size_limit_is_set_aside(tmp_path: Path) -> None:
+    """Issue 28.5: read no further than 16 MiB; what is larger is no lease table we wrote."""
+    clock = FakeClock()
+    state = tmp_path / "leases.json"
+    with state.open("wb") as f:
+        f.truncate(17 * 2**20)  # zero bytes, sparse
+    os.utime(state, (clock.time(), clock.time()))
+    s = build_stack(idle_sim(2), clock=clock, state_dir=str(tmp_path))
+    s.sample()
+    assert s.client.get("/choose?n=1").status_code == 503
+    assert (tmp_path / "leases.corrupt").stat().st_size == 17 * 2**20
+
+
+def test_a_state_dir_that_names_a_file_says_so(tmp_path: Path) -> None:
+    """Issue 28.6: not "File exists (EEXIST)"."""
+    (tmp_path / "file").write_text("")
+    line = one_line(serve("--simulate", "2", "--state-dir", str(tmp_path / "file")))
+    assert f'msg="--state-dir {tmp_path / "file"} is not a directory"' in line
+    assert "EEXIST" not in line
+
+
+def test_a_state_dir_other_users_may_write_to_is_refused(tmp_path: Path) -> None:
+    """Issue 28.4: there another user could plant a link where the exporter writes."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    line = one_line(serve("--simulate", "2", "--state-dir", str(shared)))
+    assert f"--state-dir {shared} may be written by other users (mode 1777)" in line
+    assert list(shared.iterdir()) == []
+
+
+def test_a_state_dir_of_another_user_is_refused(tmp_path: Path) -> None:
+    """Issue 28.4: owned by another (non-root) user, it is theirs to fill with links."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a directory to another user")
+    os.chown(theirs, 65534, 65534)
+    line = one_line(serve("--simulate", "2", "--state-dir", str(theirs)))
+    assert f"--state-dir {theirs} belongs to " in line and "uid 65534" in line
+    assert list(theirs.iterdir()) == []
+
+
+def test_a_lock_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    """Issue 28.4: a root exporter overwrote the target of a planted ``lock`` link."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "lock").symlink_to(victim)
+    line = one_line(serve("--simulate", "2", "--state-dir", str(state)))
+    assert f"{state / 'lock'} is a symbolic link" in line
+    assert victim.read_text() == "precious\n"
+
+
+def test_state_files_are_private_and_a_corrupt_link_is_replaced_not_followed(
+    tmp_path: Path,
+) -> None:
+    """Issue 28.4: ``leases.corrupt`` planted as a link: the copy replaces the link; every
+    file the exporter makes is 0600."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "leases.corrupt").symlink_to(victim)
+    entry = {**lease_entry(["GPU-x"], 0, now=time.time(), lease_id="bad"), "expires_at": "?"}
+    text = json.dumps({"version": 1, "leases": [entry]})
+    (state / "leases.json").write_text(text)
+    with harness.exporter("--simulate", "2", "--state-dir", str(state)) as ex:
+        assert http(ex.base + "/choose?n=1")[0] == 200
+        modes = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in state.iterdir()}
+    assert victim.read_text() == "precious\n"
+    assert (state / "leases.corrupt").read_text() == text  # a regular file now
+    assert modes == {"lock": 0o600, "leases.json": 0o600, "leases.corrupt": 0o600}

@@ -11,7 +11,8 @@ A change that lets GPUs go (a release, expiry, an early end) takes effect at onc
 the worst a restart can do with the stale file is keep those GPUs until the old expiry. While
 writes fail, :attr:`LeaseTable.state_problem` says why (``/readyz``) and every published
 sample tries the write again, so readiness comes back by itself once the disk is fixed.
-Leases restored from the file are kept only for GPUs this host has (``not_on_this_host``).
+Leases restored from the file are kept only for GPUs this host has (``not_on_this_host``);
+GPUs withheld after a file that could not be trusted are refused as leased ones are.
 
 Reads never change the table (a scrape must not fsync ``leases.json`` or wake waiters): they
 show what :func:`~gpu_exporter.choose.settle.settle` would keep, and
@@ -23,7 +24,7 @@ before a renewal or release. While a lease claimed with an ``Idempotency-Key`` i
 retry with the key gets it back (:meth:`~LeaseTable.again`), token included, instead of
 claiming more GPUs; once it has ended before its expiry (released, or
 let go early) a retry is refused until that expiry rather than granted anew. Those ended
-keys are kept in memory only.
+keys are saved with the table (hashed), so a restart keeps refusing them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from gpu_exporter.choose.persistence import Persistence
 from gpu_exporter.choose.rank import Selection, choose
 from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.settle import settle
-from gpu_exporter.choose.statefile import StateFile
+from gpu_exporter.choose.statefile import StateFile, StateWriteError
 from gpu_exporter.choose.tokens import (
     ClaimKey,
     Keyed,
@@ -114,8 +115,8 @@ class LeaseTable:
         # Called after every change, once the lock is released (the claimer's wait queue).
         self.on_change: Callable[[], None] = _nothing
         self.dropped: Counter[str] = Counter()  # GPUs dropped from leases, by reason
-        self._spent: dict[str, float] = {}  # keys of keyed leases that ended early → expiry
-        self._leases: dict[str, Lease] = self._file.restore(clock.time(), max_ttl_seconds)
+        # The leases, and the keys of keyed leases that ended early → their expiry.
+        self._leases, self._spent = self._file.restore(clock.time(), max_ttl_seconds)
 
     # -- queries: they never change the table, save it or wake anyone -----------------------
     def active(self, snapshot: Snapshot | None = None) -> tuple[Lease, ...]:
@@ -234,6 +235,7 @@ class LeaseTable:
                 for lease in self._leases.values()
                 for uuid in lease.uuids
             }
+            leased = self._file.withheld(all_devices(snapshot.gpus), now) | leased
             if ttl_seconds > 0 and self.max_gpus_per_requester:
                 holding = sum(
                     len(lease.gpus)
@@ -406,7 +408,7 @@ class LeaseTable:
         with self._changing():
             self._prune(snapshot)
             if self._file.unsaved:
-                self._file.save(self._leases.values())
+                self._save()
 
     def _prune(self, snapshot: Snapshot | None) -> None:
         if snapshot is not None and (foreign := self._file.drop_foreign(self._leases, snapshot)):
@@ -426,7 +428,7 @@ class LeaseTable:
         """Put ``lease`` in the table (replacing ``old``) only if the table can be saved;
         otherwise undo and raise ``state_unwritable`` (503), saying ``refused``."""
         self._leases[lease.id] = lease
-        failure = self._file.save(self._leases.values())
+        failure = self._save()
         if failure is not None:
             if old is None:
                 del self._leases[lease.id]
@@ -446,5 +448,8 @@ class LeaseTable:
 
     def _changed(self) -> None:
         """A change that lets GPUs go: in force at once, saved if the file can be written."""
-        self._file.save(self._leases.values())
+        self._save()
         self._dirty = True
+
+    def _save(self) -> StateWriteError | None:
+        return self._file.save(self._leases.values(), self._spent)
