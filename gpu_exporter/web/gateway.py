@@ -42,8 +42,7 @@ _GONE = _POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 class Answer:
     """A complete response from the app."""
 
-    status: int
-    reason: bytes
+    status: int  # its reason phrase is the server's (connection.reason_phrase)
     headers: Headers
     body: bytes
 
@@ -200,21 +199,19 @@ def call_app(app: Callable[..., Any], environ: dict[str, Any]) -> Answer:
                 close()
         status, headers = started
         code = int(status[:3])
-        reason = status[4:].encode("latin-1")
         encoded = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in headers]
     except Exception:
         log.exception(
             "request failed: %s %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO")
         )
         return error_answer(500, _INTERNAL_ERROR)
-    return Answer(code, reason, encoded, body)
+    return Answer(code, encoded, body)
 
 
 def error_answer(status: int, body: bytes, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
     """One plain line (the error contract of :mod:`gpu_exporter.web.errors`)."""
     return Answer(
         status,
-        b"",
         [
             (b"Content-Type", b"text/plain; charset=utf-8"),
             (b"Cache-Control", b"no-store"),

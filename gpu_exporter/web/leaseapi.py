@@ -85,13 +85,11 @@ def authorized(ref: str) -> str:
 
 def claim_key(lease_seconds: float, requester: str) -> ClaimKey | None:
     """The request's ``Idempotency-Key``, to match retries by; 400 if malformed."""
-    headers = request.headers.getlist(IDEMPOTENCY_HEADER)
-    if not headers:
+    header = request.headers.get(IDEMPOTENCY_HEADER)  # a repeated header: joined by commas
+    if header is None:
         return None
-    if len(headers) > 1:
-        raise ApiError(400, "invalid_idempotency_key", "give one Idempotency-Key, not several")
     try:
-        key = parse_idempotency_key(headers[0])
+        key = parse_idempotency_key(header)
     except ValueError as exc:
         raise ApiError(400, "invalid_idempotency_key", str(exc)) from None
     if lease_seconds <= 0:
