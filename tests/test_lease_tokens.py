@@ -10,10 +10,12 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import bcrypt
+import pytest
 
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.tokens import token_matches
@@ -79,6 +81,31 @@ def test_the_token_is_shown_nowhere_but_the_claims_answer() -> None:
             status, _, body = call(exporter, "GET", path, {"Accept": "*/*"})
             assert status == 200, path
             assert secret.encode() not in body and secret_env.encode() not in body, path
+
+
+def test_no_path_form_puts_a_token_in_the_debug_log(caplog: pytest.LogCaptureFixture) -> None:
+    """``POST //leases/$TOKEN/renew`` (what a base URL ending in ``/`` makes) is served as
+    ``/leases/…``; its debug log line, and every other form's, keeps only the lease's id."""
+    with served() as exporter:
+        token = claim(exporter)["token"]
+        lease_id, _, secret = token.partition(".")
+        forms = (
+            f"//leases/{token}/renew",
+            f"///leases/{token}/renew",
+            f"/leases//{token}/renew",
+            f"/leases/{token}//renew",
+            f"/./leases/./{token}/renew",
+            f"/LEASES/{token}/renew",
+        )
+        with caplog.at_level(logging.DEBUG, logger="gpu_exporter.requests"):
+            assert call(exporter, "POST", forms[0])[0] == 200
+            for path in forms[1:]:
+                call(exporter, "POST", path)
+        logged = [r for r in caplog.records if r.name == "gpu_exporter.requests"]
+        assert len(logged) == len(forms)
+        fields = [record.__dict__["fields"] for record in logged]
+        assert fields[0]["path"] == f"//leases/{lease_id}.…/renew"
+        assert not [x for x in fields if secret in repr(x)]
 
 
 def test_head_choose_never_claims() -> None:

@@ -136,12 +136,21 @@ class RequestLog:
 
 def without_secrets(path: str) -> str:
     """``path`` with a lease token's secret cut off: ``/leases/<id>.<secret>/renew`` →
-    ``/leases/<id>.…/renew``.
+    ``/leases/<id>.…/renew``, in every form that reaches a lease route: repeated slashes (a
+    base URL ending in ``/`` makes ``//leases/…``, which the router reads as ``/leases/…``),
+    ``.`` segments, any case. The rest of the path is logged as it came.
 
     >>> without_secrets("/leases/3f2a.s3cr3t/renew"), without_secrets("/metrics")
     ('/leases/3f2a.…/renew', '/metrics')
+    >>> without_secrets("//leases//3f2a.s3cr3t/renew"), without_secrets("/./LEASES/./3f2a.s3")
+    ('//leases//3f2a.…/renew', '/./LEASES/./3f2a.…')
     """
     parts = path.split("/")
-    if len(parts) > 2 and parts[1] == "leases" and "." in parts[2]:
-        parts[2] = parts[2].split(".", 1)[0] + ".…"
+    previous = ""
+    for i, part in enumerate(parts):
+        if part in ("", ".", ".."):
+            continue  # not a segment the router reads
+        if previous.lower() == "leases" and "." in part:
+            parts[i] = part.split(".", 1)[0] + ".…"
+        previous = part
     return "/".join(parts)
