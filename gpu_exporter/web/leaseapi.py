@@ -6,15 +6,16 @@ text or JSON. Refusals are raised and answered by :mod:`gpu_exporter.web.errors`
 
 A claim's answer carries the lease's token (``X-GPU-Lease``, ``GPU_LEASE``, ``lease.token``);
 nothing else ever shows it. Every route that changes a lease goes through :func:`authorized`.
-``HEAD /choose`` answers as ``lease=0``: a HEAD never claims.
+A HEAD never claims: every route that claims reads its parameters through
+:func:`claim_params`, which makes a HEAD advice (``lease=0``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
+from werkzeug.datastructures import MultiDict
 
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.memory import MEM_FRACTION_ENV, env_caps, usage_json
@@ -98,18 +99,27 @@ def claim_key(lease_seconds: float, requester: str) -> ClaimKey | None:
     return ClaimKey(key, requester, request_hash(params))
 
 
-@api.route("/choose", methods=["GET", "POST"])  # Flask adds HEAD, answered as lease=0
+def claim_params(params: MultiDict[str, str]) -> MultiDict[str, str]:
+    """``params`` as a route that claims reads them. Flask answers HEAD wherever it answers
+    GET, and a HEAD (a link checker, a monitor) must never take a GPU: it gets ``lease=0``,
+    so it is answered as the advice its GET would give."""
+    if request.method != "HEAD":
+        return params
+    advice = MultiDict(params)
+    advice.setlist("lease", ["0"])
+    return advice
+
+
+@api.route("/choose", methods=["GET", "POST"])  # Flask adds HEAD: see claim_params
 def choose_route() -> Response:
     svc = services()
     requester = request.remote_addr or "unknown"
     try:
         req = parse_choose_args(
-            request.values,
+            claim_params(request.values),
             defaults=svc.choose_defaults,
             max_idle_for_seconds=svc.max_idle_for_seconds,
         )
-        if request.method == "HEAD":  # a link checker or monitor must never take a GPU
-            req = replace(req, lease_seconds=0.0)
         key = claim_key(req.lease_seconds, requester)
         claimed = svc.claimer.claim(req, requester, key, connected=request.environ.get(CONNECTED))
     except ApiError as exc:
@@ -154,15 +164,16 @@ def _mem_json(choice: Selection, mem: int | None) -> dict[str, Any]:
     return {"mem": {"bytes": mem, "fraction": float(caps[MEM_FRACTION_ENV]), "env": caps}}
 
 
-@api.get("/cluster/choose")
+@api.get("/cluster/choose")  # Flask adds HEAD: see claim_params
 def cluster_choose_route() -> Response:
-    req = parse_cluster_args(request.args)
+    args = claim_params(request.args)
+    req = parse_cluster_args(args)
     cluster = services().cluster
     if cluster is None:
         raise ApiError(
             404, "not_configured", "this exporter has no fleet view: start it with --prometheus-url"
         )
-    result = cluster.choose(request.args.to_dict(), services().waiters)
+    result = cluster.choose(args.to_dict(), services().waiters)
     fmt = req.choose.format
     if fmt == "json":
         resp = jsonify(result.to_json())
