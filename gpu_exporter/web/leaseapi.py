@@ -37,6 +37,7 @@ from gpu_exporter.choose.tokens import (
 )
 from gpu_exporter.model import all_devices
 from gpu_exporter.units import parse_duration
+from gpu_exporter.web.auth import is_anonymous
 from gpu_exporter.web.gateway import CONNECTED
 from gpu_exporter.web.services import services
 
@@ -114,6 +115,7 @@ def claim_params(params: MultiDict[str, str]) -> MultiDict[str, str]:
 def choose_route() -> Response:
     svc = services()
     requester = request.remote_addr or "unknown"
+    holders = not is_anonymous(request.environ)  # who holds what: not to the unauthenticated
     try:
         req = parse_choose_args(
             claim_params(request.values),
@@ -121,7 +123,8 @@ def choose_route() -> Response:
             max_idle_for_seconds=svc.max_idle_for_seconds,
         )
         key = claim_key(req.lease_seconds, requester)
-        claimed = svc.claimer.claim(req, requester, key, connected=request.environ.get(CONNECTED))
+        connected = request.environ.get(CONNECTED)
+        claimed = svc.claimer.claim(req, requester, key, connected=connected, holders=holders)
     except ApiError as exc:
         svc.requests.inc(exc.code)
         raise
@@ -142,7 +145,9 @@ def choose_route() -> Response:
                 "lease": {**lease.to_json(), "token": lease.token} if lease else None,
                 "sampled_at": snapshot.taken_at_seconds,
                 "snapshot_age_seconds": round(snapshot.age_seconds(claimed.monotonic_now), 3),
-                "waiting": [w.to_json(claimed.monotonic_now) for w in svc.claimer.waiting()],
+                "waiting": [
+                    w.to_json(claimed.monotonic_now, holders=holders) for w in svc.claimer.waiting()
+                ],
                 **_mem_json(choice, req.mem_bytes),
             }
         )
