@@ -90,7 +90,7 @@ def test_the_token_is_shown_nowhere_but_the_claims_answer() -> None:
             assert secret.encode() not in body and secret_env.encode() not in body, path
 
 
-def test_no_path_form_puts_a_token_in_the_debug_log(caplog: pytest.LogCaptureFixture) -> None:
+def test_no_path_form_puts_a_token_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
     """``POST //leases/$TOKEN/renew`` (what a base URL ending in ``/`` makes) is served as
     ``/leases/…``; its debug log line, and every other form's, keeps only the lease's id."""
     with served() as exporter:
@@ -113,6 +113,14 @@ def test_no_path_form_puts_a_token_in_the_debug_log(caplog: pytest.LogCaptureFix
         fields = [record.__dict__["fields"] for record in logged]
         assert fields[0]["path"] == f"//leases/{lease_id}.…/renew"
         assert not [x for x in fields if secret in repr(x)]
+
+        def broken(*_: object) -> None:
+            raise RuntimeError("a bug")
+
+        exporter.daemon.services.leases.renew = broken  # type: ignore[method-assign]
+        caplog.clear()
+        assert call(exporter, "POST", forms[0])[0] == 500  # the error log names no secret either
+        assert f"{lease_id}.…/renew" in caplog.text and secret not in caplog.text
 
 
 def test_head_choose_never_claims() -> None:

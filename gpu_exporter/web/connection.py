@@ -41,6 +41,7 @@ from gpu_exporter.web.gateway import (
     client_connected,
     error_answer,
     run_app,
+    without_secrets,
 )
 from gpu_exporter.web.limits import EXEMPT_PATHS, Limits, Timeouts
 
@@ -401,4 +402,4 @@ def _describe(exc: h11.RemoteProtocolError) -> str:
 
 
 def _path(request: h11.Request) -> str:
-    return request.target.decode("latin-1", "replace")[:200]
+    return without_secrets(request.target.decode("latin-1", "replace"))[:200]

@@ -35,6 +35,7 @@ from gpu_exporter.clock import Clock
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.web.auth import BasicAuthMiddleware
 from gpu_exporter.web.errors import error_response
+from gpu_exporter.web.gateway import without_secrets
 from gpu_exporter.web.limits import RequestLimits, StartResponse, WsgiApp
 from gpu_exporter.web.services import Services
 from gpu_exporter.web.webconfig import SecurityHeaders
@@ -132,25 +133,3 @@ class RequestLog:
                     }
                 },
             )
-
-
-def without_secrets(path: str) -> str:
-    """``path`` with a lease token's secret cut off: ``/leases/<id>.<secret>/renew`` →
-    ``/leases/<id>.…/renew``, in every form that reaches a lease route: repeated slashes (a
-    base URL ending in ``/`` makes ``//leases/…``, which the router reads as ``/leases/…``),
-    ``.`` segments, any case. The rest of the path is logged as it came.
-
-    >>> without_secrets("/leases/3f2a.s3cr3t/renew"), without_secrets("/metrics")
-    ('/leases/3f2a.…/renew', '/metrics')
-    >>> without_secrets("//leases//3f2a.s3cr3t/renew"), without_secrets("/./LEASES/./3f2a.s3")
-    ('//leases//3f2a.…/renew', '/./LEASES/./3f2a.…')
-    """
-    parts = path.split("/")
-    previous = ""
-    for i, part in enumerate(parts):
-        if part in ("", ".", ".."):
-            continue  # not a segment the router reads
-        if previous.lower() == "leases" and "." in part:
-            parts[i] = part.split(".", 1)[0] + ".…"
-        previous = part
-    return "/".join(parts)
