@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib.util
+import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,24 +35,50 @@ from gpu_exporter.logs import LOG_FORMATS, LOG_LEVELS, level_name
 from gpu_exporter.units import parse_bytes, parse_duration
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 _DEFAULTS = ServeConfig()  # a flag's default is the config's, stated there once
 
 
-def _env(flag: str, default: str | None) -> str | None:
-    return os.environ.get(
-        "GPU_EXPORTER_" + flag.upper().replace("-", "_").replace(".", "_"), default
-    )
+ENV_PREFIX = "GPU_EXPORTER_"
 
 
-def _env_bool(flag: str) -> bool:
-    return (_env(flag, "") or "").lower() in ("1", "true", "yes", "on")
+class FlagEnvironment:
+    """``GPU_EXPORTER_<FLAG>``: each flag's default from the environment, and the names asked
+    for, so that a variable naming no flag is warned about rather than silently ignored."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        self.flags: dict[str, str] = {}  # variable → the flag it sets
+
+    def __call__(self, flag: str, default: str | None) -> str | None:
+        name = ENV_PREFIX + flag.upper().replace("-", "_").replace(".", "_")
+        self.flags.setdefault(name, f"--{flag}")
+        return self._environ.get(name, default)
+
+    def flag(self, flag: str) -> bool:
+        """A switch: true, 1, yes or on."""
+        return (self(flag, "") or "").lower() in ("1", "true", "yes", "on")
+
+    def unknown(self, others: Mapping[str, str] | None = None) -> list[str]:
+        """A warning for each ``GPU_EXPORTER_`` variable that is neither a flag's nor one of
+        ``others`` (variable → who reads it), naming the closest known one (never the value:
+        a misspelt password variable holds a password)."""
+        known = {**self.flags, **(others or {})}
+        warnings = []
+        for name in sorted(n for n in self._environ if n.startswith(ENV_PREFIX)):
+            if name in known:
+                continue
+            closest = difflib.get_close_matches(name, known, n=1, cutoff=0.0)
+            hint = f"; did you mean {closest[0]} ({known[closest[0]]})?" if closest else ""
+            warnings.append(f"the environment variable {name} names no flag and is ignored{hint}")
+        return warnings
 
 
-def _kubernetes_env() -> str | None:
+def _kubernetes_env(env: FlagEnvironment) -> str | None:
     """``GPU_EXPORTER_KUBERNETES``: a socket path, or true/1/yes/on for the default one."""
-    value = _env("kubernetes", "") or ""
+    value = env("kubernetes", "") or ""
     if value.lower() in ("1", "true", "yes", "on"):
         return DEFAULT_KUBELET_SOCKET
     return None if value.lower() in ("", "0", "false", "no", "off") else value
@@ -72,7 +100,10 @@ def _bundled_scenarios() -> list[str]:
     return sorted(p.stem for p in (Path(__file__).parent / "simulate" / "scenarios").glob("*.toml"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env: FlagEnvironment | None = None) -> argparse.ArgumentParser:
+    """The command line; ``env`` (default: this process's environment) gives the flags'
+    defaults and notes which variables it read."""
+    env = env if env is not None else FlagEnvironment(os.environ)
     parser = Parser(
         prog="gpu-exporter",
         description="NVIDIA GPU metrics for Prometheus, and a free-GPU picker for job scripts.",
@@ -94,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen-address",
         "--web.listen-address",
         dest="listen_address",
-        default=_env("listen-address", DEFAULT_LISTEN),
+        default=env("listen-address", DEFAULT_LISTEN),
         metavar="HOST:PORT",
         help="address to listen on; ':9400' is every interface (default %(default)s; "
         "note dcgm-exporter also defaults to 9400)",
@@ -103,13 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--interval",
         dest="interval_seconds",
         type=_positive_seconds,
-        default=_env("interval", "1"),
+        default=env("interval", "1"),
         metavar="SECONDS",
         help="how often to sample NVML (default %(default)s)",
     )
     serve.add_argument(
         "--simulate",
-        default=_env("simulate", None),
+        default=env("simulate", None),
         metavar="N|SCENARIO",
         help="use N simulated GPUs, a scenario file, or a bundled scenario by name "
         f"({', '.join(_bundled_scenarios())}) instead of the NVIDIA driver",
@@ -118,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nvml-timeout",
         dest="nvml_timeout_seconds",
         type=_positive_seconds,
-        default=_env("nvml-timeout", "5"),
+        default=env("nvml-timeout", "5"),
         metavar="SECONDS",
         help="deadline for one GPU's NVML calls in a sample; a GPU whose call does not return "
         "in time is reported down (gpu_down_reason timeout) until it does (default %(default)s)",
@@ -127,14 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-age",
         dest="max_age_seconds",
         type=_positive_seconds,
-        default=_env("max-age", None),
+        default=env("max-age", None),
         metavar="SECONDS",
         help="refuse /choose and fail /readyz when the last sample is older than this "
         "(default: 5 intervals, at least 10 s)",
     )
     serve.add_argument(
         "--state-dir",
-        default=_env("state-dir", None),
+        default=env("state-dir", None),
         metavar="DIR",
         help="keep leases in DIR/leases.json so a restart never re-issues claimed GPUs; DIR "
         "must be writable by this user alone and is locked: one exporter per DIR "
@@ -143,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--discard-leases",
         action="store_true",
-        default=_env_bool("discard-leases"),
+        default=env.flag("discard-leases"),
         help="start without the leases in DIR/leases.json (moved, unread, to "
         "leases.discarded): for once, when no job holds one and the file cannot be read or "
         "was set aside",
@@ -152,14 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-lease",
         dest="max_lease_seconds",
         type=checked(parse_duration),
-        default=_env("max-lease", "1h"),
+        default=env("max-lease", "1h"),
         metavar="DURATION",
         help="longest lease /choose grants, e.g. 10m or 2h (default %(default)s)",
     )
     serve.add_argument(
         "--max-gpus-per-requester",
         type=int,
-        default=_env("max-gpus-per-requester", str(_DEFAULTS.max_gpus_per_requester)),
+        default=env("max-gpus-per-requester", str(_DEFAULTS.max_gpus_per_requester)),
         metavar="N",
         help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
     )
@@ -167,14 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--mem-headroom",
         dest="mem_headroom_bytes",
         type=checked(parse_bytes),
-        default=_env("mem-headroom", "512MiB"),
+        default=env("mem-headroom", "512MiB"),
         metavar="SIZE",
         help="memory kept free on a card that memory leases (/choose?mem=) share "
         "(default %(default)s)",
     )
     serve.add_argument(
         "--process-labels",
-        default=_env("process-labels", ""),
+        default=env("process-labels", ""),
         metavar="LABELS",
         help="extra labels on gpu_process_memory_used_bytes and in /gpus, comma-separated: "
         "user, command (argv[0] only), container, slurm_job, pod. Off by default: they "
@@ -183,14 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--process-series-limit",
         type=int,
-        default=_env("process-series-limit", str(_DEFAULTS.process_series_limit)),
+        default=env("process-series-limit", str(_DEFAULTS.process_series_limit)),
         metavar="N",
         help="at most N process series per GPU or MIG device, largest first; 0 = none "
         "(default %(default)s)",
     )
     serve.add_argument(
         "--proc-root",
-        default=_env("proc-root", _DEFAULTS.proc_root),
+        default=env("proc-root", _DEFAULTS.proc_root),
         metavar="DIR",
         help="where to read processes for --process-labels, e.g. /host/proc in a container "
         "(default %(default)s)",
@@ -199,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--collect.pcie-throughput",
         dest="pcie_throughput",
         action="store_true",
-        default=_env_bool("collect.pcie-throughput"),
+        default=env.flag("collect.pcie-throughput"),
         help="export gpu_pcie_throughput_bytes_per_second (NVML measures 20 ms per direction "
         "per GPU; done on its own thread)",
     )
@@ -207,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-xid-events",
         dest="xid_events",
         action="store_false",
-        default=not _env_bool("no-xid-events"),
+        default=not env.flag("no-xid-events"),
         help="do not listen for Xid errors (gpu_xid_errors_total)",
     )
     # Per-field update intervals and node_exporter-style collector groups (collect/groups.py).
@@ -215,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--slow-interval",
         dest="slow_interval_seconds",  # never below --interval: build() sees to it
         type=_positive_seconds,
-        default=_env("slow-interval", "30"),
+        default=env("slow-interval", "30"),
         metavar="SECONDS",
         help="how often to read the slow health fields (ECC, remapped rows, PCIe link, "
         "P-state, modes, power limit); their last values stay exported in between "
@@ -226,14 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
             f"--collect.{group}",
             dest=f"collect_{group}",
             action=argparse.BooleanOptionalAction,
-            default=not _env_bool(f"no-collect.{group}"),
+            default=not env.flag(f"no-collect.{group}"),
             help=f"read and export {what} (default: on; --no-collect.{group}: no NVML call, "
             "no series)",
         )
     serve.add_argument(
         "--max-requests-in-flight",
         type=int,
-        default=_env("max-requests-in-flight", str(_DEFAULTS.max_requests_in_flight)),
+        default=env("max-requests-in-flight", str(_DEFAULTS.max_requests_in_flight)),
         metavar="N",
         help="requests handled at once; more are answered 503 with Retry-After at once "
         "(/healthz and /readyz are exempt and always get a thread) (default %(default)s)",
@@ -241,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-waiters",
         type=int,
-        default=_env("max-waiters", str(_DEFAULTS.max_waiters)),
+        default=env("max-waiters", str(_DEFAULTS.max_waiters)),
         metavar="N",
         help="/choose?wait= requests that may wait for GPUs at once; more are answered 503 "
         "too_many_waiters; 0 disables waiting (default %(default)s)",
@@ -249,14 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-waiters-per-requester",
         type=int,
-        default=_env("max-waiters-per-requester", str(_DEFAULTS.max_waiters_per_requester)),
+        default=env("max-waiters-per-requester", str(_DEFAULTS.max_waiters_per_requester)),
         metavar="N",
         help="of those, how many one client address may have waiting at once; more are "
         "answered 429 too_many_waiters; 0: no limit per client (default %(default)s)",
     )
     serve.add_argument(
         "--choose-defaults",
-        default=_env("choose-defaults", DEFAULT_CHOOSE_DEFAULTS),
+        default=env("choose-defaults", DEFAULT_CHOOSE_DEFAULTS),
         metavar="QUERY",
         help="what 'free' means: the filters /choose (and /cluster/choose) apply when a "
         "request does not give them, in the query string's syntax. Default "
@@ -266,14 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--prometheus-url",
-        default=_env("prometheus-url", None),
+        default=env("prometheus-url", None),
         metavar="URL",
         help="a Prometheus that scrapes the fleet's exporters: serves GET /cluster/choose, "
         "which picks GPUs across hosts and leases them on the chosen host (default: off)",
     )
     serve.add_argument(
         "--prometheus-selector",
-        default=_env("prometheus-selector", ""),
+        default=env("prometheus-selector", ""),
         metavar="MATCHERS",
         help="/cluster/choose considers only the targets these label matchers select, "
         "e.g. 'job=\"gpu-shared\"' (default: every gpu-exporter Prometheus scrapes)",
@@ -282,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--web-config-file",
         "--web.config.file",
         dest="web_config_file",
-        default=_env("web-config-file", None),
+        default=env("web-config-file", None),
         metavar="FILE",
         help="TLS, basic auth and response headers, in the Prometheus exporter-toolkit "
         "format (the --web.config.file of node_exporter); re-read when it changes",
@@ -290,14 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--auth-scope",
         choices=("all", "writes"),
-        default=_env("auth-scope", _DEFAULTS.auth_scope),
+        default=env("auth-scope", _DEFAULTS.auth_scope),
         help="which requests need basic auth when the web config has users: all (default; "
         "/healthz and /readyz stay open), or writes: only /choose that takes a lease, /leases and "
         "anything but GET/HEAD, so /metrics, /gpus, /readyz and / stay open",
     )
     serve.add_argument(
         "--lease-admins",
-        default=_env("lease-admins", ""),
+        default=env("lease-admins", ""),
         metavar="USER,...",
         help="basic-auth users (from the web config) who may renew or release any lease by its "
         "id; everyone else needs the lease's token (default: nobody; without basic auth "
@@ -306,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--web.telemetry-path",
         dest="telemetry_path",
-        default=_env("web.telemetry-path", _DEFAULTS.telemetry_path),
+        default=env("web.telemetry-path", _DEFAULTS.telemetry_path),
         metavar="PATH",
         help="serve the Prometheus metrics at PATH, and only there (default %(default)s)",
     )
@@ -315,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="kubernetes_socket",
         nargs="?",
         const=DEFAULT_KUBELET_SOCKET,
-        default=_kubernetes_env(),
+        default=_kubernetes_env(env),
         metavar="SOCKET",
         help="on a Kubernetes node: ask the kubelet's PodResources API at SOCKET (default "
         f"{DEFAULT_KUBELET_SOCKET}) every 10 s which pod holds which GPU: gpu_pod_info, and "
@@ -329,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help=argparse.SUPPRESS,
     )
-    logs.add_flags(serve, _env("log-level", None) or _env("log.level", "info"), _env)
+    logs.add_flags(serve, env("log-level", None) or env("log.level", "info"), env)
 
     from gpu_exporter.client.commands import add_choose_parser, add_release_parser, add_run_parser
 
@@ -427,12 +458,18 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    env = FlagEnvironment(os.environ)
+    parser = build_parser(env)
     args = parse(parser, argv)
     if args.command == "serve":
         # Its checks name `gpu-exporter serve` and point to its --help.
         config = _serve_config(args, parser_of(parser, args))
         logs.setup(config.log_level, config.log_format)
+        from gpu_exporter.client.transport import PASSWORD_ENV, URL_ENV, USER_ENV
+
+        client = "the client's, not serve's"
+        for warning in env.unknown(dict.fromkeys((URL_ENV, USER_ENV, PASSWORD_ENV), client)):
+            log.warning("%s", warning)
         # Imported here so that `gpu-exporter --help` and the client commands need no Flask.
         from gpu_exporter.daemon import serve
 

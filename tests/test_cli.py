@@ -133,6 +133,33 @@ def test_environment_variables_configure_flags() -> None:
         stop(proc)
 
 
+def test_a_variable_that_names_no_flag_is_warned_about_with_the_closest_one() -> None:
+    port = free_port()
+    proc = start(
+        "serve",
+        "--simulate=1",
+        f"--listen-address=127.0.0.1:{port}",
+        env={
+            "GPU_EXPORTER_LISTEN_ADRESS": "0.0.0.0:9400",  # misspelt: would have been ignored
+            "GPU_EXPORTER_PASWORD": "hunter2",
+            "GPU_EXPORTER_URL": "http://gpuhost:9400",  # the client's: known
+            "GPU_EXPORTER_NO_COLLECT_MEDIA": "1",  # a flag's: known
+        },
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+    finally:
+        err = stop(proc)
+    warned = [line for line in err.splitlines() if "names no flag" in line]
+    assert len(warned) == 2, err
+    assert (
+        "GPU_EXPORTER_LISTEN_ADRESS names no flag and is ignored; did you mean "
+        "GPU_EXPORTER_LISTEN_ADDRESS (--listen-address)?" in warned[0]
+    )
+    assert "did you mean GPU_EXPORTER_PASSWORD (the client's, not serve's)?" in warned[1]
+    assert "level=warn" in warned[0] and "hunter2" not in err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -172,7 +172,7 @@ def test_beyond_the_global_cap_with_nothing_to_evict_is_503_at_once() -> None:
             sock.sendall(f"GET /choose?n=1&wait=3s&{ALL} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         until(lambda: exporter.daemon.services.waiters.active == 2)
         answer = raw(s.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
         assert answer.endswith(b"\r\n\r\nerror: too many connections; retry in a second\n")
         assert exporter.daemon.rejections.counts()["too_many_connections"] == 1
         for sock in waiting:

@@ -137,7 +137,13 @@ def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -
             assert selected("GpuDown") == {(a.address, "7"), (b.address, "7")}
             down = prom.query(alerts["GpuDown"]["expr"])
             assert {r["metric"].get("reason") for r in down} == {"lost"}
-            for quiet in ("GpuExporterNvmlDown", "GpuExporterStale", "GpuExporterTargetDown"):
+            quiet_alerts = (
+                "GpuExporterNvmlDown",
+                "GpuExporterStale",
+                "GpuExporterTargetDown",
+                "GpuExporterCannotSaveLeases",
+            )
+            for quiet in quiet_alerts:
                 assert prom.query(alerts[quiet]["expr"]) == [], quiet
             # The rules are loaded and evaluated: the saturation alert is pending (for: 10m).
             pending = prom.wait_for('ALERTS{alertname="GpuMemorySaturated"}', timeout=20)

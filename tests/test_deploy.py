@@ -116,6 +116,7 @@ HOST_ALERTS = {
     "GpuExporterTargetDown",
     "GpuExporterStale",
     "GpuExporterKubeletDown",
+    "GpuExporterCannotSaveLeases",
 }
 
 
@@ -131,6 +132,18 @@ def test_every_alert_has_severity_and_a_summary_and_description_naming_host_and_
                 assert "{{ $labels.gpu }}" in text, f"{name} {key}"
         if name not in HOST_ALERTS:
             assert "{{ $labels.uuid }}" in rule["annotations"]["description"], name
+
+
+def test_the_readme_names_exactly_the_shipped_alerts() -> None:
+    """Its Alerts table lists every alert the rules file ships, and no other alert name
+    (GpuXid, GpuPcieDowntrained …) appears anywhere in it."""
+    readme = (ROOT / "README.md").read_text()
+    shipped = set(promql.alerts())
+    table = readme[readme.index("| Alert | Fires when |") :]
+    table = table[: table.index("\n\n")]
+    assert sorted(re.findall(r"^\| `(\w+)` \|", table, re.M)) == sorted(shipped)
+    named = set(re.findall(r"\bGpu[A-Z]\w*", readme))
+    assert named - shipped == set(), "alerts the README names that do not ship"
 
 
 def test_whole_card_rules_leave_mig_slices_out() -> None:

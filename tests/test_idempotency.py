@@ -6,6 +6,7 @@ and expiry); the client's retry through a real socket whose first answer is lost
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import socket
@@ -94,6 +95,25 @@ def test_a_malformed_key_is_400(junk: str) -> None:
     assert resp.status_code == 400, resp.text
     assert resp.get_json()["error"]["code"] == "invalid_idempotency_key"
     assert s.leases.active() == ()
+
+
+def test_two_keys_in_one_request_are_400_over_http() -> None:
+    """A header sent twice reaches the app joined by a comma ("aaa,bbb"): refused, as the
+    README says, never taken as one key; a quoted key may hold a comma."""
+    with served() as exporter:
+        conn = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=10)
+        conn.putrequest("GET", "/choose?n=1&format=json")
+        conn.putheader(KEY, "aaa")
+        conn.putheader(KEY, "bbb")
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 400
+        assert json.loads(resp.read())["error"]["code"] == "invalid_idempotency_key"
+        assert exporter.leases() == []
+        conn.request("GET", "/choose?n=1", headers={KEY: '"aaa,bbb"'})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read()
+        conn.close()
 
 
 def test_a_key_whose_lease_was_released_is_409_until_its_expiry_then_free() -> None:

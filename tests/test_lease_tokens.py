@@ -10,14 +10,23 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
+import re
+import time
 from pathlib import Path
 from typing import Any
 
 import bcrypt
+import pytest
 
+import fleets
+from gpu_exporter import client
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.tokens import token_matches
+from gpu_exporter.client.choosing import http_claimer
+from gpu_exporter.fleet.reading import PrometheusReader
 from gpu_exporter.web.auth import needs_auth
+from gpu_exporter.web.cluster import ClusterService
 from served import Served, served
 
 Answer = tuple[int, dict[str, str], bytes]
@@ -82,6 +91,39 @@ def test_the_token_is_shown_nowhere_but_the_claims_answer() -> None:
             assert secret.encode() not in body and secret_env.encode() not in body, path
 
 
+def test_no_path_form_puts_a_token_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """``POST //leases/$TOKEN/renew`` (what a base URL ending in ``/`` makes) is served as
+    ``/leases/…``; its debug log line, and every other form's, keeps only the lease's id."""
+    with served() as exporter:
+        token = claim(exporter)["token"]
+        lease_id, _, secret = token.partition(".")
+        forms = (
+            f"//leases/{token}/renew",
+            f"///leases/{token}/renew",
+            f"/leases//{token}/renew",
+            f"/leases/{token}//renew",
+            f"/./leases/./{token}/renew",
+            f"/LEASES/{token}/renew",
+        )
+        with caplog.at_level(logging.DEBUG, logger="gpu_exporter.requests"):
+            assert call(exporter, "POST", forms[0])[0] == 200
+            for path in forms[1:]:
+                call(exporter, "POST", path)
+        logged = [r for r in caplog.records if r.name == "gpu_exporter.requests"]
+        assert len(logged) == len(forms)
+        fields = [record.__dict__["fields"] for record in logged]
+        assert fields[0]["path"] == f"//leases/{lease_id}.…/renew"
+        assert not [x for x in fields if secret in repr(x)]
+
+        def broken(*_: object) -> None:
+            raise RuntimeError("a bug")
+
+        exporter.daemon.services.leases.renew = broken  # type: ignore[method-assign]
+        caplog.clear()
+        assert call(exporter, "POST", forms[0])[0] == 500  # the error log names no secret either
+        assert f"{lease_id}.…/renew" in caplog.text and secret not in caplog.text
+
+
 def test_head_choose_never_claims() -> None:
     with served() as exporter:
         for query in ("n=1", "n=2&lease=5m", "n=1&format=env"):
@@ -91,6 +133,34 @@ def test_head_choose_never_claims() -> None:
         assert exporter.leases() == []
         # GET still claims: the same query really would have taken a GPU.
         assert claim(exporter, "n=1")["id"] in exporter.lease_ids()
+
+
+def test_a_head_never_claims_on_any_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flask answers HEAD wherever it answers GET; no such route claims a GPU, the fleet's
+    ``/cluster/choose`` (which claims on the chosen host) included."""
+    with served() as exporter:
+        instance = f"127.0.0.1:{exporter.port}"  # a fleet of one: this exporter
+        monkeypatch.setattr(fleets, "NOW", time.time())
+        uuids = [g.uuid for g in exporter.daemon.cache.get().gpus]
+        cards = [s for i, u in enumerate(uuids) for s in fleets.gpu(instance, i, uuid=u)]
+        store = fleets.fake_fetch({"prometheus": fleets.host_results({instance: cards})})
+        exporter.daemon.services.cluster = ClusterService(
+            PrometheusReader("http://prom:9090", fetch=store), http_claimer, client.release
+        )
+        routes = [r.rule for r in exporter.daemon.app.url_map.iter_rules() if "HEAD" in r.methods]
+        assert {"/choose", "/cluster/choose"} <= set(routes)
+        for route in routes:
+            path = re.sub(r"<[^>]+>", "x", route)
+            for query in ("n=1", "n=1&lease=5m&format=env"):
+                status, headers, body = call(exporter, "HEAD", f"{path}?{query}")
+                assert body == b"" and "x-gpu-lease" not in headers, route
+                if route.endswith("/choose"):
+                    assert status == 200, route  # answered as advice, not refused
+        assert exporter.leases() == []
+        # The same request as a GET does claim, through the fleet.
+        status, headers, _ = call(exporter, "GET", "/cluster/choose?n=1")
+        assert status == 200 and headers["x-gpu-lease"]
+        assert len(exporter.leases()) == 1
 
 
 def test_lease_admins_may_release_any_lease_by_id(tmp_path: Path) -> None:

@@ -107,6 +107,31 @@ def test_beyond_the_in_flight_limit_answers_503_promptly_but_probes_pass(running
     assert rejected == 2
 
 
+def status_line(r: Running, method: str, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", r.server.port, timeout=10)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, resp.reason
+    finally:
+        conn.close()
+
+
+def test_every_status_line_has_its_reason_phrase(running: Running) -> None:
+    r = running
+    assert status_line(r, "GET", "/healthz") == (200, "OK")
+    assert status_line(r, "GET", "/metrics?x=1") == (400, "Bad Request")
+    assert status_line(r, "GET", "/nope") == (404, "Not Found")
+    assert status_line(r, "DELETE", "/metrics") == (405, "Method Not Allowed")
+    assert status_line(r, "GET", "/metrics?" + "x" * 5000) == (414, "URI Too Long")
+    waiters = [r.in_background("/choose?n=1&wait=2s&lease=0") for _ in range(2)]
+    wait_for_waiters(r, 2)
+    assert status_line(r, "GET", "/metrics") == (503, "Service Unavailable")  # too_many_requests
+    for thread, _ in waiters:
+        thread.join()
+
+
 def test_waiters_have_their_own_smaller_cap() -> None:
     r = Running(max_in_flight=8, max_waiters=1)
     try:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import shutil
 import statistics
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ from gpu_exporter.web.webconfig import (
     load,
     parse,
 )
+from served import served
 
 COST = 4  # the fastest bcrypt: these tests are about behaviour, not hashing time
 ALICE_HASH = bcrypt.hashpw(b"secret", bcrypt.gensalt(rounds=COST)).decode()
@@ -420,6 +425,120 @@ def test_a_changed_file_is_reloaded_and_a_broken_one_keeps_the_old(
     write_config(tmp_path / "web.yml", f"basic_auth_users:\n  bob: '{bob}'\n  carol: '{bob}'\n")
     assert watcher.check() is True
     assert value("gpu_exporter_web_config_last_reload_successful") == 1
+
+
+def fetch(url: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, str]:
+    req = urllib.request.Request(url, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",  # emptied: `: > web.yml`
+        None,  # removed
+        "basic_auth_users: {alice: [\n",  # half written
+        "http_server_config:\n  headers:\n    X-Frame-Options: deny\n",  # every user gone
+        f"basic_auth_users:\n  alice: '{ALICE_HASH}'\nauth_excluded_paths: [/choose]\n",
+    ],
+    ids=["emptied", "removed", "unparsable", "no users", "a path opened"],
+)
+def test_a_reload_never_lowers_protection(
+    tmp_path: Path, text: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = write_config(tmp_path / "web.yml", f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n")
+    with served(web_config_file=str(config)) as exporter:
+        watcher = exporter.daemon.watcher
+        assert watcher is not None
+        if text is None:
+            config.unlink()
+        else:
+            write_config(config, text)
+        with caplog.at_level(logging.ERROR):
+            watcher.check()  # or the watcher's own thread did
+        assert fetch(exporter.url + "/choose?n=1")[0] == 401  # still no lease without a password
+        assert fetch(exporter.url + "/choose?n=1", basic("alice", "secret"))[0] == 200
+        metrics = fetch(exporter.url + "/metrics", basic("alice", "secret"))[1]
+        assert 'gpu_exporter_web_config_reloads_total{result="error"} 1.0' in metrics
+        assert "gpu_exporter_web_config_last_reload_successful 0.0" in metrics
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert any("not reloaded, the previous configuration stays" in m for m in errors)
+
+
+def test_only_weaker_configs_are_refused(tmp_path: Path) -> None:
+    ca = CA.create(tmp_path, "ca")
+    server = ca.issue(tmp_path, "server", server=True)
+    tls = f"tls_server_config: {{cert_file: {server.cert}, key_file: {server.key}"
+    users = f"basic_auth_users: {{alice: '{ALICE_HASH}'}}\n"
+    config = write_config(tmp_path / "web.yml", tls + ", min_version: TLS13}\n" + users)
+    watcher = WebConfigWatcher(config)
+    for weaker_text in (users, tls + "}\n" + users, tls + ", min_version: TLS13}\n"):
+        write_config(config, weaker_text)  # TLS off; TLS 1.2 allowed; no users
+        assert watcher.check() is False, weaker_text
+        assert watcher.active.config.users and watcher.active.config.tls is not None
+    bob = f"basic_auth_users: {{alice: '{ALICE_HASH}', bob: '{ALICE_HASH}'}}\n"
+    write_config(config, tls + ", min_version: TLS13}\n" + bob)  # another user: reloaded
+    assert watcher.check() is True and set(watcher.active.config.users) == {"alice", "bob"}
+    assert watcher.reloads == {"error": 3, "success": 1}
+
+
+def test_unauthenticated_views_name_no_holder_and_no_file(tmp_path: Path) -> None:
+    """``--auth-scope writes`` leaves ``/``, advice and ``/readyz`` open: to a client that
+    proved no user they show counts and GPU states, never who holds or awaits which GPU
+    (owner, requester address) or where the state file is."""
+    config = write_config(tmp_path / "web.yml", f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n")
+    state_dir = tmp_path / "state"
+    alice = basic("alice", "secret")
+    with served(web_config_file=str(config), auth_scope="writes", state_dir=str(state_dir)) as ex:
+        anything = "max_util=1&max_mem_util=1&format=json"  # any GPU qualifies
+        held = fetch(f"{ex.url}/choose?n=3&{anything}&owner=alice-secret-project", alice)
+        assert held[0] == 200
+        token = json.loads(held[1])["lease"]["token"]
+        waiter = threading.Thread(
+            target=fetch, args=(f"{ex.url}/choose?n=2&wait=3s&owner=bob-waits", alice)
+        )
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while ex.daemon.services.waiters.active == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        secrets = ("alice-secret-project", "bob-waits", "127.0.0.1", str(tmp_path))
+        advice = f"/choose?n=1&lease=0&{anything}"
+
+        page = fetch(ex.url + "/")[1]
+        assert not [x for x in secrets if x in page]
+        assert "1 active lease; who holds them is shown to authenticated users" in page
+        assert "leased, " in page and '<li class="waiter">2 GPUs' in page  # states, counts
+        status, body = fetch(ex.url + advice)
+        answer = json.loads(body)
+        assert status == 200 and not [x for x in secrets if x in body]
+        assert [r["reasons"][0][:12] for r in answer["rejected"]] == ["leased until"] * 3
+        assert answer["waiting"][0]["requester"] is None and answer["waiting"][0]["n"] == 2
+        status, body = fetch(ex.url + "/choose?n=4&lease=0")  # why not: the same reasons
+        assert status == 503 and "leased until" in body and not [x for x in secrets if x in body]
+
+        # Whoever proves a user sees them on the same open views; a wrong password is 401.
+        assert "alice-secret-project" in fetch(ex.url + "/", alice)[1]
+        assert "bob-waits" in fetch(ex.url + "/", alice)[1]
+        assert "by alice-secret-project" in fetch(ex.url + advice, alice)[1]
+        assert fetch(ex.url + "/", basic("alice", "wrong"))[0] == 401
+        waiter.join()
+
+        # A lease that cannot be saved: /readyz says so, naming no file (it is a probe:
+        # it never asks for credentials, so it shows nobody the path).
+        shutil.rmtree(state_dir)
+        state_dir.write_text("not a directory\n")
+        assert fetch(f"{ex.url}/leases/{token}/renew", alice, "POST")[0] == 503
+        for headers in ({}, alice):
+            status, body = fetch(ex.url + "/readyz", headers)
+            assert (status, body) == (
+                503,
+                "not ready: leases cannot be saved (the log says where and why)\n",
+            )
 
 
 def test_turning_tls_on_needs_a_restart(tmp_path: Path) -> None:

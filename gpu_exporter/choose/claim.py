@@ -219,6 +219,7 @@ class Claimer:
         key: ClaimKey | None = None,
         *,
         connected: Callable[[], bool] | None = None,
+        holders: bool = True,
     ) -> Claimed:
         """Serve ``req`` for ``requester`` (its address); raises :class:`ApiError` or
         :class:`~gpu_exporter.choose.refusal.ApiError`.
@@ -226,7 +227,8 @@ class Claimer:
         With ``key`` (its ``Idempotency-Key``), a retry of a claim already granted gets that
         lease at once, without queueing behind anyone. ``connected`` says whether the client
         is still there; it is asked after every pause, and a client that left gets
-        ``client_closed`` (499) with nothing claimed for it.
+        ``client_closed`` (499) with nothing claimed for it. ``holders``: the reasons name
+        the owners of leased GPUs (not for a client that proved no user).
         """
         deadline = self._clock.monotonic() + req.wait_seconds
         waiter: Waiter | None = None
@@ -235,7 +237,7 @@ class Claimer:
                 slotted = False
                 while True:
                     with self._queue.turn:  # reading the queue, claiming and joining: one step
-                        outcome = self._try(req, requester, waiter, key)
+                        outcome = self._try(req, requester, waiter, key, holders)
                         if isinstance(outcome, Claimed):
                             return outcome
                         if self._clock.monotonic() >= deadline:
@@ -263,7 +265,12 @@ class Claimer:
                 self._queue.leave(waiter)  # later waiters may use what it reserved
 
     def _try(
-        self, req: ChooseRequest, requester: str, waiter: Waiter | None, key: ClaimKey | None
+        self,
+        req: ChooseRequest,
+        requester: str,
+        waiter: Waiter | None,
+        key: ClaimKey | None,
+        holders: bool = True,
     ) -> Claimed | ApiError:
         """One try: the claim, or why not. Raises what waiting cannot cure."""
         snapshot, now = self._snapshots.get(), self._clock.monotonic()
@@ -297,6 +304,7 @@ class Claimer:
                 key=key,
                 pids=req.pids,
                 mem=req.mem_bytes,
+                holders=holders,
             )
         except NotEnoughGpus as exc:
             headroom = self._table.mem_headroom_bytes

@@ -211,6 +211,7 @@ class LeaseTable:
         reserved: Mapping[str, str] | None = None,
         pids: Iterable[int] = (),
         mem: int | None = None,
+        holders: bool = True,
     ) -> tuple[Selection, Lease | None]:
         """Choose ``n`` GPUs that nobody holds and, unless ``ttl_seconds`` is 0, hold them
         for the job whose processes are ``pids`` (see :func:`~gpu_exporter.choose.settle.settle`).
@@ -222,6 +223,7 @@ class LeaseTable:
         The lease returned carries its token (:attr:`Lease.token`); with ``key``, one that a
         retry with the key derives again (the caller asks :meth:`again` first).
         ``reserved`` (UUID → why) are GPUs that earlier waiters keep from this request.
+        ``holders``: a leased GPU's reason names its lease's owner.
 
         Raises :class:`~gpu_exporter.choose.rank.NotEnoughGpus` or :class:`ApiError`.
         """
@@ -231,7 +233,7 @@ class LeaseTable:
             now = self._clock.time()
             leased = {
                 uuid: f"leased until {lease.expires_at - now:.0f} s from now"
-                + (f" by {lease.owner}" if lease.owner else "")
+                + (f" by {lease.owner}" if lease.owner and holders else "")
                 for lease in self._leases.values()
                 for uuid in lease.uuids
             }

@@ -116,12 +116,22 @@ def parse_idempotency_key(header: str) -> str:
     """The key in an ``Idempotency-Key`` header: the draft's quoted string (``"8e03…"``), or
     the same without quotes as most clients send it. ValueError for anything else.
 
+    A request with the header twice arrives with the two joined by a comma (RFC 9110 5.3),
+    so an unquoted key with a comma is refused as several keys; a quoted one may hold one.
+
     >>> parse_idempotency_key('"8e03978e-40d5"'), parse_idempotency_key("job-42")
     ('8e03978e-40d5', 'job-42')
+    >>> parse_idempotency_key("aaa,bbb")
+    Traceback (most recent call last):
+    ValueError: give one Idempotency-Key, not several (a key with a comma must be quoted)
     """
     value = header.strip()
     if len(value) >= 2 and value[0] == value[-1] == '"':
         value = value[1:-1]
+    elif "," in value:
+        raise ValueError(
+            f"give one {IDEMPOTENCY_HEADER}, not several (a key with a comma must be quoted)"
+        )
     if not _KEY.match(value):
         raise ValueError(
             f"{IDEMPOTENCY_HEADER} must be 1 to {MAX_KEY_LENGTH} visible ASCII characters "

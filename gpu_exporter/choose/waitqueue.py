@@ -55,12 +55,13 @@ class Waiter:
         gpus = "1 GPU" if self.n == 1 else f"{self.n} GPUs"
         return gpus + (f" ({', '.join(parts)})" if parts else "")
 
-    def to_json(self, monotonic_now: float) -> dict[str, Any]:
+    def to_json(self, monotonic_now: float, *, holders: bool = True) -> dict[str, Any]:
+        """``holders``: show who waits (else ``requester`` and ``owner`` are null)."""
         return {
             "n": self.n,
             "filters": self.filters_json(),
-            "requester": self.requester,
-            "owner": self.owner,
+            "requester": self.requester if holders else None,
+            "owner": self.owner if holders else None,
             "since_seconds": round(max(0.0, monotonic_now - self.since_monotonic_seconds), 3),
         }
 

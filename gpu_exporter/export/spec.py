@@ -494,8 +494,9 @@ CHOOSE_WAITERS = MetricSpec(
 WEB_CONFIG_RELOADS = MetricSpec(
     "gpu_exporter_web_config_reloads_total",
     "counter",
-    "Re-reads of a changed --web-config-file by result: success, or error (the previous "
-    "configuration stays in force). Absent without --web-config-file.",
+    "Re-reads of a changed --web-config-file by result: success, or error (broken, missing, "
+    "empty, or protecting less than the configuration in force, which stays). Absent "
+    "without --web-config-file.",
     ("result",),
     "the exporter",
     unit="reloads",
@@ -506,8 +507,8 @@ WEB_CONFIG_RELOADS = MetricSpec(
 WEB_CONFIG_OK = MetricSpec(
     "gpu_exporter_web_config_last_reload_successful",
     "gauge",
-    "1 if the last re-read of --web-config-file worked (or there was none yet), 0 if the file "
-    "is broken and an older configuration is in force. Absent without --web-config-file.",
+    "1 if the last re-read of --web-config-file worked (or there was none yet), 0 if it was "
+    "refused and an older configuration is in force. Absent without --web-config-file.",
     (),
     "the exporter",
     unit="0/1",

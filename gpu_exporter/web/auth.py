@@ -4,7 +4,10 @@
 one). Passwords are checked in equal time for known and unknown users; the probes
 (``/healthz``, ``/readyz``) never need credentials. The middleware hands the user it
 authenticated to the app as ``REMOTE_USER`` (and removes any ``REMOTE_USER`` it did not set),
-which is how ``--lease-admins`` are recognised.
+which is how ``--lease-admins`` are recognised. Credentials a request carries are checked on
+an open path too (``--auth-scope writes``), so that a user sees there what it may; a request
+that proves no user while users are configured is marked :data:`ANONYMOUS`, and the views
+then show counts and GPU states, never who holds what or where files are.
 
 Wrong passwords must not starve right ones (forty threads of them once took every request
 slot): a password already proven passes from the success cache at once; any other is checked
@@ -154,6 +157,16 @@ def credentials(header: str | None) -> tuple[str, bytes] | None:
 
 # ------------------------------------------------------------------------ who must authenticate
 
+# The environ key set on a request that proved no user while basic auth has users.
+ANONYMOUS = "gpu_exporter.anonymous"
+
+
+def is_anonymous(environ: Mapping[str, Any]) -> bool:
+    """Did this request prove no user where basic auth could have asked for one? Views then
+    name no lease holder, requester or file (docs/design.md, "Unauthenticated clients")."""
+    return bool(environ.get(ANONYMOUS))
+
+
 # Read-only endpoints that --auth-scope=writes leaves open (GET and HEAD only).
 READ_PATHS = frozenset({"/", "/metrics", "/healthz", "/readyz", "/gpus", "/openapi.json"})
 
@@ -231,18 +244,26 @@ class BasicAuthMiddleware:
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         active = self._watcher.active  # one config for the whole request
         environ.pop("REMOTE_USER", None)  # only a user proven here may act as one (admins)
-        if active.auth and needs_auth(
+        environ.pop(ANONYMOUS, None)
+        if not active.auth:
+            return self.app(environ, start_response)
+        path = environ.get("PATH_INFO", "") or "/"
+        header = environ.get("HTTP_AUTHORIZATION")
+        excluded = active.config.auth_excluded_paths
+        required = needs_auth(
             self._scope,
             environ.get("REQUEST_METHOD", "GET"),
-            environ.get("PATH_INFO", "") or "/",
+            path,
             environ.get("QUERY_STRING", ""),
-            active.config.auth_excluded_paths,
+            excluded,
             has_body=environ.get("CONTENT_LENGTH", "") not in ("", "0")
             or "HTTP_TRANSFER_ENCODING" in environ,
             read_paths=self._read_paths,
-        ):
-            header = environ.get("HTTP_AUTHORIZATION")
-            found = credentials(header)
+        )
+        found = credentials(header)
+        # Basic credentials are checked on an open path too, but never on the probes or an
+        # excluded path, which stay open whatever a client sends.
+        if required or (found and path not in EXEMPT_PATHS and path not in excluded):
             refusal = None if found is None else self._check(active.auth, *found, environ)
             if found is None or refusal is not None:
                 message = (
@@ -255,6 +276,8 @@ class BasicAuthMiddleware:
                     resp.headers["WWW-Authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
                 return resp(environ, start_response)
             environ["REMOTE_USER"] = found[0]
+        else:
+            environ[ANONYMOUS] = True
         return self.app(environ, start_response)
 
     def _check(

@@ -41,6 +41,7 @@ from gpu_exporter.web.gateway import (
     client_connected,
     error_answer,
     run_app,
+    without_secrets,
 )
 from gpu_exporter.web.limits import EXEMPT_PATHS, Limits, Timeouts
 
@@ -244,7 +245,9 @@ class HttpConnection(asyncio.Protocol):
         self._request = request
         self._body = bytearray()
         if self._h11.they_are_waiting_for_100_continue and self._transport is not None:
-            continue_ = self._h11.send(h11.InformationalResponse(status_code=100, headers=[]))
+            continue_ = self._h11.send(
+                h11.InformationalResponse(status_code=100, headers=[], reason=reason_phrase(100))
+            )
             self._transport.write(continue_ or b"")
 
     def _dispatch(self) -> None:
@@ -282,7 +285,7 @@ class HttpConnection(asyncio.Protocol):
             headers.append((b"Connection", b"close"))
         self._request = None
         body = b"" if request.method == b"HEAD" else answer.body
-        if not self._send(answer.status, answer.reason or _reason(answer.status), headers, body):
+        if not self._send(answer.status, reason_phrase(answer.status), headers, body):
             log.error("cannot send the answer to %s: h11 refused it", _path(request))
             self.evict()
             return
@@ -325,7 +328,7 @@ class HttpConnection(asyncio.Protocol):
         length = (b"Content-Length", b"%d" % len(body))
         headers = [*error_answer(status, body).headers, length, (b"Connection", b"close"), _SERVER]
         head_only = self._request is not None and self._request.method == b"HEAD"
-        if not self._send(status, _reason(status), headers, b"" if head_only else body):
+        if not self._send(status, reason_phrase(status), headers, b"" if head_only else body):
             self.evict()
             return
         transport = self._transport
@@ -360,14 +363,37 @@ class HttpConnection(asyncio.Protocol):
             self._timer = None
 
 
-@functools.lru_cache(maxsize=32)
-def _reason(status: int) -> bytes:
-    if status == 413:
-        return b"Content Too Large"  # RFC 9110's name; Python 3.11 still has the old one
+# RFC 9110's names where Python 3.11 still has the old ones, and nginx's for the client
+# that left before its answer (written only if it somehow reads it).
+_PHRASES = {
+    413: b"Content Too Large",
+    414: b"URI Too Long",
+    422: b"Unprocessable Content",
+    499: b"Client Closed Request",
+}
+_CLASSES = {
+    1: b"Informational",
+    2: b"Successful",
+    3: b"Redirection",
+    4: b"Client Error",
+    5: b"Server Error",
+}
+
+
+@functools.lru_cache(maxsize=64)
+def reason_phrase(status: int) -> bytes:
+    """The reason phrase of every status line this server writes (the app's own, such as
+    werkzeug's ``SERVICE UNAVAILABLE``, is not used).
+
+    >>> reason_phrase(503), reason_phrase(499), reason_phrase(299)
+    (b'Service Unavailable', b'Client Closed Request', b'Successful')
+    """
+    if status in _PHRASES:
+        return _PHRASES[status]
     try:
         return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b"Unknown"
+    except ValueError:  # a status no RFC names: its class's name (RFC 9110 15)
+        return _CLASSES.get(status // 100, b"Unknown")
 
 
 def _describe(exc: h11.RemoteProtocolError) -> str:
@@ -376,4 +402,4 @@ def _describe(exc: h11.RemoteProtocolError) -> str:
 
 
 def _path(request: h11.Request) -> str:
-    return request.target.decode("latin-1", "replace")[:200]
+    return without_secrets(request.target.decode("latin-1", "replace"))[:200]

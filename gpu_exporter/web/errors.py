@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Request, Response
 
 from gpu_exporter.choose.refusal import ApiError
+from gpu_exporter.web.gateway import without_secrets
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def _http_error(exc: HTTPException) -> flask.Response:
 
 
 def _internal_error(exc: Exception) -> flask.Response:
-    log.exception("request failed: %s %s", request.method, request.path)
+    log.exception("request failed: %s %s", request.method, without_secrets(request.path))
     return _answer(500, "internal_error", "internal error; see the exporter's log")
 
 

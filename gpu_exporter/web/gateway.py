@@ -1,6 +1,8 @@
 """From a parsed HTTP request to a WSGI call and back, on a bounded pool of threads; and
 :data:`CONNECTED`, the environ's "is the client still there?" callable (:func:`client_connected`).
 
+A path is logged only through :func:`without_secrets`, here and by every other log line.
+
 The event loop (:mod:`gpu_exporter.web.connection`) hands a request to a worker only once its
 head and body have fully arrived, so a worker never waits on a client: it builds the environ
 (:func:`run_app`), runs the app to completion (:func:`call_app`: the whole body is
@@ -42,8 +44,7 @@ _GONE = _POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 class Answer:
     """A complete response from the app."""
 
-    status: int
-    reason: bytes
+    status: int  # its reason phrase is the server's (connection.reason_phrase)
     headers: Headers
     body: bytes
 
@@ -200,21 +201,18 @@ def call_app(app: Callable[..., Any], environ: dict[str, Any]) -> Answer:
                 close()
         status, headers = started
         code = int(status[:3])
-        reason = status[4:].encode("latin-1")
         encoded = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in headers]
     except Exception:
-        log.exception(
-            "request failed: %s %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO")
-        )
+        method, path = environ.get("REQUEST_METHOD"), environ.get("PATH_INFO", "")
+        log.exception("request failed: %s %s", method, without_secrets(path))
         return error_answer(500, _INTERNAL_ERROR)
-    return Answer(code, reason, encoded, body)
+    return Answer(code, encoded, body)
 
 
 def error_answer(status: int, body: bytes, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
     """One plain line (the error contract of :mod:`gpu_exporter.web.errors`)."""
     return Answer(
         status,
-        b"",
         [
             (b"Content-Type", b"text/plain; charset=utf-8"),
             (b"Cache-Control", b"no-store"),
@@ -226,3 +224,25 @@ def error_answer(status: int, body: bytes, headers: tuple[tuple[bytes, bytes], .
 
 def _no_write(data: bytes) -> None:
     raise NotImplementedError("the app must return its body, not write() it")
+
+
+def without_secrets(path: str) -> str:
+    """``path`` with a lease token's secret cut off: ``/leases/<id>.<secret>/renew`` →
+    ``/leases/<id>.…/renew``, in every form that reaches a lease route: repeated slashes (a
+    base URL ending in ``/`` makes ``//leases/…``, which the router reads as ``/leases/…``),
+    ``.`` segments, any case. The rest of the path is logged as it came.
+
+    >>> without_secrets("/leases/3f2a.s3cr3t/renew"), without_secrets("/metrics")
+    ('/leases/3f2a.…/renew', '/metrics')
+    >>> without_secrets("//leases//3f2a.s3cr3t/renew"), without_secrets("/./LEASES/./3f2a.s3")
+    ('//leases//3f2a.…/renew', '/./LEASES/./3f2a.…')
+    """
+    parts = path.split("/")
+    previous = ""
+    for i, part in enumerate(parts):
+        if part in ("", ".", ".."):
+            continue  # not a segment the router reads
+        if previous.lower() == "leases" and "." in part:
+            parts[i] = part.split(".", 1)[0] + ".…"
+        previous = part
+    return "/".join(parts)

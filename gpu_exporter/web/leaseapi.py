@@ -6,12 +6,12 @@ text or JSON. Refusals are raised and answered by :mod:`gpu_exporter.web.errors`
 
 A claim's answer carries the lease's token (``X-GPU-Lease``, ``GPU_LEASE``, ``lease.token``);
 nothing else ever shows it. Every route that changes a lease goes through :func:`authorized`.
-``HEAD /choose`` answers as ``lease=0``: a HEAD never claims.
+A HEAD never claims: every route that claims reads its parameters through
+:func:`claim_params`, which makes a HEAD advice (``lease=0``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
@@ -37,6 +37,7 @@ from gpu_exporter.choose.tokens import (
 )
 from gpu_exporter.model import all_devices
 from gpu_exporter.units import parse_duration
+from gpu_exporter.web.auth import is_anonymous
 from gpu_exporter.web.gateway import CONNECTED
 from gpu_exporter.web.services import services
 
@@ -115,13 +116,11 @@ def choose_params() -> MultiDict[str, str]:
 
 def claim_key(lease_seconds: float, requester: str, given: MultiDict[str, str]) -> ClaimKey | None:
     """The request's ``Idempotency-Key``, to match retries by; 400 if malformed."""
-    headers = request.headers.getlist(IDEMPOTENCY_HEADER)
-    if not headers:
+    header = request.headers.get(IDEMPOTENCY_HEADER)  # a repeated header: joined by commas
+    if header is None:
         return None
-    if len(headers) > 1:
-        raise ApiError(400, "invalid_idempotency_key", "give one Idempotency-Key, not several")
     try:
-        key = parse_idempotency_key(headers[0])
+        key = parse_idempotency_key(header)
     except ValueError as exc:
         raise ApiError(400, "invalid_idempotency_key", str(exc)) from None
     if lease_seconds <= 0:
@@ -130,21 +129,32 @@ def claim_key(lease_seconds: float, requester: str, given: MultiDict[str, str]) 
     return ClaimKey(key, requester, request_hash(params))
 
 
-@api.route("/choose", methods=["GET", "POST"])  # Flask adds HEAD, answered as lease=0
+def claim_params(params: MultiDict[str, str]) -> MultiDict[str, str]:
+    """``params`` as a route that claims reads them. Flask answers HEAD wherever it answers
+    GET, and a HEAD (a link checker, a monitor) must never take a GPU: it gets ``lease=0``,
+    so it is answered as the advice its GET would give."""
+    if request.method != "HEAD":
+        return params
+    advice = MultiDict(params)
+    advice.setlist("lease", ["0"])
+    return advice
+
+
+@api.route("/choose", methods=["GET", "POST"])  # Flask adds HEAD: see claim_params
 def choose_route() -> Response:
     svc = services()
     requester = request.remote_addr or "unknown"
+    holders = not is_anonymous(request.environ)  # who holds what: not to the unauthenticated
     try:
-        given = choose_params()
+        given = claim_params(choose_params())
         req = parse_choose_args(
             given,
             defaults=svc.choose_defaults,
             max_idle_for_seconds=svc.max_idle_for_seconds,
         )
-        if request.method == "HEAD":  # a link checker or monitor must never take a GPU
-            req = replace(req, lease_seconds=0.0)
         key = claim_key(req.lease_seconds, requester, given)
-        claimed = svc.claimer.claim(req, requester, key, connected=request.environ.get(CONNECTED))
+        connected = request.environ.get(CONNECTED)
+        claimed = svc.claimer.claim(req, requester, key, connected=connected, holders=holders)
     except ApiError as exc:
         svc.requests.inc(exc.code)
         raise
@@ -165,7 +175,9 @@ def choose_route() -> Response:
                 "lease": {**lease.to_json(), "token": lease.token} if lease else None,
                 "sampled_at": snapshot.taken_at_seconds,
                 "snapshot_age_seconds": round(snapshot.age_seconds(claimed.monotonic_now), 3),
-                "waiting": [w.to_json(claimed.monotonic_now) for w in svc.claimer.waiting()],
+                "waiting": [
+                    w.to_json(claimed.monotonic_now, holders=holders) for w in svc.claimer.waiting()
+                ],
                 **_mem_json(choice, req.mem_bytes),
             }
         )
@@ -187,15 +199,16 @@ def _mem_json(choice: Selection, mem: int | None) -> dict[str, Any]:
     return {"mem": {"bytes": mem, "fraction": float(caps[MEM_FRACTION_ENV]), "env": caps}}
 
 
-@api.get("/cluster/choose")
+@api.get("/cluster/choose")  # Flask adds HEAD: see claim_params
 def cluster_choose_route() -> Response:
-    req = parse_cluster_args(request.args)
+    args = claim_params(request.args)
+    req = parse_cluster_args(args)
     cluster = services().cluster
     if cluster is None:
         raise ApiError(
             404, "not_configured", "this exporter has no fleet view: start it with --prometheus-url"
         )
-    result = cluster.choose(request.args.to_dict(), services().waiters)
+    result = cluster.choose(args.to_dict(), services().waiters)
     fmt = req.choose.format
     if fmt == "json":
         resp = jsonify(result.to_json())

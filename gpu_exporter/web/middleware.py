@@ -35,6 +35,7 @@ from gpu_exporter.clock import Clock
 from gpu_exporter.counters import RequestCounter
 from gpu_exporter.web.auth import BasicAuthMiddleware
 from gpu_exporter.web.errors import error_response
+from gpu_exporter.web.gateway import without_secrets
 from gpu_exporter.web.limits import RequestLimits, StartResponse, WsgiApp
 from gpu_exporter.web.services import Services
 from gpu_exporter.web.webconfig import SecurityHeaders
@@ -132,16 +133,3 @@ class RequestLog:
                     }
                 },
             )
-
-
-def without_secrets(path: str) -> str:
-    """``path`` with a lease token's secret cut off: ``/leases/<id>.<secret>/renew`` →
-    ``/leases/<id>.…/renew``.
-
-    >>> without_secrets("/leases/3f2a.s3cr3t/renew"), without_secrets("/metrics")
-    ('/leases/3f2a.…/renew', '/metrics')
-    """
-    parts = path.split("/")
-    if len(parts) > 2 and parts[1] == "leases" and "." in parts[2]:
-        parts[2] = parts[2].split(".", 1)[0] + ".…"
-    return "/".join(parts)

@@ -1,7 +1,9 @@
 """The read-only pages: ``/`` (status), ``/gpus`` (the snapshot as JSON), ``/healthz``,
 ``/readyz`` and ``/openapi.json``.
 
-Nothing here claims a GPU or changes a lease.
+Nothing here claims a GPU or changes a lease. To a client that proved no user while basic
+auth has users (:func:`~gpu_exporter.web.auth.is_anonymous`), ``/`` names no lease holder
+and ``/readyz`` no file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from gpu_exporter.choose.request import check_params, parse_choose_args
 from gpu_exporter.counters import XidCounter
 from gpu_exporter.model import Snapshot
 from gpu_exporter.units import format_bytes
+from gpu_exporter.web.auth import is_anonymous
 from gpu_exporter.web.openapi import document as openapi_document
 from gpu_exporter.web.services import services
 from gpu_exporter.web.status import status_view
@@ -51,6 +54,7 @@ def index() -> str:
         filters=parse_choose_args({}, defaults=svc.choose_defaults).filters,
         waiting=svc.claimer.waiting(),
         monotonic_now=now,
+        holders=not is_anonymous(request.environ),
     )
     return render_template(
         "index.html",
@@ -82,6 +86,8 @@ def readyz() -> Response:
     svc = services()
     problem = snapshot_problem(svc.cache.get(), svc.clock.monotonic(), svc.max_age_seconds)
     message = problem.message if problem is not None else svc.leases.state_problem
+    if problem is None and message is not None and is_anonymous(request.environ):
+        message = "leases cannot be saved (the log says where and why)"  # names no path
     if message is not None:  # no sample to choose from, or leases cannot be saved
         return Response(f"not ready: {message}\n", 503, mimetype="text/plain")
     return Response("ready\n", mimetype="text/plain")

@@ -37,7 +37,7 @@ import h11
 
 from gpu_exporter.counters import TOO_MANY_CONNECTIONS, RequestCounter
 from gpu_exporter.web.admission import ConnectionSlots
-from gpu_exporter.web.connection import HttpConnection, Site
+from gpu_exporter.web.connection import HttpConnection, Site, reason_phrase
 from gpu_exporter.web.gateway import Workers, error_answer
 from gpu_exporter.web.limits import DEFAULT_LIMITS, DEFAULT_TIMEOUTS, Limits, Timeouts
 from gpu_exporter.web.tlslayer import TlsLayer
@@ -58,7 +58,8 @@ def _busy() -> bytes:
     headers = error_answer(503, body, ((b"Retry-After", b"1"),)).headers
     headers += [(b"Content-Length", b"%d" % len(body)), (b"Connection", b"close")]
     conn = h11.Connection(h11.SERVER)
-    events = (h11.Response(status_code=503, headers=headers), h11.Data(data=body))
+    response = h11.Response(status_code=503, headers=headers, reason=reason_phrase(503))
+    events = (response, h11.Data(data=body))
     return b"".join(conn.send(event) or b"" for event in (*events, h11.EndOfMessage()))
 
 

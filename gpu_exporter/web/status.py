@@ -2,7 +2,8 @@
 
 Pure: no Flask, no NVML. The recommendation is :func:`gpu_exporter.choose.rank.rank` with no
 filters, the current leases and the GPUs waiting requests reserve, i.e. what ``/choose?n=1``
-would claim now.
+would claim now. Without ``holders`` (a client that proved no user while basic auth has
+users) it names no holder, requester or lease: GPU states and counts only.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class LeaseRow:
 @dataclass(frozen=True, slots=True)
 class WaitingRow:
     wants: str  # "2 GPUs (model=A100)"
-    holder: str  # owner, else the requester's address
+    holder: str | None  # owner, else the requester's address; None: not shown
     since_seconds: float
 
 
@@ -126,16 +127,21 @@ class StatusView:
     recommendation: Recommendation
     problem: str | None  # why /choose would refuse right now (NVML down, stale, starting)
     waiting: tuple[WaitingRow, ...] = ()  # requests waiting for GPUs, earliest first
+    lease_count: int = 0  # active leases, shown whether or not ``leases`` lists them
+    holders: bool = True  # False: who holds what is not shown (``leases`` is empty)
 
 
 def _holder(lease: Lease) -> str:
     return lease.owner or lease.requester
 
 
-def _shared(gpu: GpuSample, leases: list[Lease]) -> tuple[str, tuple[float, str] | None]:
+def _shared(
+    gpu: GpuSample, leases: list[Lease], holders: bool
+) -> tuple[str, tuple[float, str] | None]:
     """A card memory leases share: who holds them, and its committed memory as a bar."""
-    holders = ", ".join(dict.fromkeys(_holder(x) for x in leases))
-    who = f"{plural(len(leases), 'memory lease')}: {holders}"
+    who = plural(len(leases), "memory lease")
+    if holders:
+        who += ": " + ", ".join(dict.fromkeys(_holder(x) for x in leases))
     card = card_memory(gpu, leases)
     if card.usable <= 0:
         return who, None
@@ -153,22 +159,24 @@ def status_view(
     filters: Filters | None = None,
     waiting: tuple[Waiter, ...] = (),
     monotonic_now: float = 0.0,
+    holders: bool = True,
 ) -> StatusView:
     """What ``/`` shows; the recommendation is what ``/choose?n=1`` would give under
-    ``filters`` (the server's ``--choose-defaults``)."""
+    ``filters`` (the server's ``--choose-defaults``). ``holders``: name who holds what."""
     held = {uuid: lease for lease in leases for uuid in lease.uuids}
     shared = memory_leases(leases)
     rows = []
     for gpu in snapshot.gpus:
         lease = held.get(gpu.uuid)
         holder = (
-            f"{_holder(lease)}, {max(0.0, lease.expires_at - wall_now):.0f} s left"
+            f"{_holder(lease) if holders else 'leased'}, "
+            f"{max(0.0, lease.expires_at - wall_now):.0f} s left"
             if lease
             else None
         )
         committed = None
         if gpu.uuid in shared:
-            holder, committed = _shared(gpu, shared[gpu.uuid])
+            holder, committed = _shared(gpu, shared[gpu.uuid], holders)
         migs = tuple((m, device_cells(m)) for m in gpu.mig_devices)
         rows.append(GpuRow(gpu, holder, device_cells(gpu), migs, committed))
     lease_rows = tuple(
@@ -181,10 +189,14 @@ def status_view(
             max(0.0, lease.expires_at - wall_now),
         )
         for lease in leases
+        if holders
     )
     leased = {
         **reserved_for(snapshot.gpus, waiting),
-        **{uuid: f"leased by {_holder(lease)}" for uuid, lease in held.items()},
+        **{
+            uuid: f"leased by {_holder(lease)}" if holders else "leased"
+            for uuid, lease in held.items()
+        },
     }
     ranking = rank(snapshot.gpus, filters or Filters(), leased=leased)
     if problem is None and ranking.qualified:
@@ -193,9 +205,21 @@ def status_view(
         why = tuple(f"gpu {r.gpu.index}: {', '.join(r.reasons)}" for r in ranking.rejected)
         recommendation = Recommendation(None, (problem,) if problem else why)
     waiting_rows = tuple(
-        WaitingRow(w.describe(), w.owner or w.requester, monotonic_now - w.since_monotonic_seconds)
+        WaitingRow(
+            w.describe(),
+            (w.owner or w.requester) if holders else None,
+            monotonic_now - w.since_monotonic_seconds,
+        )
         for w in waiting
     )
     return StatusView(
-        snapshot, age_seconds, tuple(rows), lease_rows, recommendation, problem, waiting_rows
+        snapshot,
+        age_seconds,
+        tuple(rows),
+        lease_rows,
+        recommendation,
+        problem,
+        waiting_rows,
+        len(leases),
+        holders,
     )

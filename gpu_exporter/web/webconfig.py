@@ -30,8 +30,10 @@ What Python's :mod:`ssl` cannot do is refused or warned about, never silently dr
 Everything else is honoured: ``cipher_suites`` (Go's names, mapped to OpenSSL's, for TLS ≤ 1.2
 as in Go), ``prefer_server_cipher_suites``, inline ``cert``/``key``/``client_ca``.
 
-The file is re-read when it or a file it names changes (checked once a second); a broken new
-version is logged and counted, and the previous one stays in force.
+The file is re-read when it or a file it names changes (checked once a second). A new version
+that is broken, missing, empty, or would protect less than the one in force (:func:`weaker`:
+TLS or client certificates off, every user gone, a path opened) is logged as an error and
+counted, and the previous one stays in force: only a restart may lower protection.
 
 This module holds the file as a whole (:class:`WebConfig`, :func:`load`, the
 :class:`WebConfigWatcher`), the headers middleware and the start-up warnings; the TLS section
@@ -54,7 +56,7 @@ from typing import Any
 from gpu_exporter.outbound import is_loopback
 from gpu_exporter.web.auth import BasicAuth, parse_users
 from gpu_exporter.web.limits import WsgiApp
-from gpu_exporter.web.tls import TlsConfig, parse_tls, ssl_context
+from gpu_exporter.web.tls import TLS_VERSIONS, TlsConfig, parse_tls, ssl_context
 from gpu_exporter.web.yamlfields import WebConfigError as WebConfigError
 from gpu_exporter.web.yamlfields import flag, kind, load_yaml, section, strings
 
@@ -164,6 +166,36 @@ def load(path: str | Path) -> Active:
     return Active(config, context, BasicAuth(config.users))
 
 
+def weaker(old: WebConfig, new: WebConfig) -> str | None:
+    """Why ``new`` protects less than ``old`` (None if it does not), which a reload may not
+    do: an emptied file is more likely a half-written one than a decision.
+
+    >>> alice = WebConfig(users={"alice": b"$2b$10$..."})
+    >>> weaker(alice, WebConfig())
+    'the file is empty'
+    >>> weaker(alice, WebConfig(headers=(("X-Frame-Options", "deny"),)))
+    'it removes every user of basic_auth_users, turning authentication off'
+    >>> weaker(WebConfig(), alice) is None  # more protection: reloaded like any change
+    True
+    """
+    if new == WebConfig() and old != new:
+        return "the file is empty"
+    if old.tls is not None and new.tls is None:
+        return "it turns TLS off"
+    if old.tls is not None and new.tls is not None:
+        if old.tls.requires_client_cert and not new.tls.requires_client_cert:
+            return "it stops requiring client certificates"
+        if new.tls.min_version < old.tls.min_version:
+            name = next(k for k, v in TLS_VERSIONS.items() if v == new.tls.min_version)
+            return f"it lowers min_version to {name}"
+    if old.users and not new.users:
+        return "it removes every user of basic_auth_users, turning authentication off"
+    opened = set(new.auth_excluded_paths) - set(old.auth_excluded_paths)
+    if old.users and opened:
+        return f"auth_excluded_paths opens {', '.join(sorted(opened))} to everyone"
+    return None
+
+
 def _signature(paths: Iterable[Path]) -> tuple[tuple[int, int, int, int] | None, ...]:
     result: list[tuple[int, int, int, int] | None] = []
     for p in paths:
@@ -209,8 +241,14 @@ class WebConfigWatcher:
             self._signature = signature
             try:
                 new = load(self.path)
-                if (new.context is None) != (self.active.context is None):
-                    raise WebConfigError("turning TLS on or off needs a restart of gpu-exporter")
+                if new.context is not None and self.active.context is None:
+                    raise WebConfigError("turning TLS on needs a restart of gpu-exporter")
+                why = weaker(self.active.config, new.config)
+                if why is not None:
+                    raise WebConfigError(
+                        f"{why}; that would lower protection, which only a restart of "
+                        "gpu-exporter may do"
+                    )
             except WebConfigError as exc:
                 self.reloads["error"] += 1
                 self.last_reload_ok = False
