@@ -158,7 +158,7 @@ def test_memory_rises_alone_never_end_a_lease(tmp_path: Path) -> None:
         proc_root=str(tmp_path),
     )
     s.sample()
-    lease = s.client.get("/choose?max_util=100%&max_mem_util=100%").headers["X-GPU-Lease"]
+    lease = s.client.get("/choose?max_util=100%&max_mem_used=100%").headers["X-GPU-Lease"]
     for ratio in (0.3, 0.6, 0.9):  # the process there at claim time grows …
         s.clock.advance(1)
         s.sim.gpus[0].load = Load("constant", memory_used_ratio=ratio, processes=1)

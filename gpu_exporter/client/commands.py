@@ -124,7 +124,7 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
     )
     filters = parser.add_argument_group(
         "filters (passed to /choose as they are; those not given are the exporter's "
-        "--choose-defaults, by default --max-util 50% --max-mem-util 50%)"
+        "--choose-defaults, by default --max-util 50% --max-mem-used 50%)"
     )
     for param in FILTER_PARAMS:
         assert param.flag is not None
