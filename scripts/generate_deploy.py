@@ -129,8 +129,8 @@ def none_free_alert() -> str:
 
     busy = ", ".join(_words(True))
     description = (
-        f"Every GPU on {{{{ $labels.instance }}}} has been {busy}, leased or down for 30 "
-        "minutes: a /choose there without filters (the shipped --choose-defaults, "
+        f"Every GPU on {{{{ $labels.instance }}}} has been {busy}, leased, given to a pod or "
+        "down for 30 minutes: a /choose there without filters (the shipped --choose-defaults, "
         f"{DEFAULT_CHOOSE_DEFAULTS}) answers 503 not_enough_gpus."
     )
     return f"""      - alert: GpuNoneFree
