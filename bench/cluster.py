@@ -132,6 +132,8 @@ def synthetic_answers(
             values.append(sample({"__name__": "gpu_memory_free_bytes", **ids}, free))
             values.append(sample({"__name__": "gpu_utilization_ratio", **ids}, util))
             values.append(sample({"__name__": "gpu_memory_total_bytes", **ids}, 80 * GIB))
+            used = 80 * GIB - free
+            values.append(sample({"__name__": "gpu_memory_used_bytes", **ids}, used))
             values.append(sample({"__name__": "gpu_compute_processes", **ids}, (0, 1, 2)[load]))
             mem = (0.0, 0.9, 0.2)[load]
             values.append(sample({"__name__": "gpu_memory_utilization_ratio", **ids}, mem))

@@ -101,7 +101,8 @@ def packed_exposition(answers: dict[str, dict[str, Any]]) -> Iterator[str]:
         value = pack(
             memory_free_bytes=int(card["gpu_memory_free_bytes"]),
             utilization_ratio=card["gpu_utilization_ratio"],
-            memory_utilization_ratio=card["gpu_memory_utilization_ratio"],
+            memory_used_bytes=int(card["gpu_memory_used_bytes"]),
+            memory_total_bytes=int(card["gpu_memory_total_bytes"]),
             compute_processes=int(card["gpu_compute_processes"]),
         )
         _, text = _labels({k: card["labels"][k] for k in ("instance", "job", "gpu", "uuid")})

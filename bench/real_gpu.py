@@ -867,6 +867,10 @@ class Run:
                 "1",
                 "--mem",
                 "8GiB",
+                # The one card may still read busy from the job before: a share takes a busy
+                # card only when it says so (the utilization default applies to --mem).
+                "--max-util",
+                "100%",
                 "--",
                 *self.job_command("share", progress),
             ),
@@ -953,6 +957,10 @@ class Run:
                 "1",
                 "--mem",
                 "8GiB",
+                # The one card may still read busy from the job before: a share takes a busy
+                # card only when it says so (the utilization default applies to --mem).
+                "--max-util",
+                "100%",
                 "--",
                 *self.job_command("jax", progress),
             ),

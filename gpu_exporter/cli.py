@@ -291,9 +291,10 @@ def build_parser(env: FlagEnvironment | None = None) -> argparse.ArgumentParser:
         metavar="QUERY",
         help="what 'free' means: the filters /choose (and /cluster/choose) apply when a "
         "request does not give them, in the query string's syntax. Default "
-        "'%(default)s': under 50%% utilization and 50%% memory-bandwidth utilization, as "
+        "'%(default)s': at most 50%% utilization and 50%% of the memory in use, as "
         "GPUtil's getAvailable; '' for none. A request overrides each one: max_util=100%% "
-        "turns that one off",
+        "turns that one off. mem= requests take only the load filters (max_util, "
+        "max_mem_util)",
     )
     serve.add_argument(
         "--prometheus-url",

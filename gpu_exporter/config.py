@@ -15,7 +15,7 @@ DEFAULT_PORT = 9400
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"
 # What "free" means when a /choose names no filter: GPUtil's getAvailable (under 50 % load and
 # 50 % memory). See gpu_exporter.choose.defaults.
-DEFAULT_CHOOSE_DEFAULTS = "max_util=50%&max_mem_util=50%"
+DEFAULT_CHOOSE_DEFAULTS = "max_util=50%&max_mem_used=50%"
 DEFAULT_PROCESS_SERIES_LIMIT = 64  # --process-series-limit: per device, largest first
 DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"  # --kubernetes
 # The app's own paths (tests/test_logs.py checks them against its routes): the metrics can

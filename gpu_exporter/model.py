@@ -198,6 +198,19 @@ class GpuSample:
     def is_mig_device(self) -> bool:
         return self.parent_uuid is not None
 
+    @property
+    def memory_used_ratio(self) -> float | None:
+        """Memory occupancy: used ÷ total (what nvidia-smi and GPUtil's ``memoryUtil`` show);
+        None when either is unknown."""
+        used, total = self.memory_used_bytes, self.memory_total_bytes
+        return None if used is None or not total else used / total
+
+    @property
+    def memory_free_ratio(self) -> float | None:
+        """Free memory ÷ total; None when either is unknown."""
+        free, total = self.memory_free_bytes, self.memory_total_bytes
+        return None if free is None or not total else free / total
+
     def devices(self) -> tuple[GpuSample, ...]:
         """This GPU followed by its MIG devices."""
         return (self, *self.mig_devices)

@@ -21,14 +21,15 @@ def pack(
     *,
     memory_free_bytes: int,
     utilization_ratio: float,
-    memory_utilization_ratio: float,
+    memory_used_bytes: int,
+    memory_total_bytes: int,
     compute_processes: int,
 ) -> int:
     """What the rule records for one card (the bench writes it this way too)."""
     util = math.floor(utilization_ratio * 100 + 0.5)  # PromQL's round(): halves up
     figures = {
         "utilization_pct_test": util,
-        "memory_utilization_pct": math.floor(memory_utilization_ratio * 100 + 0.5),
+        "memory_used_pct": math.ceil(memory_used_bytes * 100 / memory_total_bytes),
         "compute_processes": compute_processes,
         "memory_free_mib": memory_free_bytes // MIB,
         "utilization_pct": util,

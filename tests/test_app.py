@@ -8,8 +8,8 @@ from conftest import Stack, build_stack, sim_of
 from gpu_exporter.simulate import Fault, Load, SimGpu, SimulatedNvml
 
 A100 = "NVIDIA A100-SXM4-80GB"
-# Busy cards qualify too: off the exporter's default filters (max_util=50%&max_mem_util=50%).
-ANY_LOAD = "max_util=100%&max_mem_util=100%"
+# Busy cards qualify too: off the exporter's default filters (max_util=50%&max_mem_used=50%).
+ANY_LOAD = "max_util=100%&max_mem_used=100%"
 
 
 def uuids(s: Stack, *indices: int) -> str:
@@ -34,7 +34,7 @@ def test_choose_index_format(stack: Stack) -> None:
 
 
 def test_choose_json(stack: Stack) -> None:
-    body = stack.client.get("/choose?n=1&format=json&max_util=30%&max_mem_util=100%").get_json()
+    body = stack.client.get("/choose?n=1&format=json&max_util=30%&max_mem_used=100%").get_json()
     assert body["n"] == 1
     assert [g["index"] for g in body["chosen"]] == [1]
     assert body["chosen"][0]["uuid"] == stack.sim.gpus[1].uuid
@@ -45,7 +45,7 @@ def test_choose_json(stack: Stack) -> None:
     assert body["snapshot_age_seconds"] == 0.0
     assert body["filters"] == {
         "max_util": {"value": 0.3, "from": "request"},
-        "max_mem_util": {"value": 1.0, "from": "request"},
+        "max_mem_used": {"value": 1.0, "from": "request"},
     }
 
 
@@ -100,7 +100,7 @@ def test_unknown_parameters_are_rejected(stack: Stack) -> None:
         "error": {
             "code": "unknown_parameter",
             "message": "unknown parameter 'gpus'; /choose takes n, format, lease, owner, wait, "
-            "idle_for, sort, min_free, min_total, max_util, max_mem_util, max_procs, model, "
+            "idle_for, sort, min_free, min_total, max_util, max_mem_used, max_mem_util, max_procs, model, "
             "include, exclude, mig, mem, pid",
             "param": "gpus",
         }
@@ -108,7 +108,7 @@ def test_unknown_parameters_are_rejected(stack: Stack) -> None:
 
 
 def test_not_enough_gpus_is_503_never_an_empty_200(stack: Stack) -> None:
-    resp = stack.client.get("/choose?n=4&max_util=0.5&max_mem_util=1")
+    resp = stack.client.get("/choose?n=4&max_util=0.5&max_mem_used=1")
     assert resp.status_code == 503
     assert resp.text == (
         "error: 2 of 4 GPUs qualify, 4 requested (gpu 0: utilization 0.97 > max_util 0.50; "

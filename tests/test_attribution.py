@@ -32,7 +32,7 @@ from served import served
 
 T = 1_800_000_000.0
 GIB = 2**30
-ANY = "max_util=100%&max_mem_util=100%"  # busy cards may be chosen (whatever the defaults)
+ANY = "max_util=100%&max_mem_used=100%"  # busy cards may be chosen (whatever the defaults)
 JOB_CGROUP = "0::/user.slice/user-1000.slice/user@1000.service/app.slice/job-a.scope\n"
 OTHER_CGROUP = "0::/system.slice/docker-" + "ab" * 32 + ".scope\n"
 

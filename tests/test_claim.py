@@ -361,15 +361,15 @@ def test_a_requester_may_hold_only_so_many_waiting_slots() -> None:
 
 
 def test_waiters_json_says_what_each_one_waits_for() -> None:
-    box = Box(2)
-    box.hold(2)
+    box = Box(3)
+    box.hold(3)
     seen: list[dict[str, object]] = []
     box.meanwhile = [lambda: seen.append(box.claimer.waiting()[0].to_json(box.clock.monotonic()))]
-    box.refusal("n=2&min_total=40GiB&exclude=3&owner=alice&wait=150ms")
+    box.refusal("n=2&min_total=40GiB&exclude=2&owner=alice&wait=150ms")
     assert seen == [
         {
             "n": 2,
-            "filters": {"min_total_bytes": 40 * GIB, "exclude": ["3"]},
+            "filters": {"min_total_bytes": 40 * GIB, "exclude": ["2"]},
             "requester": "10.0.0.1",
             "owner": "alice",
             "since_seconds": pytest.approx(0.1),

@@ -39,7 +39,7 @@ def test_serves_metrics_and_choose(server: tuple[str, subprocess.Popen[str]]) ->
     assert text.count("gpu_up{") == 3
     assert 'gpu_exporter_build_info{backend="simulated"' in text
     assert "process_resident_memory_bytes" in text
-    any_load = "max_util=1&max_mem_util=1"  # busy cards too, off the default filters
+    any_load = "max_util=1&max_mem_used=1"  # busy cards too, off the default filters
     status, text = get(base + "/choose?n=2&" + any_load)
     assert status == 200
     ids = text.strip().split(",")
@@ -285,7 +285,9 @@ def test_health_mig_xids_pcie_and_process_labels_end_to_end(tmp_path: Path) -> N
         # Process series carry the opt-in labels (the simulated pids are not in this /proc).
         line = next(x for x in text.splitlines() if x.startswith("gpu_process_memory_used_bytes{"))
         assert 'command=""' in line and 'user=""' in line and 'container="' not in line
-        status, body = get(base + "/choose?n=1&mig=only&lease=0")
+        # The busy card's MIG devices hold most of their memory: free only to a request
+        # that accepts that.
+        status, body = get(base + "/choose?n=1&mig=only&lease=0&max_mem_used=100%25")
         assert status == 200 and body.startswith("MIG-")
     finally:
         err = stop(proc)

@@ -184,6 +184,8 @@ def test_filters_are_passed_through(exporter: Served) -> None:
 
 
 def test_filter_names_and_values_reach_the_query_string(exporter: Served) -> None:
+    gpu2 = next(g for g in exporter.get_json("/gpus")["gpus"] if g["index"] == 2)
+    prefix = gpu2["uuid"][:12]  # a name this host has (one it has not is a 400)
     choose(
         1,
         exporter.url,
@@ -192,7 +194,7 @@ def test_filter_names_and_values_reach_the_query_string(exporter: Served) -> Non
         owner="me",
         min_free="20GiB",
         max_util=0.5,
-        exclude=[0, "GPU-fa4e0002"],
+        exclude=[0, prefix],
         max_procs=0,
         model="A100",
         sort=None,
@@ -207,7 +209,7 @@ def test_filter_names_and_values_reach_the_query_string(exporter: Served) -> Non
         "owner": "me",
         "min_free": "20GiB",
         "max_util": "0.5",
-        "exclude": "0,GPU-fa4e0002",
+        "exclude": f"0,{prefix}",
         "max_procs": "0",
         "model": "A100",
     }
@@ -554,7 +556,7 @@ def test_without_a_server_use_gpus_chooses_locally_with_a_warning(closed_port: i
     with contextlib.ExitStack() as stack:
         with pytest.warns(GpuExporterWarning, match="No lease protects this choice"):
             gpus = stack.enter_context(
-                use_gpus(1, url, exclude=[1], max_util=1, max_mem_util=1, open_nvml=two)
+                use_gpus(1, url, exclude=[1], max_util=1, max_mem_used=1, open_nvml=two)
             )
         assert gpus.local and gpus.lease_id is None and gpus.indices == (0,)
         assert os.environ["CUDA_VISIBLE_DEVICES"] == gpus.uuids[0]
@@ -570,9 +572,9 @@ def test_choosing_locally_applies_the_servers_filters() -> None:
 
     # The simulated loads: 0 busy (1 process), 1 idle, 2 sine, 3 light (1 process).
     assert choose_locally(1, {"max_procs": 0, "model": "a100", "include": [0, 1]}).indices == (1,)
-    loaded = {"max_util": 0.99, "max_mem_util": 1}  # off the default 50 %: 0 and 2 are busy
+    loaded = {"max_util": 0.99, "max_mem_used": 1}  # off the default 50 %: 0 and 2 are busy
     assert choose_locally(2, {"min_total": "40GiB", "exclude": "1", **loaded}).local
-    assert choose_locally(1, {"sort": "pack", "max_mem_util": "100%"}).indices
+    assert choose_locally(1, {"sort": "pack", "max_mem_used": "100%"}).indices
     with pytest.raises(GpuExporterError, match="sort must be one of"):
         choose_locally(1, {"sort": "fastest"})
     with pytest.raises(GpuExporterError, match="min_free"):

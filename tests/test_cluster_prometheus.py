@@ -171,8 +171,8 @@ def test_the_packed_read_gives_the_same_choices(fleet: Fleet) -> None:
     requests = [
         {"n": "3", "max_util": "10%"},
         {"n": "2", "max_util": "10%", "min_free": "70GiB", "max_procs": "0"},
-        {"n": "1", "max_util": "100%", "max_mem_util": "100%", "sort": "util"},
-        {"n": "4", "max_util": "100%", "max_mem_util": "100%", "spread": "1"},
+        {"n": "1", "max_util": "100%", "max_mem_used": "100%", "sort": "util"},
+        {"n": "4", "max_util": "100%", "max_mem_used": "100%", "spread": "1"},
         {"n": "1", "model": "no such model"},
     ]
     packed_reads = 0
@@ -234,7 +234,7 @@ def test_concurrent_cluster_choices_never_lease_one_gpu_twice(fleet: Fleet) -> N
         start.wait()
         try:
             # Busy cards too (off the default filters): each of the 12 GPUs once.
-            any_load = {"max_util": 1, "max_mem_util": 1}
+            any_load = {"max_util": 1, "max_mem_used": 1}
             chosen.append(
                 client.choose(1, prometheus=fleet.prom.base, lease="60s", timeout=30, **any_load)
             )

@@ -23,7 +23,7 @@ from gpu_exporter.web.server import Server
 from harness import free_port, start, stop, wait_ready
 from served import Served, served
 
-ALL = "max_util=100%25&max_mem_util=100%25"  # busy cards count too
+ALL = "max_util=100%25&max_mem_used=100%25"  # busy cards count too
 
 
 @contextlib.contextmanager

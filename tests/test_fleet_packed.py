@@ -92,6 +92,8 @@ def random_fleet(rnd: random.Random, hosts: int = 40) -> dict[str, list[dict[str
             free = rnd.choice((8 * GIB, 40 * GIB, 40 * GIB - MIB, 41 * GIB + 7, 79 * GIB + 5 * MIB))
             values += [
                 series("gpu_memory_free_bytes", free, instance, **ids),
+                series("gpu_memory_total_bytes", 80 * GIB, instance, **ids),
+                series("gpu_memory_used_bytes", 80 * GIB - free, instance, **ids),
                 series(
                     "gpu_utilization_ratio",
                     rnd.choice((0, 5, 10, 11, 50, 97)) / 100,
@@ -134,7 +136,8 @@ def recorded(results: Mapping[str, Any]) -> list[tuple[dict[str, str], int, str]
         value = pack(
             memory_free_bytes=int(entry["gpu_memory_free_bytes"]),
             utilization_ratio=entry["gpu_utilization_ratio"],
-            memory_utilization_ratio=entry["gpu_memory_utilization_ratio"],
+            memory_used_bytes=int(entry["gpu_memory_used_bytes"]),
+            memory_total_bytes=int(entry["gpu_memory_total_bytes"]),
             compute_processes=int(entry["gpu_compute_processes"]),
         )
         out.append((labels, value, names[key]))
@@ -168,7 +171,8 @@ def test_the_packing_is_exact_and_unpacks() -> None:
     value = pack(
         memory_free_bytes=79 * GIB + 5,
         utilization_ratio=0.97,
-        memory_utilization_ratio=0.5,
+        memory_used_bytes=40 * GIB,
+        memory_total_bytes=80 * GIB,
         compute_processes=12,  # capped at 9
     )
     assert value == 97 * 10**13 + 50 * 10**10 + 9 * 10**9 + 79 * 1024 * 10**3 + 97
@@ -181,6 +185,10 @@ def test_only_what_the_packing_tests_exactly_is_packed() -> None:
     assert not packable(Filters(min_free_bytes=40 * 10**9), "free", None, 60)  # not whole MiB
     assert not packable(Filters(max_procs=9), "free", None, 60)  # capped at 9
     assert not packable(Filters(min_total_bytes=80 * GIB), "free", None, 60)
+    assert packable(Filters(max_mem_used_ratio=0.5, max_mem_util_ratio=1.0), "free", None, 60)
+    assert not packable(Filters(max_mem_used_ratio=0.505), "free", None, 60)  # not whole %
+    assert not packable(Filters(max_mem_util_ratio=0.5), "free", None, 60)  # not packed
+    assert not packable(Filters(min_free_ratio=0.25), "free", None, 60)
     assert not packable(Filters(), "power", None, 60) and not packable(Filters(), "free", 60, 60)
     assert not packable(Filters(include=("0",)), "free", None, 60)
     assert not packable(Filters(), "free", None, 4)  # the rule records lags past 5 s only
@@ -198,7 +206,7 @@ def test_the_packed_read_chooses_exactly_as_every_series_does(seed: int) -> None
         filters = Filters(
             min_free_bytes=rnd.choice((None, 40 * GIB, 40 * GIB - MIB, 41 * GIB, 70 * GIB)),
             max_util_ratio=rnd.choice((None, 0.0, 0.1, 0.105, 0.5, 1.0)),
-            max_mem_util_ratio=rnd.choice((None, 0.3, 0.5, 0.505)),
+            max_mem_used_ratio=rnd.choice((None, 0.3, 0.5, 0.51, 1.0)),
             max_procs=rnd.choice((None, 0, 1, 2)),
             model=rnd.choice((None, None, "a100", "H100")),
         )
@@ -247,7 +255,7 @@ def packed_fetch(results: Mapping[str, Any], asked: list[str], *, recorded: bool
 
 def test_a_choice_reads_the_packed_series_and_reads_every_series_without_them() -> None:
     results = random_fleet(random.Random(7), hosts=6)
-    args = {"n": "1", "max_util": "10%", "max_mem_util": "100%"}
+    args = {"n": "1", "max_util": "10%", "max_mem_used": "100%"}
     picks = {}
     for recorded_there in (True, False):
         asked: list[str] = []
@@ -287,7 +295,7 @@ def test_the_reader_remembers_a_large_fleet_and_reads_it_all_at_once() -> None:
         asked.clear()
         reader.fetch = packed_fetch(random_fleet(random.Random(3), hosts=hosts), asked)
         choose_fleet(
-            {"n": "1", "max_util": "10%", "max_mem_util": "100%"},
+            {"n": "1", "max_util": "10%", "max_mem_used": "100%"},
             prometheus=reader,
             claimer=fixed_claimer,
             release=client.release,
@@ -357,6 +365,8 @@ def test_leaving_out_the_gpus_that_surely_fail_never_changes_a_ranking() -> None
                 memory_free_bytes=maybe(rnd.choice((8, 40, 41, 79)) * GIB),
                 utilization_ratio=maybe(rnd.choice((0.0, 0.05, 0.1, 0.5, 0.97))),
                 memory_utilization_ratio=maybe(rnd.choice((0.0, 0.5, 0.9))),
+                memory_total_bytes=80 * GIB,
+                memory_used_bytes=maybe(rnd.choice((0, 40, 41, 72)) * GIB),
                 compute_processes=maybe(rnd.choice((0, 0, 1, 2))),
             )
             for i in range(8)
@@ -368,6 +378,7 @@ def test_leaving_out_the_gpus_that_surely_fail_never_changes_a_ranking() -> None
         (1, Filters()),
         (2, Filters(min_free_bytes=40 * GIB, max_util_ratio=0.1, max_procs=0)),
         (3, Filters(max_util_ratio=0.5, max_mem_util_ratio=0.5, defaulted=("max_util",))),
+        (2, Filters(max_util_ratio=0.5, max_mem_used_ratio=0.5, defaulted=("max_mem_used",))),
     ):
         ranking = rank_fleet(fleet, n, filters)
         for candidate in ranking.candidates:
@@ -397,7 +408,7 @@ def test_reading_leaves_the_garbage_collector_alone() -> None:
 
     reader = PrometheusReader("prom:9090", fetch=fetch, packed=True)
     choose_fleet(
-        {"n": "1", "max_util": "10%", "max_mem_util": "100%"},
+        {"n": "1", "max_util": "10%", "max_mem_used": "100%"},
         prometheus=reader,
         claimer=fixed_claimer,
         release=client.release,

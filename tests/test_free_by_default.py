@@ -1,5 +1,8 @@
 """Issue 13, point 9: "free" means free by default (``--choose-defaults``, GPUtil's 50 %/50 %).
 
+Issue 27, point 1: GPUtil's second 50 % is memory occupancy (used ÷ total), not
+memory-controller utilization: ``max_util=50%&max_mem_used=50%``.
+
 A ``/choose`` with no filters used to hand out the least-busy card even when every card was
 97 % busy, and ``wait=`` without filters never waited. Each test here fails on that code.
 """
@@ -31,7 +34,7 @@ from gpu_exporter.simulate import Load, Scenario, SimGpu, SimulatedNvml
 from served import served
 
 A100 = "NVIDIA A100-SXM4-80GB"
-ANY_LOAD = "max_util=100%&max_mem_util=100%"
+ANY_LOAD = "max_util=100%&max_mem_used=100%"
 SERVE = (sys.executable, "-m", "gpu_exporter", "serve")
 
 
@@ -48,12 +51,12 @@ def test_a_busy_card_is_not_handed_out_without_filters() -> None:
     error = resp.get_json()["error"]
     assert error["code"] == "not_enough_gpus"
     assert "utilization 0.97 > max_util 0.50" in error["message"]
-    assert "memory utilization" in error["message"]
+    assert "memory used 0.85 > max_mem_used 0.50" in error["message"]
     assert s.leases.active(s.cache.get()) == ()
     # A request overrides each default: 100 % turns it off.
     assert s.client.get(f"/choose?n=2&lease=0&{ANY_LOAD}").status_code == 200
-    half = s.client.get("/choose?n=1&lease=0&max_util=100%")  # max_mem_util still 50 %
-    assert half.status_code == 503 and "max_mem_util 0.50" in half.text
+    half = s.client.get("/choose?n=1&lease=0&max_util=100%")  # max_mem_used still 50 %
+    assert half.status_code == 503 and "max_mem_used 0.50" in half.text
 
 
 def test_json_shows_the_filters_applied_and_where_each_came_from() -> None:
@@ -61,7 +64,7 @@ def test_json_shows_the_filters_applied_and_where_each_came_from() -> None:
     s.sample()
     body = s.client.get("/choose?format=json&lease=0&max_util=0.9&min_free=1GiB").get_json()
     assert body["filters"] == {
-        "max_mem_util": {"value": 0.5, "from": "default"},
+        "max_mem_used": {"value": 0.5, "from": "default"},
         "max_util": {"value": 0.9, "from": "request"},
         "min_free": {"value": 2**30, "from": "request"},
     }
@@ -73,7 +76,7 @@ def test_the_server_sets_its_own_defaults_and_none_at_all() -> None:
     body = s.client.get("/choose?format=json&lease=0").get_json()
     assert [g["index"] for g in body["chosen"]] == [0]  # 0.97 ≤ 0.99; GPU 1 excluded
     assert body["filters"]["exclude"] == {"value": ["1"], "from": "default"}
-    assert "max_mem_util" not in body["filters"]
+    assert "max_mem_used" not in body["filters"]
     none = build_stack(busy_box(), choose_defaults="")
     none.sample()
     assert none.client.get("/choose?n=2&lease=0").status_code == 200
@@ -139,7 +142,7 @@ def test_serve_refuses_bad_defaults_in_one_line_with_exit_2() -> None:
         text=True,
         timeout=60,
     ).stdout
-    assert "max_util=50%&max_mem_util=50%" in shown and "GPUtil" in shown
+    assert "max_util=50%&max_mem_used=50%" in shown and "GPUtil" in shown
 
 
 def busy_fleet() -> dict[str, Any]:
@@ -159,7 +162,7 @@ def test_the_cluster_chooser_applies_the_same_defaults() -> None:
         choose_fleet({"n": "1"}, **common)
     chosen = choose_fleet({"n": "1", "max_util": "100%"}, **common)
     assert chosen.to_json()["filters"]["max_util"] == {"value": 1.0, "from": "request"}
-    assert chosen.to_json()["filters"]["max_mem_util"] == {"value": 0.5, "from": "default"}
+    assert chosen.to_json()["filters"]["max_mem_used"] == {"value": 0.5, "from": "default"}
     assert choose_fleet({"n": "1"}, defaults={}, **common).placements  # told otherwise
 
 
@@ -181,7 +184,7 @@ def test_the_exporters_cluster_choose_uses_its_defaults_and_the_host_its_own() -
     claim = http_claimer(args, creq, Fleet((), "prometheus", NOW), 5.0, choose_on_host=fake_choose)
     claim(Host("http://h:9400", "h"), 1, ("GPU-a",))
     assert seen["min_free"] == "1GiB"
-    assert "max_util" not in seen and "max_mem_util" not in seen
+    assert "max_util" not in seen and "max_mem_used" not in seen
 
 
 def test_choosing_locally_without_a_server_applies_the_shipped_defaults() -> None:
@@ -190,5 +193,5 @@ def test_choosing_locally_without_a_server_applies_the_shipped_defaults() -> Non
 
     with pytest.raises(NoGpusAvailable, match=r"max_util 0\.50"):
         client.choose_locally(1, {"include": "0"}, open_nvml=busy_card)
-    loaded = {"include": "0", "max_util": 1, "max_mem_util": 1}
+    loaded = {"include": "0", "max_util": 1, "max_mem_used": 1}
     assert client.choose_locally(1, loaded, open_nvml=busy_card).indices == (0,)

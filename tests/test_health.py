@@ -268,8 +268,9 @@ def full_host(tmp_path: Path) -> Stack:
         assert poller.poll_once()  # asked once, by hand: no thread runs here
     s.sample()
     # A memory lease (issue 16): gpu_memory_leased_bytes and the overrun have a series.
-    # GPU 1: GPU 0 is the pod's (/choose passes over a card the kubelet allocated).
-    answer = s.client.get("/choose?mem=512MiB&include=1")
+    # GPU 1: GPU 0 is the pod's (/choose passes over a card the kubelet allocated). GPU 1 is
+    # 97 % busy, which a share takes only when it says so (the utilization default applies).
+    answer = s.client.get("/choose?mem=512MiB&include=1&max_util=100%")
     assert answer.status_code == 200, answer.text
     s.xids.record(3, s.sim.gpus[3].uuid, 79, s.clock.time())
     s.xids.record(3, s.sim.gpus[3].uuid, 48, s.clock.time())

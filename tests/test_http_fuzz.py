@@ -36,7 +36,7 @@ TRACEBACK = (
 READ_TIMEOUT_SECONDS = 5.0
 BIG = 64 * 1024  # the largest request body the exporter accepts
 # Every GPU acceptable, no claim: a POST /choose that the server wrongly accepts answers 200.
-CHOOSE = "/choose?n=1&lease=0&max_util=100%25&max_mem_util=100%25"
+CHOOSE = "/choose?n=1&lease=0&max_util=100%25&max_mem_used=100%25"
 # Bounded so that the whole module runs in well under 30 s; no shrinking phase, which after a
 # failure could run far longer than the search did (the failing bytes are printed as found).
 FUZZ = settings(

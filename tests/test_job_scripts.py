@@ -95,7 +95,7 @@ def test_the_readme_idiom_stops_the_job_when_no_gpu_is_free(idiom: str, exporter
     snippet = readme_snippet(*IDIOMS[idiom])
     leases = exporter.daemon.leases
     try:
-        exporter.get_json("/choose?n=4&format=json&lease=1m&max_util=100%&max_mem_util=100%")
+        exporter.get_json("/choose?n=4&format=json&lease=1m&max_util=100%&max_mem_used=100%")
         refused = run_script(snippet, exporter)
         assert refused.returncode != 0
         assert "RAN-THE-JOB" not in refused.stdout

@@ -159,7 +159,7 @@ def test_telemetry_path_and_the_debug_request_log(
     assert "/gpu/metrics" in doc["paths"] and "/metrics" not in doc["paths"]
     assert fetch(base + "/gpu/metrics", "prom:wrong")[0] == 401
     token = json.loads(
-        fetch(base + "/choose?n=1&format=json&max_util=1&max_mem_util=1", "prom:secret")[1]
+        fetch(base + "/choose?n=1&format=json&max_util=1&max_mem_used=1", "prom:secret")[1]
     )["lease"]["token"]
     assert fetch(base + f"/leases/{token}/renew?ttl=30s", "prom:secret")[0] == 405  # GET
     assert get(base + "/healthz")[0] == 200

@@ -86,6 +86,7 @@ def requests(draw: st.DrawFn) -> tuple[int, Filters, int | None]:
         min_free_bytes=draw(st.sampled_from((None, 20 * GIB, 79 * GIB, 90 * GIB))),
         min_total_bytes=draw(st.sampled_from((None, 40 * GIB))),
         max_util_ratio=draw(st.sampled_from((None, 0.5))),
+        max_mem_used_ratio=draw(st.sampled_from((None, 0.5))),
         max_procs=draw(st.sampled_from((None, 0))),
         model=draw(st.sampled_from((None, "h100"))),
         include=tuple(draw(selectors)),

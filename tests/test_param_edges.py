@@ -95,7 +95,7 @@ def test_hostile_numbers_in_a_post_body_and_on_the_cluster_endpoint(exporter: Se
 
 
 def test_renew_ttl_of_400_digits_is_a_400(exporter: Served) -> None:
-    status, body = get(exporter, "/choose?n=1&format=json&max_util=100%25&max_mem_util=100%25")
+    status, body = get(exporter, "/choose?n=1&format=json&max_util=100%25&max_mem_used=100%25")
     assert status == 200, body
     token = json.loads(body)["lease"]["token"]
     try:

@@ -250,15 +250,17 @@ def test_choose_passes_every_flag_to_the_server(
     exporter: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["choose", "-n", "1", "--lease", "2m", "--wait", "1s", "--owner", "me"]
+    gpu2 = next(g for g in exporter.get_json("/gpus")["gpus"] if g["index"] == 2)
     filters = {
         "--min-free": "1GiB",
         "--min-total": "16GiB",
         "--max-util": "50%",
+        "--max-mem-used": "60%",
         "--max-mem-util": "0.9",
         "--max-procs": "2",
         "--model": "A100",
         "--include": "1,2,3",
-        "--exclude": "GPU-fa4e0002",
+        "--exclude": gpu2["uuid"][:12],  # a name this host has (else a 400)
         "--idle-for": "0s",
         "--sort": "free",
     }

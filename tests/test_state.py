@@ -319,7 +319,7 @@ def test_malformed_entries_are_skipped_and_every_page_still_answers(tmp_path: Pa
         for path in ("/", "/metrics", "/leases", "/gpus", "/readyz"):
             assert http(ex.url + path)[0] == 200, path
         assert ex.lease_ids() == {"good"}
-        status, body = http(ex.url + "/choose?n=3&lease=0&max_util=100%25&max_mem_util=100%25")
+        status, body = http(ex.url + "/choose?n=3&lease=0&max_util=100%25&max_mem_used=100%25")
         assert status == 200 and kept not in body
         assert http(ex.url + "/choose?n=1")[0] == 200
     assert (tmp_path / "leases.corrupt").read_text() == text  # a copy for a person

@@ -30,7 +30,7 @@ from gpu_exporter.web.gateway import client_connected
 from harness import ROOT
 from served import Served, served
 
-ALL = "max_util=100%25&max_mem_util=100%25"  # busy cards count too, whatever the defaults
+ALL = "max_util=100%25&max_mem_used=100%25"  # busy cards count too, whatever the defaults
 
 
 def idle_gpus(n: int) -> SimulatedNvml:
@@ -90,7 +90,7 @@ def test_a_client_that_hangs_up_stops_waiting_at_once_and_claims_nothing() -> No
             assert [(w["n"], w["owner"], w["requester"]) for w in waiting] == [
                 (2, "gone", "127.0.0.1")
             ]
-            assert waiting[0]["filters"] == {"max_util_ratio": 1.0, "max_mem_util_ratio": 1.0}
+            assert waiting[0]["filters"] == {"max_util_ratio": 1.0, "max_mem_used_ratio": 1.0}
             status, body, _ = call(exporter, f"/choose?n=1&{ALL}")
             assert status == 503 and "reserved for an earlier request waiting for 2 GPUs" in body
             _, page, _ = call(exporter, "/")

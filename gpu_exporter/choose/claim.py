@@ -13,6 +13,8 @@ one request at a time per thread. What a request does, and what it blocks:
 * Advice (``lease=0``) never joins the queue and ignores reservations: it answers from the
   current sample and leases. With ``wait=`` it may still wait for GPUs to become free, in a
   ``--max-waiters`` slot but without a place in the queue, so it blocks nobody.
+* ``include``/``exclude`` naming a GPU this host does not have is refused (400), never
+  ignored or waited for (:func:`~gpu_exporter.choose.selectors.check_selectors`).
 * ``n`` more than the GPUs here could ever give under what no job changes (device count,
   kind, ``include``/``exclude``, ``model``, total memory against ``min_free`` and ``mem``,
   the fields a card cannot report, MIG devices per answer;
@@ -42,6 +44,7 @@ from gpu_exporter.choose.leases import LeaseTable
 from gpu_exporter.choose.rank import NotEnoughGpus, Selection
 from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import ChooseRequest
+from gpu_exporter.choose.selectors import check_selectors
 from gpu_exporter.choose.tokens import ClaimKey
 from gpu_exporter.choose.waitqueue import Waiter, WaitQueue, reserved_for
 from gpu_exporter.clock import Clock
@@ -281,6 +284,7 @@ class Claimer:
         problem = snapshot_problem(snapshot, now, self.max_age_seconds)
         if problem is not None:
             return problem
+        check_selectors(snapshot.gpus, req.filters.include, req.filters.exclude)
         # Advice claims nothing, so it neither waits its turn nor respects reservations.
         reserved: dict[str, str] = {}
         if req.lease_seconds > 0:

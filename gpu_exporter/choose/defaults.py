@@ -1,12 +1,16 @@
 """What "free" means when a request does not say: the server's ``--choose-defaults``.
 
-By default a GPU is free under 50 % utilization and 50 % memory-bandwidth utilization
-(:data:`~gpu_exporter.config.DEFAULT_CHOOSE_DEFAULTS`), as GPUtil's ``getAvailable`` has it:
-without it, a ``/choose`` with no filters hands out the least-busy card even when every card
-is 97 % busy, and ``wait=`` never waits. The defaults are filters in the query string's
-syntax; each applies when a request does not give that parameter (``max_util=100%`` turns that
-one off), and a value a GPU cannot report (a MIG device has no utilization) passes a default,
-never a filter the request gave (:attr:`gpu_exporter.choose.filters.Filters.defaulted`).
+By default a GPU is free at most 50 % busy with at most 50 % of its memory in use
+(:data:`~gpu_exporter.config.DEFAULT_CHOOSE_DEFAULTS`), as GPUtil's ``getAvailable`` has it
+(its ``maxMemory`` is occupancy, used ÷ total, not memory-controller utilization): without it,
+a ``/choose`` with no filters hands out the least-busy card even when every card is 97 % busy,
+or a card whose memory an idle notebook holds, and ``wait=`` never waits. The same defaults
+make the fleet's ``gpu:gpu_free:bool`` rule and the ``GpuNoneFree`` alert
+(``scripts/generate_deploy.py`` writes their thresholds from :data:`SHIPPED_DEFAULTS`). The
+defaults are filters in the query string's syntax; each applies when a request does not give
+that parameter (``max_util=100%`` turns that one off), and a value a GPU cannot report (a MIG
+device has no utilization) passes a default, never a filter the request gave
+(:attr:`gpu_exporter.choose.filters.Filters.defaulted`).
 
 The server parses its own (``gpu-exporter serve --choose-defaults``); clients that choose
 without a server's word — the cluster chooser, choosing from this host's NVML — use
@@ -30,8 +34,8 @@ def parse_defaults(text: str, *, max_idle_for_seconds: float | None = None) -> d
     Raises ValueError (one line) for anything ``/choose`` would refuse, or a parameter that
     is not a filter (``n``, ``lease``, ``wait`` …). ``""`` means no defaults.
 
-    >>> parse_defaults("max_util=50%&max_mem_util=50%")
-    {'max_util': '50%', 'max_mem_util': '50%'}
+    >>> parse_defaults("max_util=50%&max_mem_used=50%")
+    {'max_util': '50%', 'max_mem_used': '50%'}
     >>> parse_defaults("max_util=lots")
     Traceback (most recent call last):
     ValueError: max_util: expected a ratio such as 0.3 or 30%, got 'lots'

@@ -44,6 +44,8 @@ class Filters:
     mig: str = "deny"  # deny | allow | only (see MIG_MODES)
     max_mig_devices: int | None = None  # most MIG devices one answer may name (None: any)
     defaulted: tuple[str, ...] = ()  # parameters from the defaults: unknown values pass them
+    max_mem_used_ratio: float | None = None  # memory in use ÷ total (occupancy)
+    min_free_ratio: float | None = None  # free memory ÷ total (min_free=25%)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,8 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
         reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
     if filters.min_free_bytes is not None:
         _limit(reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free", d)
+    if filters.min_free_ratio is not None:
+        _share(reasons, "free memory", gpu.memory_free_ratio, filters.min_free_ratio, "min_free", d)
     if filters.min_total_bytes is not None:
         _limit(
             reasons, "total memory", gpu.memory_total_bytes, filters.min_total_bytes, "min_total", d
@@ -124,6 +128,16 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
             gpu.utilization_ratio,
             filters.max_util_ratio,
             "max_util",
+            d,
+            True,
+        )
+    if filters.max_mem_used_ratio is not None:
+        _limit(
+            reasons,
+            "memory used",
+            gpu.memory_used_ratio,
+            filters.max_mem_used_ratio,
+            "max_mem_used",
             d,
             True,
         )
@@ -161,6 +175,7 @@ _FILTER_FIELDS = (
     ("max_mem_util", "max_mem_util_ratio", "utilization"),
     ("max_procs", "max_procs", "processes"),
     ("min_free", "min_free_bytes", "memory"),
+    ("max_mem_used", "max_mem_used_ratio", "memory"),
 )
 
 
@@ -269,6 +284,22 @@ def _limit(
         reasons.append(f"{what} {value:.2f} > {param} {limit:.2f}")
     elif not most and value < limit:
         reasons.append(f"{what} {format_bytes(int(value))} < {param} {format_bytes(int(limit))}")
+
+
+def _share(
+    reasons: list[str],
+    what: str,
+    value: float | None,
+    least: float,
+    param: str,
+    defaulted: tuple[str, ...],
+) -> None:
+    """Add why a share of the total ``value`` is below ``least`` (as :func:`_limit`)."""
+    if value is None:
+        if param not in defaulted:
+            reasons.append(f"{what} unknown")
+    elif value < least:
+        reasons.append(f"{what} {value:.2f} of total < {param} {least:.2f}")
 
 
 def window_reasons(gpu: GpuSample, filters: Filters, window: Window) -> tuple[str, ...]:

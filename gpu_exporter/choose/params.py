@@ -42,6 +42,7 @@ from gpu_exporter.choose.values import (
     positive,
     process_count,
     selectors,
+    size_or_share,
     units,
     whole_number,
 )
@@ -107,6 +108,9 @@ class Param:
     cluster: bool = True  # /cluster/choose takes it
     cluster_help: str | None = None  # its OpenAPI description there, where it differs
     defaultable: bool = True  # a filter --choose-defaults may set
+    # Its --choose-defaults value applies to mem= requests too: load, not memory (a memory
+    # lease's memory is the admission rule's, choose/memory.py).
+    mem_default: bool = False
 
     @property
     def option(self) -> str:
@@ -178,11 +182,11 @@ PARAMS: tuple[Param, ...] = (
     ),
     Param(
         "min_free",
-        units(parse_bytes),
-        "Free memory at least this.",
-        _SIZE,
+        size_or_share(parse_bytes),
+        "Free memory at least this: a size (8GiB), or a share of the card's total (25%).",
+        {"type": "string", "examples": ["8GiB", "500MB", "25%"]},
         filter=True,
-        flag=("SIZE", "free memory at least this: 8GiB, 500MB (8G means GiB)"),
+        flag=("SIZE", "free memory at least this: 8GiB, 500MB (8G means GiB), or 25% of total"),
         local=True,
         recheck=True,
     ),
@@ -200,23 +204,37 @@ PARAMS: tuple[Param, ...] = (
         "max_util",
         units(parse_ratio),
         "GPU utilization at most this (unless given: the exporter's --choose-defaults, shipped "
-        "50%; 100% turns it off).",
+        "50%, also for mem= requests; 100% turns it off).",
         _RATIO,
         filter=True,
         flag=("RATIO", "utilization at most this: 0.1 or 10% (default 50%; 100% for any)"),
+        local=True,
+        recheck=True,
+        mem_default=True,
+    ),
+    Param(
+        "max_mem_used",
+        units(parse_ratio),
+        "Memory in use (used ÷ total, as nvidia-smi shows it) at most this share of the card "
+        "(unless given: the exporter's --choose-defaults, shipped 50%; 100% turns it off). "
+        "Not applied by default to mem= requests, which the memory admission rule governs.",
+        _RATIO,
+        filter=True,
+        flag=("RATIO", "memory in use at most this share of the card (default 50%; 100% for any)"),
         local=True,
         recheck=True,
     ),
     Param(
         "max_mem_util",
         units(parse_ratio),
-        "Memory-controller utilization at most this (unless given: the exporter's "
-        "--choose-defaults, shipped 50%; 100% turns it off).",
+        "Memory-controller (bandwidth) utilization at most this; not among the shipped "
+        "--choose-defaults.",
         _RATIO,
         filter=True,
-        flag=("RATIO", "memory-bandwidth utilization at most this (default 50%; 100% for any)"),
+        flag=("RATIO", "memory-bandwidth utilization at most this"),
         local=True,
         recheck=True,
+        mem_default=True,
     ),
     Param(
         "max_procs",
@@ -278,7 +296,8 @@ PARAMS: tuple[Param, ...] = (
         "other memory leases, never on a card leased whole; admitted while the card's committed "
         "memory (in use by others + each memory lease's max(reserved, used)) + mem + the "
         "exporter's --mem-headroom fits its total less the driver's reservation; best fit "
-        "first. Whole cards only (MIG devices refused). --choose-defaults do not apply. "
+        "first. Whole cards only (MIG devices refused). Of the --choose-defaults only the load "
+        "filters apply (max_util, max_mem_util); memory is the admission rule's. "
         f"format=env adds {', '.join(MEM_ENV_NAMES)} (the share less {CONTEXT}, over the "
         "card's total: TF_FORCE_GPU_ALLOW_GROWTH is growth, not a cap).",
         _SIZE,
@@ -326,3 +345,5 @@ LOCAL_FILTERS = tuple(p.name for p in PARAMS if p.local)
 POINT_FILTERS = tuple(p.name for p in PARAMS if p.recheck)
 # What --choose-defaults may set: the filters /choose takes.
 DEFAULTABLE = tuple(p.name for p in PARAMS if p.filter and p.choose and p.defaultable)
+# Of those, what applies to a memory lease (mem=) too.
+MEM_DEFAULTS = tuple(p.name for p in PARAMS if p.mem_default)

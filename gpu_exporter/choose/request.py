@@ -21,9 +21,15 @@ What "free" means unless a request says otherwise is the server's ``--choose-def
 (:mod:`gpu_exporter.choose.defaults`): filters applied per parameter when a request does not
 give it, each shown in ``format=json`` with where it came from.
 
->>> defaults = {"max_util": "50%", "max_mem_util": "50%"}
+>>> defaults = {"max_util": "50%", "max_mem_used": "50%"}
 >>> parse_choose_args({"max_util": "100%"}, defaults=defaults).filters_json()["max_util"]
 {'value': 1.0, 'from': 'request'}
+
+A memory lease (``mem=``) takes only the load defaults (``Param.mem_default``: utilization):
+its memory is the admission rule's, and a card whose memory others use is where a share goes.
+
+>>> sorted(parse_choose_args({"mem": "8GiB"}, defaults=defaults).filters_json())
+['max_util', 'mem']
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ from gpu_exporter.choose.params import (
     CLUSTER_PARAMS,
     DEFAULT_FLEET_MAX_AGE_SECONDS,
     DEFAULT_LEASE_SECONDS,
+    MEM_DEFAULTS,
     MIG_LIST_FORMATS,
     PARAMS,
     Param,
     bad,
 )
 from gpu_exporter.choose.refusal import ApiError
+from gpu_exporter.choose.values import OfTotal
 
 Args: TypeAlias = Mapping[str, str]
 """What the parsers read: a ``dict[str, str]`` or a Werkzeug ``MultiDict`` (a dict too)."""
@@ -69,12 +77,21 @@ class ChooseRequest:
     def filters_json(self) -> dict[str, dict[str, Any]]:
         """``format=json``'s ``filters``: ``{"max_util": {"value": 0.5, "from": "default"}}``."""
         return {
-            name: {"value": list(value) if isinstance(value, tuple) else value, "from": source}
-            for name, value, source in sorted(self.applied)
+            name: {"value": _shown(value), "from": source}
+            for name, value, source in sorted(self.applied, key=lambda applied: applied[0])
         }
 
     pids: tuple[int, ...] = ()  # the job's processes, registered with its lease
     mem_bytes: int | None = None  # a memory lease of this much of each card (choose/memory.py)
+
+
+def _shown(value: Any) -> Any:
+    """A parsed value as JSON shows it: a tuple as a list, a share of the total as ``"25%"``."""
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, OfTotal):
+        return f"{value.ratio * 100:g}%"
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +153,9 @@ def parse_choose_args(
     ``idle_for`` could never be met, so it is refused.
     """
     check_params(args, allowed, endpoint)
-    # A memory lease shares a card with running jobs: "free" (the defaults) would refuse it.
-    defaults = NO_DEFAULTS if "mem" in args else defaults
+    # A memory lease shares a card with running jobs: of "free", only the load defaults apply.
+    if "mem" in args:
+        defaults = {k: t for k, t in defaults.items() if k in MEM_DEFAULTS}
     merged: dict[str, str] = {k: t for k, t in defaults.items() if k in allowed and k not in args}
     merged.update((k, args[k]) for k in args)
     v = {p.name: value_of(merged, p) for p in PARAMS if p.choose}
@@ -172,8 +190,11 @@ def parse_choose_args(
             f"idle_for={most:g}s or less",
         )
     defaulted = tuple(k for k in merged if k not in args)
+    min_free = v["min_free"]
     filters = Filters(
-        min_free_bytes=v["min_free"],
+        min_free_bytes=None if isinstance(min_free, OfTotal) else min_free,
+        min_free_ratio=min_free.ratio if isinstance(min_free, OfTotal) else None,
+        max_mem_used_ratio=v["max_mem_used"],
         max_util_ratio=v["max_util"],
         exclude=v["exclude"],
         min_total_bytes=v["min_total"],

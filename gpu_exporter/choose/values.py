@@ -20,9 +20,10 @@ ValueError: n must be a whole number from 1 to 1024, got '²' (ASCII digits only
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from gpu_exporter.units import shown
+from gpu_exporter.units import parse_ratio, shown
 
 Reader: TypeAlias = Callable[[str, str], Any]
 """(parameter name, query value) → the value; ValueError says why not."""
@@ -38,6 +39,34 @@ def units(parse: Callable[[str], Any], maximum: float | None = None) -> Reader:
             raise ValueError(f"{name}: {exc}") from None
         if maximum is not None and value > maximum:
             raise ValueError(f"{name}: at most {maximum:g} s, got {shown(text)}")
+        return value
+
+    return read
+
+
+@dataclass(frozen=True, slots=True)
+class OfTotal:
+    """A share of a card's total memory (``min_free=25%``), rather than a size."""
+
+    ratio: float  # 0–1
+
+    def __str__(self) -> str:
+        return f"{self.ratio * 100:g}% of total"
+
+
+def size_or_share(parse_size: Callable[[str], int]) -> Reader:
+    """A size (``8GiB``) or, ending in ``%``, a share of the card's total memory (``25%``).
+
+    >>> read = size_or_share(lambda text: int(text))
+    >>> read("min_free", "1024"), read("min_free", " 25% ")
+    (1024, OfTotal(ratio=0.25))
+    """
+    sizes, shares = units(parse_size), units(parse_ratio)
+
+    def read(name: str, text: str) -> int | OfTotal:
+        if text.strip().endswith("%"):
+            return OfTotal(shares(name, text))
+        value: int = sizes(name, text)
         return value
 
     return read

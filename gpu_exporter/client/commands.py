@@ -34,7 +34,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from gpu_exporter.argparsing import EXIT_USAGE, Parser, checked
-from gpu_exporter.choose.params import CHOOSE_FORMATS, PARAMS
+from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
+from gpu_exporter.choose.params import BY_NAME, CHOOSE_FORMATS, PARAMS
 from gpu_exporter.client.choosing import choose_cluster
 from gpu_exporter.client.hostapi import DEFAULT_LEASE, choose_raw, register_pids, release
 from gpu_exporter.client.transport import (
@@ -53,6 +54,8 @@ EXIT_NO_GPUS = 3
 EXIT_NO_LEASE = 4
 # The filters that have a flag: --min-free SIZE for /choose's min_free, and so on.
 FILTER_PARAMS = tuple(p for p in PARAMS if p.flag is not None)
+# The shipped "free" as flags: --max-util 50% --max-mem-used 50%.
+SHIPPED_FLAGS = " ".join(f"{BY_NAME[k].option} {v}" for k, v in SHIPPED_DEFAULTS.items())
 
 
 def _positive_int(text: str) -> int:
@@ -130,7 +133,7 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
     )
     filters = parser.add_argument_group(
         "filters (passed to /choose as they are; those not given are the exporter's "
-        "--choose-defaults, by default --max-util 50% --max-mem-util 50%)"
+        f"--choose-defaults, by default {SHIPPED_FLAGS})"
     )
     for param in FILTER_PARAMS:
         assert param.flag is not None

@@ -25,6 +25,7 @@ from gpu_exporter.choose.rank import NotEnoughGpus
 from gpu_exporter.choose.rank import choose as rank_and_choose
 from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_choose_args
+from gpu_exporter.choose.selectors import check_selectors
 from gpu_exporter.client.allocation import HostGpu
 from gpu_exporter.client.hostapi import Choice, choose_host, within_allocation
 from gpu_exporter.client.query import Duration, FilterValue, filter_value
@@ -101,6 +102,10 @@ def choose_locally(
         masked = within_allocation(given, lambda: whole)
         if masked is not given:
             local_filters, sort = _local_filters(masked)
+    try:
+        check_selectors(tuple(samples), local_filters.include, local_filters.exclude)
+    except ApiError as exc:
+        raise GpuExporterError(f"choosing locally: {exc}") from None
     try:
         picked = rank_and_choose(samples, n, local_filters, sort=sort).chosen
     except NotEnoughGpus as exc:

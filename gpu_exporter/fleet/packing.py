@@ -43,9 +43,12 @@ class PackedField:
 
 
 UTIL_PCT: Final = "round(gpu_utilization_ratio * 100)"
+# Memory in use, in whole percent rounded up: x <= b ⇔ used ÷ total <= b %, as the filter has it
+# (used × 100 is exact in float64, so a card at exactly b % reads b).
+USED_PCT: Final = "ceil(gpu_memory_used_bytes * 100 / gpu_memory_total_bytes)"
 FIELDS: Final = (
     PackedField("utilization_pct_test", 13, 100, UTIL_PCT),
-    PackedField("memory_utilization_pct", 10, 100, "round(gpu_memory_utilization_ratio * 100)"),
+    PackedField("memory_used_pct", 10, 100, USED_PCT),
     PackedField("compute_processes", 9, 9, "gpu_compute_processes"),
     PackedField("memory_free_mib", 3, 999_999, "floor(gpu_memory_free_bytes / 1048576)"),
     PackedField("utilization_pct", 0, 100, UTIL_PCT),
@@ -65,10 +68,20 @@ def packable(filters: Filters, sort: str, idle_for_seconds: float | None, max_ag
         and not filters.exclude
         and sort in SORTS
         and filters.min_total_bytes is None
+        and _whole_percent(filters.max_mem_used_ratio)
+        # Not in the packing (100 % is no limit): memory-controller utilization, which no
+        # default asks for, and free memory as a share of the total.
+        and (filters.max_mem_util_ratio is None or filters.max_mem_util_ratio >= 1)
+        and filters.min_free_ratio is None
         and max_age >= RECORDED_LAG_ABOVE
         and (procs is None or procs < BY_NAME["compute_processes"].top)
         and (free is None or (free % MIB == 0 and free // MIB <= BY_NAME["memory_free_mib"].top))
     )
+
+
+def _whole_percent(ratio: float | None) -> bool:
+    """No limit, or a limit in whole percent (``0.505`` would read 50 % in the packing)."""
+    return ratio is None or abs(ratio * 100 - round(ratio * 100)) < 1e-9
 
 
 def _pct(ratio: float) -> int:
@@ -81,14 +94,14 @@ def packed_query(filters: Filters, selector: str = "") -> str:
 
     >>> print(packed_query(Filters(min_free_bytes=40 * 2**30, max_util_ratio=0.1, max_procs=0)))
     (((gpu_fleet:packed < 110000000000000) % 10000000000) < 1000000000) >= 40960000
-    >>> print(packed_query(Filters(max_util_ratio=0.5, max_mem_util_ratio=0.5), 'pool="a"'))
+    >>> print(packed_query(Filters(max_util_ratio=0.5, max_mem_used_ratio=0.5), 'pool="a"'))
     (((gpu_fleet:packed{pool="a"} < 510000000000000) % 10000000000000) < 510000000000) % 1000000000
     """
     tests: dict[str, tuple[str, int]] = {}  # field → (op, its bound in the field's units)
     if filters.max_util_ratio is not None and _pct(filters.max_util_ratio) < 100:
         tests["utilization_pct_test"] = ("<=", _pct(filters.max_util_ratio))
-    if filters.max_mem_util_ratio is not None and _pct(filters.max_mem_util_ratio) < 100:
-        tests["memory_utilization_pct"] = ("<=", _pct(filters.max_mem_util_ratio))
+    if filters.max_mem_used_ratio is not None and _pct(filters.max_mem_used_ratio) < 100:
+        tests["memory_used_pct"] = ("<=", _pct(filters.max_mem_used_ratio))
     if filters.max_procs is not None:
         tests["compute_processes"] = ("<=", filters.max_procs)
     if filters.min_free_bytes:

@@ -13,20 +13,53 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.units import format_bytes
 
 GPU_KEY: Final = "on(instance, job, uuid)"
-# A GPU's limits: (param, the Filters field, the GpuSample field, the series, the comparison
-# that fails it). idle_for judges each by its worst over the window (min for "<", max for ">").
+TOTAL: Final = "gpu_memory_total_bytes"
+
+
+class Limit(NamedTuple):
+    """One of a GPU's limits as the store tests it. idle_for judges each by its worst over the
+    window (min for "<", max for ">")."""
+
+    reason: str  # what it is counted as in a refusal (fleet_reason): the parameter's name
+    attr: str  # the Filters field
+    field: str  # the GpuSample field its series fills
+    series: str
+    op: str  # the comparison that fails it
+    of_total: bool = False  # the limit is a share of gpu_memory_total_bytes
+
+    @property
+    def compared(self) -> str:
+        """The GpuSample attribute the limit is compared with (a share: its ratio property)."""
+        return self.field.replace("_bytes", "_ratio") if self.of_total else self.field
+
+    def failing(self, limit: float, selector: str = "") -> str:
+        """The PromQL of the GPUs ``limit`` fails: ``gpu_utilization_ratio > 0.5``.
+
+        >>> LIMITS[1].failing(0.5)
+        'gpu_utilization_ratio > 0.5'
+        >>> print(LIMITS[2].failing(0.5, '{pool="a"}'))
+        gpu_memory_used_bytes{pool="a"} / gpu_memory_total_bytes{pool="a"} > 0.5
+        """
+        total = f" / {TOTAL}{selector}" if self.of_total else ""
+        return f"{self.series}{selector}{total} {self.op} {limit!r}"
+
+
 LIMITS: Final = (
-    ("min_free", "min_free_bytes", "memory_free_bytes", "gpu_memory_free_bytes", "<"),
-    ("max_util", "max_util_ratio", "utilization_ratio", "gpu_utilization_ratio", ">"),
-    ("max_mem_util", "max_mem_util_ratio", "memory_utilization_ratio",
-     "gpu_memory_utilization_ratio", ">"),
-    ("max_procs", "max_procs", "compute_processes", "gpu_compute_processes", ">"),
+    Limit("min_free", "min_free_bytes", "memory_free_bytes", "gpu_memory_free_bytes", "<"),
+    Limit("max_util", "max_util_ratio", "utilization_ratio", "gpu_utilization_ratio", ">"),
+    Limit("max_mem_used", "max_mem_used_ratio", "memory_used_bytes", "gpu_memory_used_bytes",
+          ">", of_total=True),
+    Limit("min_free_share", "min_free_ratio", "memory_free_bytes", "gpu_memory_free_bytes", "<",
+          of_total=True),
+    Limit("max_mem_util", "max_mem_util_ratio", "memory_utilization_ratio",
+          "gpu_memory_utilization_ratio", ">"),
+    Limit("max_procs", "max_procs", "compute_processes", "gpu_compute_processes", ">"),
 )  # fmt: skip
 _MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
 _SELECTOR = re.compile(rf"^(?:{_MATCHER}(?:,{_MATCHER})*)?$")
@@ -86,7 +119,9 @@ def needed_metrics(filters: Filters, sort: str) -> tuple[str, ...]:
         names.append("gpu_info")
     if filters.min_total_bytes is not None or sort == "free_ratio":
         names.append("gpu_memory_total_bytes")
-    names += [s for _, f, _, s, _ in LIMITS if getattr(filters, f) is not None and s not in names]
+    for limit in LIMITS:
+        if getattr(filters, limit.attr) is not None:
+            names += [s for s in (limit.series, *[TOTAL] * limit.of_total) if s not in names]
     if sort == "power":
         names += ["gpu_power_draw_watts", "gpu_power_limit_watts"]
     return tuple(names)
@@ -126,9 +161,10 @@ def window_query(filters: Filters, seconds: float, selector: str = "") -> str:
         ("up", f"min_over_time(gpu_up{rng})"),
         ("oldest", f"min_over_time(gpu_exporter_last_sample_timestamp_seconds{rng})"),
     ]
-    for _, attr, name, series, op in LIMITS:
-        if getattr(filters, attr) is not None:
-            parts.append((name, f"{'min' if op == '<' else 'max'}_over_time({series}{rng})"))
+    for limit in LIMITS:
+        if getattr(filters, limit.attr) is not None and limit.field not in dict(parts):
+            worst = "min" if limit.op == "<" else "max"
+            parts.append((limit.field, f"{worst}_over_time({limit.series}{rng})"))
     return " or ".join(
         f'label_replace({expr}, "fleet_field", "{name}", "__name__", ".*")' for name, expr in parts
     )
@@ -147,9 +183,9 @@ def reasons_query(filters: Filters, selector: str = "") -> str:
         ("leased", f"gpu_leased{whole} == 1"),
         ("pod", f"gpu_pod_info{whole}"),
     ]
-    for param, attr, _, series, op in LIMITS:
-        if (limit := getattr(filters, attr)) is not None:
-            parts.append((param, f"{series}{whole} {op} {limit!r}"))
+    for limit in LIMITS:
+        if (value := getattr(filters, limit.attr)) is not None:
+            parts.append((limit.reason, limit.failing(value, whole)))
     if filters.model is not None:
         name = f'uuid!~"MIG-.*", name!~{model_regex(filters.model)}'
         parts.append(("model", f"gpu_info{braces(selector, name)}"))
@@ -167,7 +203,11 @@ def reasons_text(samples: Sequence[Mapping[str, Any]], filters: Filters) -> str:
         "leased": "leased (at the last scrape)",
         "pod": "allocated to a Kubernetes pod",
         "min_free": f"with free memory < min_free {format_bytes(filters.min_free_bytes or 0)}",
+        "min_free_share": "with free memory < min_free "
+        f"{(filters.min_free_ratio or 0) * 100:g}% of total",
         "max_util": f"with utilization > max_util {filters.max_util_ratio or 0:.2f}",
+        "max_mem_used": "with memory used > max_mem_used "
+        f"{filters.max_mem_used_ratio or 0:.2f} of total",
         "max_mem_util": "with memory utilization > max_mem_util "
         f"{filters.max_mem_util_ratio or 0:.2f}",
         "max_procs": f"with more than max_procs {filters.max_procs} compute processes",

@@ -88,7 +88,7 @@ def _quick_pass(f: Filters) -> Callable[[GpuSample], bool]:
     """False only where the filters surely reject the GPU (down, or a known figure past a
     limit), without formatting why."""
     limits = [
-        (v, lim, op == "<") for _, a, v, _, op in LIMITS if (lim := getattr(f, a)) is not None
+        (x.compared, lim, x.op == "<") for x in LIMITS if (lim := getattr(f, x.attr)) is not None
     ]
 
     def may_pass(gpu: GpuSample) -> bool:

@@ -53,6 +53,7 @@ GIB: Final = 2**30
 # Per-GPU series → GpuSample field, and how to read the value.
 VALUE_METRICS: Final[Mapping[str, tuple[str, type]]] = {
     "gpu_memory_free_bytes": ("memory_free_bytes", int),
+    "gpu_memory_used_bytes": ("memory_used_bytes", int),
     "gpu_memory_total_bytes": ("memory_total_bytes", int),
     "gpu_utilization_ratio": ("utilization_ratio", float),
     "gpu_memory_utilization_ratio": ("memory_utilization_ratio", float),
@@ -290,9 +291,9 @@ def _window(
             past.append(replace(gpu, up=False, error="down"))
             continue
         changes: dict[str, Any] = {}
-        for _, _, name, series, _ in LIMITS:
-            if (value := worst.get((gpu.uuid, name))) is not None:
-                changes[name] = VALUE_METRICS[series][1](value)
+        for limit in LIMITS:
+            if (value := worst.get((gpu.uuid, limit.field))) is not None:
+                changes[limit.field] = VALUE_METRICS[limit.series][1](value)
         past.append(replace(gpu, **changes))
     return Window(seconds, covered, ((seconds, tuple(past)),), worst_case=True)
 

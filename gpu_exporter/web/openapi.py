@@ -19,11 +19,12 @@ from gpu_exporter.model import VISIBILITIES
 
 FREE_BY_DEFAULT = (
     "What 'free' means unless the request says otherwise: the exporter's --choose-defaults "
-    f"(shipped: {DEFAULT_CHOOSE_DEFAULTS}, i.e. under 50% utilization and 50% "
-    "memory-bandwidth utilization, as GPUtil's getAvailable). Each default applies only when "
-    "the request does not give that parameter: max_util=100% turns that one off. A figure a "
-    "GPU cannot report (a MIG device has no utilization) passes a default, never a filter the "
-    "request gave. format=json lists the filters applied and where each came from."
+    f"(shipped: {DEFAULT_CHOOSE_DEFAULTS}, i.e. at most 50% utilization and at most 50% of "
+    "the memory in use, as GPUtil's getAvailable). Each default applies only when the request "
+    "does not give that parameter: max_util=100% turns that one off. A mem= request takes "
+    "only the load defaults (max_util, max_mem_util). A figure a GPU cannot report (a MIG "
+    "device has no utilization) passes a default, never a filter the request gave. "
+    "format=json lists the filters applied and where each came from."
 )
 
 

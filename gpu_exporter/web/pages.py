@@ -62,6 +62,7 @@ def index() -> str:
         version=__version__,
         fmt=format_bytes,
         metrics_path=svc.telemetry_path,
+        free="&".join(f"{name}={value}" for name, value in svc.choose_defaults.items()),
     )
 
 
