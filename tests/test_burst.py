@@ -39,7 +39,7 @@ def test_a_burst_of_256_claims_from_one_address_is_served_not_bounced() -> None:
             start.wait()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
             try:
-                query = "/choose?n=1&max_util=100%25&max_mem_util=100%25"
+                query = "/choose?n=1&max_util=100%25&max_mem_util=100%25&max_mem_used=100%25"
                 conn.request("POST", query, headers={"Accept": "application/json"})
                 resp = conn.getresponse()
                 body = resp.read()
