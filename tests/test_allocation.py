@@ -15,7 +15,7 @@ import pytest
 
 from gpu_exporter import client
 from gpu_exporter.client import GpuExporterError, NoGpusAvailable, use_gpus
-from gpu_exporter.client.allocation import HostGpu, allocation
+from gpu_exporter.client.allocation import HostGpu, allocation, cuda_indices
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, Scenario, SimGpu, SimulatedNvml
 from harness import cli, finish, free_port
@@ -165,3 +165,49 @@ def test_without_a_server_the_local_choice_stays_inside_the_mask(
     block = use_gpus(1, url, max_util=1, max_mem_util=1, open_nvml=four)
     with pytest.warns(client.GpuExporterWarning, match="No lease protects this choice"), block:
         assert block.choice is not None and block.choice.indices == (3,)
+
+
+# -- the index mode: for tools that cannot take UUIDs ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("environ", "chosen", "places"),
+    [
+        ({}, ("GPU-a", "GPU-d"), (2, 3)),  # the whole host in PCI order: b, c, a, d
+        ({"NVIDIA_VISIBLE_DEVICES": "0,3"}, ("GPU-d",), (1,)),  # the container sees a, d
+        # Slurm with device cgroups: CUDA sees only the job's cards (here c and d)
+        ({"SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}, ("GPU-d",), (1,)),
+        # ... without them: the whole host
+        ({"SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "2,3"}, ("GPU-d",), (3,)),
+    ],
+)
+def test_indices_name_the_leased_cards_as_the_jobs_cuda_counts_them(
+    environ: dict[str, str], chosen: tuple[str, ...], places: tuple[int, ...]
+) -> None:
+    assert cuda_indices(chosen, environ, host) == places
+
+
+def test_indices_that_could_name_other_cards_are_refused() -> None:
+    with pytest.raises(GpuExporterError, match="cannot tell whether CUDA here numbers"):
+        cuda_indices(("GPU-d",), {"SLURM_JOB_GPUS": "2,3"}, host)
+    with pytest.raises(GpuExporterError, match="MIG device"):
+        cuda_indices(("MIG-x",), {}, host)
+
+
+def test_run_choose_and_use_gpus_export_indices_when_asked(
+    exporter: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    by_uuid = {g.uuid: g.index for g in exporter.daemon.cache.get().gpus}  # PCI order here
+    status, out, err = run_job("--indices", SLURM_JOB_GPUS="1,3", CUDA_VISIBLE_DEVICES="0,1")
+    assert status == 0 and out.strip() in {"0", "1"}, err  # the job's own 0..1
+    status, out, err = finish(cli("choose", "--indices", "--format", "env", env={**os.environ}))
+    assert status == 0, err
+    words = dict(w.split("=", 1) for w in out.split()[1:])
+    assert words["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and words["GPU_LEASE"]
+    assert words["CUDA_VISIBLE_DEVICES"].isdigit()
+    client.release(words["GPU_LEASE"])
+    status, _, err = finish(cli("choose", "--indices", env={**os.environ}))
+    assert status != 0 and "--format env" in err
+    with use_gpus(1, indices=True) as gpus:
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == str(by_uuid[gpus.uuids[0]])
+    assert exporter.lease_ids() == set()

@@ -134,3 +134,42 @@ def _inside(cuda: list[str], host: list[str], source: str) -> tuple[str, ...]:
             f"CUDA_VISIBLE_DEVICES as UUIDs ({IGNORE_HINT})"
         )
     return tuple(str(i) for i in readings.pop())
+
+
+def cuda_indices(
+    uuids: Sequence[str], environ: Mapping[str, str], host_gpus: Callable[[], Sequence[HostGpu]]
+) -> tuple[int, ...]:
+    """The indices CUDA gives the cards ``uuids`` under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, in
+    the job ``environ`` describes (before the choice replaced its mask): their places, in
+    PCI bus order, among the cards its CUDA enumerates — the whole host, or what a container
+    (``NVIDIA_VISIBLE_DEVICES``) or Slurm's device cgroup lets it see. For tools that cannot
+    take UUIDs in ``CUDA_VISIBLE_DEVICES``."""
+    if any(_is_uuid(u) and u.upper().startswith("MIG-") for u in uuids):
+        raise GpuExporterError("a MIG device can be named by its UUID only, not an index")
+    gpus = sorted(host_gpus(), key=lambda g: g.pci_bus_id.lower().split(":", 1)[-1])
+    seen = gpus
+    nvidia = (environ.get("NVIDIA_VISIBLE_DEVICES") or "").strip()
+    slurm = _entries(environ.get("SLURM_JOB_GPUS"))
+    cuda = _entries(environ.get("CUDA_VISIBLE_DEVICES"))
+    if nvidia and nvidia.lower() != "all":  # a container sees its devices only
+        names = _entries(nvidia) or []
+        seen = [g for g in gpus if str(g.index) in names or any(_named(g, n) for n in names)]
+    elif slurm is not None:  # with device cgroups CUDA sees the job's cards, else all
+        if cuda is not None and set(cuda) == set(slurm):
+            seen = gpus
+        elif cuda == [str(i) for i in range(len(slurm))]:
+            seen = [g for g in gpus if str(g.index) in slurm]
+        else:
+            raise GpuExporterError(
+                f"SLURM_JOB_GPUS={','.join(slurm)}: cannot tell whether CUDA here numbers the "
+                "host's cards or only the job's (Slurm's device cgroup); use UUIDs"
+            )
+    place = {g.uuid: i for i, g in enumerate(seen)}
+    missing = [u for u in uuids if u not in place]
+    if missing:
+        raise GpuExporterError(f"{missing[0]} is not among the cards this job's CUDA sees")
+    return tuple(place[u] for u in uuids)
+
+
+def _named(gpu: HostGpu, name: str) -> bool:
+    return _is_uuid(name) and gpu.uuid.upper().startswith(name.upper())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -37,7 +38,15 @@ from gpu_exporter.argparsing import EXIT_USAGE, Parser, checked
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
 from gpu_exporter.choose.params import BY_NAME, CHOOSE_FORMATS, PARAMS
 from gpu_exporter.client.choosing import choose_cluster
-from gpu_exporter.client.hostapi import DEFAULT_LEASE, choose_raw, register_pids, release
+from gpu_exporter.client.hostapi import (
+    DEFAULT_LEASE,
+    Choice,
+    ChooseAnswer,
+    as_indices,
+    choose_raw,
+    register_pids,
+    release,
+)
 from gpu_exporter.client.transport import (
     DEFAULT_URL,
     URL_ENV,
@@ -98,6 +107,12 @@ def _add_choice_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LABEL",
         help="who holds the lease, shown on the status page and in /leases "
         "(default: your login name; '' for none)",
+    )
+    parser.add_argument(
+        "--indices",
+        action="store_true",
+        help="set CUDA_VISIBLE_DEVICES to indices (with CUDA_DEVICE_ORDER=PCI_BUS_ID) that name "
+        "the leased cards, for tools that cannot take UUIDs (with choose: --format env)",
     )
     parser.add_argument(
         "--ignore-mask",
@@ -260,10 +275,12 @@ def choose_main(args: argparse.Namespace) -> int:
             sys.stdout.write(choose_across_hosts(args, spread=args.spread).text(args.format))
             sys.stdout.flush()
             return 0
+        if args.indices and args.format != "env":
+            raise ServerError(400, "--indices names the cards in an env line: add --format env")
         answer = choose_raw(
             args.n,
             args.url,
-            format=args.format,
+            format="json" if args.indices else args.format,
             lease=args.lease,
             wait=args.wait,
             owner=args.owner,
@@ -275,12 +292,13 @@ def choose_main(args: argparse.Namespace) -> int:
             note = register_pids(answer.lease_token, [os.getppid()], answer.url)
             if note is not None:
                 print(f"gpu-exporter: note: {note}", file=sys.stderr)
+        body = env_line_with_indices(answer) if args.indices else answer.body
     except GpuExporterError as exc:
         return fail(exc)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     try:
-        sys.stdout.write(answer.body)
+        sys.stdout.write(body)
         sys.stdout.flush()
     except OSError as exc:  # nobody will read the token (a closed pipe): give the lease back
         if answer.lease_token is not None:
@@ -289,6 +307,22 @@ def choose_main(args: argparse.Namespace) -> int:
         print(f"error: cannot print the answer ({exc}); released its lease", file=sys.stderr)
         return EXIT_FAILURE
     return 0
+
+
+def env_line_with_indices(answer: ChooseAnswer) -> str:
+    """``format=env``'s line from a JSON answer, naming the cards by index (``--indices``);
+    the lease is given back if they cannot be named so."""
+    try:
+        choice = Choice.from_json(
+            json.loads(answer.body), url=answer.url, lease_header=answer.lease_token
+        )
+        env = as_indices(choice)
+    except (ValueError, GpuExporterError):
+        if answer.lease_token is not None:
+            with contextlib.suppress(GpuExporterError):
+                release(answer.lease_token, answer.url)
+        raise
+    return "export " + " ".join(f"{k}={v}" for k, v in env.items()) + "\n"
 
 
 def add_release_parser(sub: argparse._SubParsersAction[Parser]) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from gpu_exporter.choose.memory import caps_env
 from gpu_exporter.choose.tokens import IDEMPOTENCY_HEADER, lease_id_of
-from gpu_exporter.client.allocation import HostGpu, allocation
+from gpu_exporter.client.allocation import HostGpu, allocation, cuda_indices
 from gpu_exporter.client.query import (
     Duration,
     FilterValue,
@@ -263,6 +263,24 @@ def within_allocation(
             "choose among the job's GPUs, or add --ignore-mask (ignore_mask=True)"
         )
     return {**filters, "include": ",".join(found.include)}
+
+
+def as_indices(choice: Choice, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> dict[str, str]:
+    """``choice.env()`` with ``CUDA_VISIBLE_DEVICES`` as indices (under
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``) that name the same cards, for tools that cannot take
+    UUIDs; read before the environment is changed. Without a server (a local choice) NVML's
+    own indices, which follow the PCI bus order."""
+    env = choice.env()
+    if choice.local:
+        if any(os.environ.get(v) for v in ("SLURM_JOB_GPUS", "NVIDIA_VISIBLE_DEVICES")):
+            raise GpuExporterError(
+                "indices inside a launcher's allocation need the exporter's view of the host"
+            )
+        places: tuple[int, ...] = choice.indices
+    else:
+        places = cuda_indices(choice.uuids, os.environ, lambda: host_gpus(choice.url, timeout))
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in places)
+    return env
 
 
 def host_gpus(base: str, timeout: float) -> list[HostGpu]:

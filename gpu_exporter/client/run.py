@@ -26,7 +26,7 @@ from gpu_exporter.client.commands import (
     filters_of,
     warnings_printed,
 )
-from gpu_exporter.client.hostapi import Choice
+from gpu_exporter.client.hostapi import Choice, as_indices
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
 from gpu_exporter.client.session import LeaseKeeper, keep, let_go, replaced_visible_devices
 from gpu_exporter.client.transport import DEFAULT_TIMEOUT_SECONDS, GpuExporterError
@@ -159,7 +159,7 @@ def run_main(args: argparse.Namespace, *, open_nvml: OpenNvml | None = None) -> 
             replacing = replaced_visible_devices(choice) if args.ignore_mask else None
             if replacing is not None:
                 print(f"{prefix}warning: {replacing}", file=sys.stderr)
-            env = {**os.environ, **choice.env()}
+            env = {**os.environ, **(as_indices(choice) if args.indices else choice.env())}
             if choice.lease_id is None:
                 env.pop("GPU_LEASE", None)
             if JAX_FRACTION_ENV in choice.env():  # beside it, JAX refuses the GPU (memory.py)

@@ -21,7 +21,14 @@ from typing import Literal
 from gpu_exporter.choose.memory import JAX_FRACTION_CONFLICT, MEM_ENV_NAMES
 from gpu_exporter.client.caps import FRAMEWORKS, apply
 from gpu_exporter.client.envcheck import near_miss_warning
-from gpu_exporter.client.hostapi import DEFAULT_LEASE, Choice, register_pids, release, renew
+from gpu_exporter.client.hostapi import (
+    DEFAULT_LEASE,
+    Choice,
+    as_indices,
+    register_pids,
+    release,
+    renew,
+)
 from gpu_exporter.client.local import OpenNvml, choose_or_fallback
 from gpu_exporter.client.query import Duration, FilterValue, format_duration
 from gpu_exporter.client.transport import (
@@ -211,6 +218,7 @@ class GpuSession:
         on_unavailable: OnUnavailable,
         framework: str | None,
         ignore_mask: bool = False,
+        indices: bool = False,
     ) -> None:
         self._choose = choose  # choose_or_fallback with the request's arguments
         self._url = url
@@ -218,6 +226,7 @@ class GpuSession:
         self._on_unavailable = on_unavailable
         self._framework = framework
         self._ignore_mask = ignore_mask  # then replacing a launcher's mask is warned about
+        self._indices = indices  # CUDA_VISIBLE_DEVICES as indices (hostapi.as_indices)
         self.choice: Choice | None = None
         self.keeper: LeaseKeeper | None = None
         self._saved: dict[str, str | None] = {}
@@ -250,7 +259,7 @@ class GpuSession:
             self._saved = {key: os.environ.get(key) for key in _ENV_KEYS}
             for key in _ENV_KEYS:
                 os.environ.pop(key, None)
-            os.environ.update(choice.env())
+            os.environ.update(as_indices(choice, self._timeout) if self._indices else choice.env())
             if self._framework is not None and choice.mem_bytes is not None:
                 apply(choice, self._framework)
         except BaseException:
@@ -303,6 +312,7 @@ def use_gpus(
     on_unavailable: OnUnavailable = "error",
     framework: str | None = None,
     ignore_mask: bool = False,
+    indices: bool = False,
     **filters: FilterValue,
 ) -> GpuSession:
     """Run a block on ``n`` GPUs that nobody else is handed meanwhile.
@@ -338,6 +348,9 @@ def use_gpus(
     ``NVIDIA_VISIBLE_DEVICES``, an outer ``CUDA_VISIBLE_DEVICES``), only those are chosen
     from (:mod:`~gpu_exporter.client.allocation`); ``ignore_mask=True`` chooses among every
     GPU of the host, and warns when it replaces a ``CUDA_VISIBLE_DEVICES`` already set.
+    ``indices=True`` sets ``CUDA_VISIBLE_DEVICES`` to indices (under
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``) that name the leased cards, for tools that cannot take
+    UUIDs (:func:`~gpu_exporter.client.hostapi.as_indices`).
 
     ``mem="8GiB"`` asks for a memory lease: that much of each card, on cards shared with other
     such jobs; the environment then also carries the caps (``GPU_MEM_LIMIT_BYTES``,
@@ -365,4 +378,4 @@ def use_gpus(
         open_nvml=open_nvml,
         ignore_mask=ignore_mask,
     )
-    return GpuSession(choose, url, timeout, on_unavailable, framework, ignore_mask)
+    return GpuSession(choose, url, timeout, on_unavailable, framework, ignore_mask, indices)
