@@ -444,7 +444,7 @@ def test_the_connection_state_machine_moves_only_along_its_table() -> None:
     assert set(_NEXT) == set(State)
     assert all(State.CLOSED in moves for moves in _NEXT.values())
     assert _NEXT[State.CLOSED] == {State.CLOSED}
-    conn = HttpConnection(None, ("127.0.0.1", 1), ("127.0.0.1", 2))  # type: ignore[arg-type]
+    conn = HttpConnection(None, ("127.0.0.1", 1), ("127.0.0.1", 2), "local:me")  # type: ignore[arg-type]
     assert conn.state is State.OPENING
     with pytest.raises(RuntimeError, match="OPENING → WORKING"):
         conn._to(State.WORKING)

@@ -32,12 +32,6 @@ class Evictable(Protocol):
         """Close now; :meth:`ConnectionSlots.release` follows."""
 
 
-def address_key(host: str) -> str:
-    """The client address caps count by: an IPv4 client on a dual-stack socket
-    (``::ffff:10.0.0.1``) counts as ``10.0.0.1``."""
-    return host[7:] if host.startswith("::ffff:") and "." in host else host
-
-
 Conn = TypeVar("Conn", bound=Evictable)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import h11
 
 from gpu_exporter.counters import RequestCounter
-from gpu_exporter.web.admission import ConnectionSlots, address_key
+from gpu_exporter.web.admission import ConnectionSlots
 from gpu_exporter.web.gateway import (
     CONNECTED,
     Answer,
@@ -44,6 +44,7 @@ from gpu_exporter.web.gateway import (
     without_secrets,
 )
 from gpu_exporter.web.limits import EXEMPT_PATHS, Limits, Timeouts
+from gpu_exporter.web.peers import PEER
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,13 @@ def _date(second: int) -> bytes:
 
 
 class HttpConnection(asyncio.Protocol):
-    def __init__(self, site: Site, peer: tuple[str, int], server: tuple[str, int]) -> None:
+    def __init__(
+        self, site: Site, peer: tuple[str, int], server: tuple[str, int], identity: str
+    ) -> None:
         self.site = site
         self.peer = peer
         self.server = server
-        self.address = address_key(peer[0])
+        self.address = identity  # who is at the other end (web.peers): the caps count by it
         self.state = State.OPENING
         self.opening: asyncio.Task[Any] | None = None  # OPENING: the task connecting it
         self.layer: asyncio.Transport | None = None  # OPENING under TLS: the TLS layer
@@ -259,7 +262,7 @@ class HttpConnection(asyncio.Protocol):
         self.site.slots.working(self)
         path = request.target.partition(b"?")[0].decode("latin-1")
         loop, app = self.site.loop, self.site.app
-        extra = {CONNECTED: self.connected}
+        extra = {CONNECTED: self.connected, PEER: self.address}
 
         def job() -> None:
             answer = run_app(app, request, body, self.site.scheme, self.server, self.peer, extra)

@@ -59,7 +59,7 @@ class Limits:
     # --max-waiters: /choose?wait= requests waiting at once (503); below max_in_flight, so
     # waiting clients never take every worker.
     max_waiters: int = 8
-    # --max-waiters-per-requester: waiting requests of one client address (429); 0: any.
+    # --max-waiters-per-requester: waiting requests of one requester (web.peers; 429); 0: any.
     max_waiters_per_requester: int = 2
     max_query_bytes: int = 4096  # 414 beyond
     max_header_bytes: int = 16 * 1024  # the request line and headers: 431 beyond

@@ -40,6 +40,7 @@ from gpu_exporter.web.admission import ConnectionSlots
 from gpu_exporter.web.connection import HttpConnection, Site, reason_phrase
 from gpu_exporter.web.gateway import Workers, error_answer
 from gpu_exporter.web.limits import DEFAULT_LIMITS, DEFAULT_TIMEOUTS, Limits, Timeouts
+from gpu_exporter.web.peers import PeerIdentities
 from gpu_exporter.web.tlslayer import TlsLayer
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class Server:
         tls: Callable[[], ssl.SSLContext] | None = None,
         rejections: RequestCounter | None = None,
         timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        peers: PeerIdentities | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -89,6 +91,7 @@ class Server:
         self._tls = tls
         self._rejections = rejections if rejections is not None else RequestCounter()
         self._timeouts = timeouts
+        self._peers = peers if peers is not None else PeerIdentities()
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -234,7 +237,9 @@ class Server:
 
     def _open(self, sock: socket.socket, peer: Any, site: Site) -> None:
         sock.setblocking(False)
-        conn = HttpConnection(site, (str(peer[0]), int(peer[1])), sock.getsockname()[:2])
+        them, us = (str(peer[0]), int(peer[1])), sock.getsockname()[:2]
+        # Named now, while the peer's socket is surely in the kernel's table; caps count by it.
+        conn = HttpConnection(site, them, us, self._peers.identify(them, us))
         if not site.slots.admit(conn):
             site.rejections.inc(TOO_MANY_CONNECTIONS)
             if self._tls is None:
