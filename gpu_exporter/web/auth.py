@@ -317,7 +317,8 @@ class _Address:
 
 
 class AuthThrottle:
-    """Failed checks per client address, and how long each must wait: thread-safe."""
+    """Failed checks per peer (web.peers: a remote address, or a local user), and how long
+    each must wait: thread-safe."""
 
     def __init__(self, clock: Clock, limits: Limits = DEFAULT_LIMITS) -> None:
         self._clock, self._limits = clock, limits
