@@ -145,6 +145,21 @@ def test_the_kernel_names_a_real_peers_owner() -> None:
             assert PeerIdentities(diag=False).identify(peer, local) == ME
 
 
+def test_a_peer_that_closed_before_its_accept_is_nobody_in_particular() -> None:
+    # A socket its owner closed is listed with uid 0: taken at its word, that is root.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.socket()
+        client.bind(("127.0.0.9", 0))
+        client.connect(listener.getsockname())
+        peer = client.getsockname()
+        client.close()
+        time.sleep(0.1)
+        with listener.accept()[0] as conn:
+            local = conn.getsockname()
+            assert PeerIdentities().identify(peer, local) == UNKNOWN_LOCAL
+            assert PeerIdentities(diag=False).identify(peer, local) == UNKNOWN_LOCAL
+
+
 def test_a_proved_user_is_counted_by_name() -> None:
     environ = {"REMOTE_USER": "alice", "gpu_exporter.peer": ME, "REMOTE_ADDR": "127.0.0.2"}
     assert requester(environ) == "alice"

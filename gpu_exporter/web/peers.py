@@ -15,8 +15,9 @@ connections as they like. A user that basic auth proved is that user, by name.
 * :func:`requester` is the one answer to "who asks": the proved user, else the peer. Lease
   limits, waiter caps, ``Idempotency-Key`` scopes, ``/leases`` and the status page use it.
 
-A local peer the table does not name (its socket already gone, ``/proc`` unreadable) is
-``local:?``, one identity for all of them: never its address, and never root.
+A local peer the table does not name (its socket already closed: listed then with uid 0,
+which is not its owner's; ``/proc`` unreadable) is ``local:?``, one identity for all of
+them: never its address, and never root.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 PEER = "gpu_exporter.peer"  # environ: the connection's peer, as :meth:`identify` named it
 UNKNOWN_LOCAL = "local:?"
 _TIME_WAIT = 6  # a closed socket's entry: its uid is 0, not its owner's
+_LISTEN = 10  # the kernel's look-up falls back to a listener on the peer's port
 
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
@@ -79,10 +81,10 @@ def diag_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
         raise OSError(code, f"sock_diag: {errno.errorcode.get(code, code)}")
     if kind != _SOCK_DIAG_BY_FAMILY or len(answer) < _UID_AT + 4:
         raise OSError(errno.EPROTO, "sock_diag: an unexpected answer")
-    if answer[17] == _TIME_WAIT:
+    if answer[17] in (_TIME_WAIT, _LISTEN):  # a closed socket's, or a listener's: not the peer's
         return None
-    uid: int = struct.unpack_from("=I", answer, _UID_AT)[0]
-    return uid
+    uid, inode = struct.unpack_from("=II", answer, _UID_AT)
+    return None if inode == 0 else int(uid)  # inode 0: closed by its owner; uid 0 is not its
 
 
 def _hex_address(address: Address) -> str:
@@ -125,8 +127,10 @@ def table_uid(peer: tuple[str, int], local: tuple[str, int], proc: Path) -> int 
         if at < 0:
             continue
         fields = text[at + len(needle) : text.find("\n", at)].split()
-        if len(fields) >= 5 and fields[0] != f"{_TIME_WAIT:02X}" and fields[4].isdigit():
-            return int(fields[4])
+        # st … uid timeout inode: a closed socket (TIME_WAIT, or inode 0: its owner closed it)
+        # is listed with uid 0, which is not its owner's
+        if len(fields) >= 7 and fields[0] != f"{_TIME_WAIT:02X}" and fields[6] != "0":
+            return int(fields[4]) if fields[4].isdigit() else None
     return None
 
 
