@@ -23,6 +23,7 @@ them: never its address, and never root.
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
 import pwd
@@ -134,6 +135,7 @@ def table_uid(peer: tuple[str, int], local: tuple[str, int], proc: Path) -> int 
     return None
 
 
+@functools.lru_cache(maxsize=1024)  # a directory service may be slow; this is the event loop
 def user_name(uid: int) -> str:
     """``local:<name>`` for a local user, ``local:<uid>`` if the user database has none."""
     try:
