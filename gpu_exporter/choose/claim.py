@@ -107,8 +107,9 @@ class Waiters:
     ``too_many_waiters`` in ``rejections``.
 
     Advice (``advice=True``: it claims nothing) never takes a slot from a claim: when every
-    slot is held, a claim takes the oldest advice waiter's, whose :attr:`Slot.ended` is set
-    so that it answers at once with what it has.
+    slot (or every one of its requester's) is held, a claim takes the oldest advice waiter's
+    (its requester's), whose :attr:`Slot.ended` is set so that it answers at once with what
+    it has.
     """
 
     def __init__(
@@ -140,23 +141,18 @@ class Waiters:
         mine = Slot(who if per else None, advice)
         with self._lock:
             refusal = None
-            if per and self._by_requester[who] >= per:
+            if per and self._by_requester[who] >= per and not self._bump(advice, who):
                 waiting = plural(self._by_requester[who], "request")
                 message = f"{who} already has {waiting} waiting for GPUs"
                 refusal = ApiError(
                     429, TOO_MANY_WAITERS, f"{message} (--max-waiters-per-requester {per})", "wait"
                 )
-            elif len(self._held) >= self.limit:
-                bumped = None if advice else next((s for s in self._held if s.advice), None)
-                if bumped is not None:
-                    self._release(bumped)
-                    bumped.ended.set()
-                else:
-                    are = "is" if self.limit == 1 else "are"
-                    message = f"{plural(self.limit, 'request')} {are} already waiting for GPUs"
-                    refusal = ApiError(
-                        503, TOO_MANY_WAITERS, f"{message} (--max-waiters); retry later", "wait"
-                    )
+            elif len(self._held) >= self.limit and not self._bump(advice):
+                are = "is" if self.limit == 1 else "are"
+                message = f"{plural(self.limit, 'request')} {are} already waiting for GPUs"
+                refusal = ApiError(
+                    503, TOO_MANY_WAITERS, f"{message} (--max-waiters); retry later", "wait"
+                )
             if refusal is None:
                 self._held[mine] = None
                 if mine.requester is not None:
@@ -170,6 +166,18 @@ class Waiters:
         finally:
             with self._lock:
                 self._release(mine)
+
+    def _bump(self, advice: bool, requester: str | None = None) -> bool:
+        """Under the lock: end the oldest advice wait (``requester``'s, if given) to free its
+        slot for a claim; False if ``advice`` asks (advice takes no one's) or there is none."""
+        if advice:
+            return False
+        for held in self._held:
+            if held.advice and (requester is None or held.requester == requester):
+                self._release(held)
+                held.ended.set()
+                return True
+        return False
 
     def _release(self, held: Slot) -> None:
         """Under the lock: ``held`` no longer counts (idempotent)."""
