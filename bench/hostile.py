@@ -21,7 +21,9 @@ with the good clients for this process' GIL):
   with a small receive buffer and never read a byte of the answers.
 * ``bad_auth``: threads sending ``GET /metrics`` with a wrong basic-auth password, back to
   back, from another loopback address (``127.0.0.2`` by default) so that a server's
-  per-address throttling can tell them from the good clients on ``127.0.0.1``.
+  per-address throttling can tell them from the good clients on ``127.0.0.1`` (gpu-exporter
+  counts a local client by its user, whatever address it binds: to it they are one client,
+  and a good client's password proven before the attack is what keeps it going).
 
 All socket attackers share ONE selector thread (non-blocking sockets, non-blocking TLS
 handshakes): 500 attack connections cost a few hundred sends a second, not 500 threads, so

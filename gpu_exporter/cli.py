@@ -192,7 +192,8 @@ def build_parser(env: FlagEnvironment | None = None) -> argparse.ArgumentParser:
         type=int,
         default=env("max-gpus-per-requester", str(_DEFAULTS.max_gpus_per_requester)),
         metavar="N",
-        help="GPUs one client address may hold in leases at once; 0 = no limit (default)",
+        help="GPUs one requester (a user: basic auth's, or the local user of a client on "
+        "this host; else a remote address) may hold in leases at once; 0 = no limit (default)",
     )
     serve.add_argument(
         "--mem-headroom",
@@ -282,8 +283,9 @@ def build_parser(env: FlagEnvironment | None = None) -> argparse.ArgumentParser:
         type=int,
         default=env("max-waiters-per-requester", str(_DEFAULTS.max_waiters_per_requester)),
         metavar="N",
-        help="of those, how many one client address may have waiting at once; more are "
-        "answered 429 too_many_waiters; 0: no limit per client (default %(default)s)",
+        help="of those, how many one requester (as for --max-gpus-per-requester) may have "
+        "waiting at once; more are answered 429 too_many_waiters; 0: no limit per requester "
+        "(default %(default)s)",
     )
     serve.add_argument(
         "--choose-defaults",

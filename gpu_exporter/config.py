@@ -54,7 +54,7 @@ class ServeConfig:
     # What "free" means when a /choose names no filter (query syntax; "" for none).
     choose_defaults: str = DEFAULT_CHOOSE_DEFAULTS
     lease_admins: tuple[str, ...] = ()  # basic-auth users who may renew/release any lease by id
-    max_waiters_per_requester: int = 2  # waiting /choose requests per client address; 0: any
+    max_waiters_per_requester: int = 2  # waiting /choose requests per requester; 0: any
     telemetry_path: str = "/metrics"  # where /metrics is served (only there)
     log_format: str = "logfmt"  # or "json" (gpu_exporter.logs)
     # Health fields (collect.groups.SLOW) are read this often; the fast ones every interval.

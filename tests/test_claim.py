@@ -222,6 +222,25 @@ def test_waiters_sleep_ends_at_once_on_shutdown() -> None:
     assert waiters.active == 0
 
 
+def test_advice_waits_only_in_slots_no_claim_needs() -> None:
+    # Issue 28.10: advice waiters filled every slot, and a claim with wait= got 503.
+    waiters = Waiters(2, per_requester=2)
+    with waiters.slot("bob", advice=True) as bob, waiters.slot("carol", advice=True) as carol:
+        with pytest.raises(ApiError, match="already waiting"), waiters.slot("bob", advice=True):
+            pass  # advice never takes advice's slot
+        with waiters.slot("alice"):  # a claim takes the oldest advice waiter's
+            assert bob.ended.is_set() and not carol.ended.is_set()
+            assert waiters.active == 2
+    assert waiters.active == 0
+    # Over bob's own share: one of bob's advice waits gives way to bob's claim.
+    with (
+        waiters.slot("bob", advice=True) as first,
+        waiters.slot("bob", advice=True),
+        waiters.slot("bob"),
+    ):
+        assert first.ended.is_set()
+
+
 # -- issue 13.2: a waiter blocks only what it could use, and only while its client is there --
 
 

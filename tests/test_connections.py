@@ -19,6 +19,7 @@ from tls_certs import CA
 
 from gpu_exporter.web.gateway import call_app
 from gpu_exporter.web.limits import Limits, Timeouts
+from gpu_exporter.web.peers import PeerIdentities
 from gpu_exporter.web.server import Server
 from harness import free_port, start, stop, wait_ready
 from served import Served, served
@@ -148,7 +149,7 @@ def test_an_unread_answer_is_dropped_after_the_write_deadline() -> None:
 def test_a_new_connection_evicts_its_address_oldest_waiting_one() -> None:
     with (
         served() as exporter,
-        extra_server(exporter, limits=Limits(max_waiting_per_address=5)) as s,
+        extra_server(exporter, limits=Limits(max_waiting_per_peer=5)) as s,
     ):
         idle = [connect(s.port) for _ in range(5)]
         time.sleep(0.1)
@@ -159,23 +160,86 @@ def test_a_new_connection_evicts_its_address_oldest_waiting_one() -> None:
             sock.close()
 
 
+def hold_long_polls(exporter: Served, port: int, n: int, source: str = "") -> list[socket.socket]:
+    """``n`` connections to ``port``, each busy in a waiting ``/choose`` (never evictable
+    as waiting): every GPU is leased first."""
+    assert timed_get(exporter.port, f"/choose?n=4&lease=1h&{ALL}")[0] == 200  # all taken
+    busy = [socket.create_connection(("127.0.0.1", port), 5, (source, 0)) for _ in range(n)]
+    for sock in busy:
+        sock.sendall(f"GET /choose?n=1&wait=3s&{ALL} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    until(lambda: exporter.daemon.services.waiters.active == n)
+    return busy
+
+
 def test_beyond_the_global_cap_with_nothing_to_evict_is_503_at_once() -> None:
+    limits = Limits(max_connections=2, probe_connections=0)
     with (
         served() as exporter,
-        extra_server(
-            exporter, limits=Limits(max_connections=2), rejections=exporter.daemon.rejections
-        ) as s,
+        extra_server(exporter, limits=limits, rejections=exporter.daemon.rejections) as s,
     ):
-        assert timed_get(exporter.port, f"/choose?n=4&lease=1h&{ALL}")[0] == 200  # all taken
-        waiting = [connect(s.port) for _ in range(2)]
-        for sock in waiting:  # both busy: long polls are never evicted
-            sock.sendall(f"GET /choose?n=1&wait=3s&{ALL} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        until(lambda: exporter.daemon.services.waiters.active == 2)
+        busy = hold_long_polls(exporter, s.port, 2)
         answer = raw(s.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
         assert answer.endswith(b"\r\n\r\nerror: too many connections; retry in a second\n")
         assert exporter.daemon.rejections.counts()["too_many_connections"] == 1
-        for sock in waiting:
+        for sock in busy:
+            sock.close()
+
+
+def test_a_probe_always_gets_a_connection() -> None:
+    # Issue 28.11: a full cap made /healthz 503, and a liveness probe restarts the exporter.
+    with (
+        served() as exporter,
+        extra_server(exporter, limits=Limits(max_connections=2)) as s,
+    ):
+        busy = hold_long_polls(exporter, s.port, 2)  # the same peer as the probe
+        assert timed_get(s.port, "/healthz")[0] == 200
+        assert timed_get(s.port, "/readyz")[0] == 200
+        status, body, _ = timed_get(s.port, "/metrics")  # held for probes only
+        assert status == 503 and body == b"error: too many connections; retry in a second\n"
+        for sock in busy:
+            sock.close()
+
+
+def test_unread_answers_are_the_first_to_go_at_the_cap() -> None:
+    # Issue 28.11: connections pipelining scrapes into a tiny receive buffer and reading
+    # nothing held the whole cap until the write deadline (10 s), and every new connection
+    # got 503 meanwhile.
+    with served() as exporter, extra_server(exporter, limits=Limits(max_connections=10)) as s:
+        greedy = [socket.socket() for _ in range(10)]
+        for sock in greedy:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", s.port))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+        time.sleep(1.0)  # their answers fill the buffers: all ten stall
+        for _ in range(5):
+            status, _, seconds = timed_get(s.port, "/metrics")
+            assert status == 200 and seconds < 2.0
+        for sock in greedy:
+            sock.close()
+
+
+class EachAddressAPeer(PeerIdentities):
+    """Names each loopback address a peer of its own, as if each were another host."""
+
+    def identify(self, peer: tuple[str, int], local: tuple[str, int]) -> str:
+        return peer[0]
+
+
+def test_one_peer_cannot_take_the_whole_cap() -> None:
+    # Issue 28.11: the cap is shared fairly; one peer's busy connections give way to another's.
+    peers = EachAddressAPeer()
+    with (
+        served() as exporter,
+        extra_server(exporter, limits=Limits(max_connections=2), peers=peers) as s,
+    ):
+        busy = hold_long_polls(exporter, s.port, 2, source="127.0.0.2")
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=5)
+        conn.request("GET", "/metrics")
+        assert conn.getresponse().status == 200
+        conn.close()
+        assert closed_within(busy[0], 2.0) < 2.0  # the hog's oldest went
+        for sock in busy:
             sock.close()
 
 
@@ -444,7 +508,7 @@ def test_the_connection_state_machine_moves_only_along_its_table() -> None:
     assert set(_NEXT) == set(State)
     assert all(State.CLOSED in moves for moves in _NEXT.values())
     assert _NEXT[State.CLOSED] == {State.CLOSED}
-    conn = HttpConnection(None, ("127.0.0.1", 1), ("127.0.0.1", 2))  # type: ignore[arg-type]
+    conn = HttpConnection(None, ("127.0.0.1", 1), ("127.0.0.1", 2), "local:me")  # type: ignore[arg-type]
     assert conn.state is State.OPENING
     with pytest.raises(RuntimeError, match="OPENING → WORKING"):
         conn._to(State.WORKING)

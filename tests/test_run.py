@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import select
 import signal
@@ -325,12 +326,12 @@ def test_choose_exits_3_on_503_and_1_on_429(
         for lease in held:
             assert lease is not None
             leases.release(lease.id)
-        assert main(["choose"]) == 0  # this host now holds one GPU: its limit
+        assert main(["choose"]) == 0  # this local user now holds one GPU: its limit
         capsys.readouterr()
         assert main(["choose"]) == 1
+        me = f"local:{pwd.getpwuid(os.getuid()).pw_name}"
         assert capsys.readouterr().err == (
-            "error: 127.0.0.1 holds 1 GPU in leases; 1 more would exceed the limit of 1 per "
-            "requester\n"
+            f"error: {me} holds 1 GPU in leases; 1 more would exceed the limit of 1 per requester\n"
         )
 
 

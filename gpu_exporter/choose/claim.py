@@ -21,8 +21,10 @@ one request at a time per thread. What a request does, and what it blocks:
   :func:`~gpu_exporter.choose.filters.never_enough`) is refused at once, never waited for.
 * Waiting holds one of the ``--max-waiters`` slots (:class:`Waiters`, shared by everything
   that long-polls) until the request ends, so long-polling clients can never take every
-  server thread. The injected ``connected`` callable is asked after every pause: a waiter
-  whose client hung up (curl ``-m``, Ctrl-C) leaves the queue within a poll and claims nothing.
+  server thread. Advice only borrows a slot: a claim that finds none free takes the oldest
+  advice waiter's, which then answers with what it has. The injected ``connected`` callable
+  is asked after every pause: a waiter whose client hung up (curl ``-m``, Ctrl-C) leaves the
+  queue within a poll and claims nothing.
 * GPUs held outside the lease table (``taken``, injected: on a Kubernetes node the ones the
   kubelet allocated to pods) are never chosen, for claims and advice alike.
 * ``wait=`` sets a deadline on the injected monotonic clock; past it the last failure is
@@ -35,7 +37,7 @@ import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpu_exporter.choose.filters import Window, never_enough
@@ -100,8 +102,14 @@ class Waiters:
     <gpu_exporter.web.limits.Limits>`, the one place limits are defined).
     A request waits in one slot; beyond ``limit`` requests at once it is refused with 503
     ``too_many_waiters`` (the exporter is busy), and beyond ``per_requester`` (0: no limit)
-    from one client address with 429 ``too_many_waiters`` (that client asks too much). Both
-    refusals are counted as ``too_many_waiters`` in ``rejections``.
+    from one requester (:func:`gpu_exporter.web.peers.requester`) with 429
+    ``too_many_waiters`` (that client asks too much). Both refusals are counted as
+    ``too_many_waiters`` in ``rejections``.
+
+    Advice (``advice=True``: it claims nothing) never takes a slot from a claim: when every
+    slot (or every one of its requester's) is held, a claim takes the oldest advice waiter's
+    (its requester's), whose :attr:`Slot.ended` is set so that it answers at once with what
+    it has.
     """
 
     def __init__(
@@ -114,48 +122,69 @@ class Waiters:
     ) -> None:
         self.limit = limit
         self.per_requester = per_requester
-        self.active = 0  # requests waiting right now
         self.stopping = stopping if stopping is not None else threading.Event()
         self.rejections = rejections
+        self._held: dict[Slot, None] = {}  # oldest first
         self._by_requester: Counter[str] = Counter()
         self._lock = threading.Lock()
 
+    @property
+    def active(self) -> int:
+        """Requests waiting in a slot right now."""
+        return len(self._held)
+
     @contextlib.contextmanager
-    def slot(self, requester: str | None = None) -> Iterator[None]:
+    def slot(self, requester: str | None = None, *, advice: bool = False) -> Iterator[Slot]:
         """Hold one slot while waiting; ``too_many_waiters`` (503, or 429 for a requester
         over its own limit) when none may be taken."""
         per, who = (self.per_requester, requester) if requester is not None else (0, "")
+        mine = Slot(who if per else None, advice)
         with self._lock:
             refusal = None
-            if self.active >= self.limit:
-                are = "is" if self.limit == 1 else "are"
-                message = f"{plural(self.limit, 'request')} {are} already waiting for GPUs"
-                refusal = ApiError(
-                    503, TOO_MANY_WAITERS, f"{message} (--max-waiters); retry later", "wait"
-                )
-            elif per and self._by_requester[who] >= per:
+            if per and self._by_requester[who] >= per and not self._bump(advice, who):
                 waiting = plural(self._by_requester[who], "request")
                 message = f"{who} already has {waiting} waiting for GPUs"
                 refusal = ApiError(
                     429, TOO_MANY_WAITERS, f"{message} (--max-waiters-per-requester {per})", "wait"
                 )
-            else:
-                self.active += 1
-                if per:
-                    self._by_requester[who] += 1
+            elif len(self._held) >= self.limit and not self._bump(advice):
+                are = "is" if self.limit == 1 else "are"
+                message = f"{plural(self.limit, 'request')} {are} already waiting for GPUs"
+                refusal = ApiError(
+                    503, TOO_MANY_WAITERS, f"{message} (--max-waiters); retry later", "wait"
+                )
+            if refusal is None:
+                self._held[mine] = None
+                if mine.requester is not None:
+                    self._by_requester[mine.requester] += 1
         if refusal is not None:
             if self.rejections is not None:
                 self.rejections.inc(TOO_MANY_WAITERS)
             raise refusal
         try:
-            yield
+            yield mine
         finally:
             with self._lock:
-                self.active -= 1
-                if per:
-                    self._by_requester[who] -= 1
-                    if self._by_requester[who] <= 0:
-                        del self._by_requester[who]
+                self._release(mine)
+
+    def _bump(self, advice: bool, requester: str | None = None) -> bool:
+        """Under the lock: end the oldest advice wait (``requester``'s, if given) to free its
+        slot for a claim; False if ``advice`` asks (advice takes no one's) or there is none."""
+        if advice:
+            return False
+        for held in self._held:
+            if held.advice and (requester is None or held.requester == requester):
+                self._release(held)
+                held.ended.set()
+                return True
+        return False
+
+    def _release(self, held: Slot) -> None:
+        """Under the lock: ``held`` no longer counts (idempotent)."""
+        if self._held.pop(held, False) is None and held.requester is not None:
+            self._by_requester[held.requester] -= 1
+            if self._by_requester[held.requester] <= 0:
+                del self._by_requester[held.requester]
 
     def check(self) -> None:
         """Raise ``shutting_down`` (503) once the exporter is stopping."""
@@ -166,6 +195,16 @@ class Waiters:
         """Sleep ``seconds`` of real time, ending at once with ``shutting_down`` on shutdown."""
         self.stopping.wait(seconds)
         self.check()
+
+
+@dataclass(eq=False)
+class Slot:
+    """One request's ``--max-waiters`` slot: whose (None: not counted per requester), whether
+    it is advice, and whether a claim took it over (the wait is then over)."""
+
+    requester: str | None
+    advice: bool
+    ended: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +263,7 @@ class Claimer:
         connected: Callable[[], bool] | None = None,
         holders: bool = True,
     ) -> Claimed:
-        """Serve ``req`` for ``requester`` (its address); raises :class:`ApiError` or
+        """Serve ``req`` for ``requester`` (who asks: a user, or a remote address); raises
         :class:`~gpu_exporter.choose.refusal.ApiError`.
 
         With ``key`` (its ``Idempotency-Key``), a retry of a claim already granted gets that
@@ -236,19 +275,20 @@ class Claimer:
         deadline = self._clock.monotonic() + req.wait_seconds
         waiter: Waiter | None = None
         try:
-            with contextlib.ExitStack() as slot:  # one --max-waiters slot once really waiting
-                slotted = False
+            with contextlib.ExitStack() as stack:  # one --max-waiters slot once really waiting
+                slot: Slot | None = None
+                advice = req.lease_seconds <= 0
                 while True:
                     with self._queue.turn:  # reading the queue, claiming and joining: one step
                         outcome = self._try(req, requester, waiter, key, holders)
                         if isinstance(outcome, Claimed):
                             return outcome
-                        if self._clock.monotonic() >= deadline:
+                        ended = slot is not None and slot.ended.is_set()  # a claim took it
+                        if ended or self._clock.monotonic() >= deadline:
                             raise outcome
                         self._waiters.check()
-                        if not slotted:
-                            slot.enter_context(self._waiters.slot(requester))
-                            slotted = True
+                        if slot is None:
+                            slot = stack.enter_context(self._waiters.slot(requester, advice=advice))
                         if waiter is None and req.lease_seconds > 0:
                             waiter = self._queue.join(
                                 req.n, req.filters, requester, req.owner, self._clock.monotonic()

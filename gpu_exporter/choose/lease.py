@@ -58,7 +58,7 @@ class Lease:
     gpus: tuple[Held, ...]
     created_at: float  # Unix time
     expires_at: float
-    requester: str  # client address
+    requester: str  # who asked (web.peers.requester): a user, or a remote address
     owner: str | None = None  # free-form label from ?owner=
     token_hash: str | None = None  # sha256 of the token's secret; None: a lease from before tokens
     keyed: Keyed | None = None  # the Idempotency-Key it was claimed with, if any

@@ -8,7 +8,7 @@ and compared in constant time, so neither the status page nor the state file giv
 away.
 
 An ``Idempotency-Key`` (IETF httpapi draft) makes a retried claim return the lease the first
-try made. The key is scoped to the requester (the client address): another client using the
+try made. The key is scoped to the requester (a user, or a remote address): another client using the
 same key gets its own claim. The secret of a keyed claim is ``HMAC(salt, key)``, so a retry,
 which carries the key again, gets the same token even after a restart, while the state file
 holds only the salt and hashes. Pure functions; no I/O.

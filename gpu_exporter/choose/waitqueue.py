@@ -36,7 +36,7 @@ class Waiter:
     ticket: int
     n: int
     filters: Filters
-    requester: str  # the client's address
+    requester: str  # who asks (web.peers.requester): a user, or a remote address
     owner: str | None
     since_monotonic_seconds: float  # when it started waiting, on the claimer's clock
 

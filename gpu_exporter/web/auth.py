@@ -11,14 +11,15 @@ then show counts and GPU states, never who holds what or where files are.
 
 Wrong passwords must not starve right ones (forty threads of them once took every request
 slot): a password already proven passes from the success cache at once; any other is checked
-only if its client address is not throttled (:class:`AuthThrottle`: after
+only if its client (:func:`~gpu_exporter.web.peers.peer`: its address, or the local user)
+is not throttled (:class:`AuthThrottle`: after
 ``auth_free_failures`` failed or unanswered checks, 429 with ``Retry-After`` until
 ``auth_base_delay_seconds`` after the last failure, doubling per failure up to
 ``auth_max_delay_seconds``; forgotten on success or after ``auth_forget_seconds``, at most
 ``auth_max_addresses`` remembered) and one of ``bcrypt_slots`` comes free within
 ``bcrypt_wait_seconds`` (else 503 ``auth_busy``): :class:`~gpu_exporter.web.limits.Limits`.
-Addresses are the TCP peer's: behind a reverse proxy every client shares the proxy's, and the
-proxy should do its own limiting.
+Remote clients are the TCP peer's address: behind a reverse proxy every client shares the
+proxy's, and the proxy should do its own limiting.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from gpu_exporter.counters import AUTH_BUSY, AUTH_THROTTLED, RequestCounter
 from gpu_exporter.units import parse_duration, plural
 from gpu_exporter.web.errors import error_response
 from gpu_exporter.web.limits import DEFAULT_LIMITS, EXEMPT_PATHS, Limits, WsgiApp, refusal
+from gpu_exporter.web.peers import peer
 from gpu_exporter.web.yamlfields import WebConfigError
 
 if TYPE_CHECKING:
@@ -286,7 +288,7 @@ class BasicAuthMiddleware:
         """None if ``user``/``password`` are right; else the answer: 401, 429 or 503."""
         if auth.cached(user, password):  # a good client never waits for anyone's failures
             return None
-        address = str(environ.get("REMOTE_ADDR") or "unknown")
+        address = peer(environ)  # a local client is its user: one throttle, any source address
         wait = self._throttle.begin(address)
         if wait > 0:
             seconds = max(1, math.ceil(wait))
@@ -315,7 +317,8 @@ class _Address:
 
 
 class AuthThrottle:
-    """Failed checks per client address, and how long each must wait: thread-safe."""
+    """Failed checks per peer (web.peers: a remote address, or a local user), and how long
+    each must wait: thread-safe."""
 
     def __init__(self, clock: Clock, limits: Limits = DEFAULT_LIMITS) -> None:
         self._clock, self._limits = clock, limits

@@ -31,8 +31,8 @@ from typing import Any
 
 import h11
 
-from gpu_exporter.counters import RequestCounter
-from gpu_exporter.web.admission import ConnectionSlots, address_key
+from gpu_exporter.counters import TOO_MANY_CONNECTIONS, RequestCounter
+from gpu_exporter.web.admission import ConnectionSlots
 from gpu_exporter.web.gateway import (
     CONNECTED,
     Answer,
@@ -44,6 +44,7 @@ from gpu_exporter.web.gateway import (
     without_secrets,
 )
 from gpu_exporter.web.limits import EXEMPT_PATHS, Limits, Timeouts
+from gpu_exporter.web.peers import PEER
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,14 @@ def _date(second: int) -> bytes:
 
 
 class HttpConnection(asyncio.Protocol):
-    def __init__(self, site: Site, peer: tuple[str, int], server: tuple[str, int]) -> None:
+    def __init__(
+        self, site: Site, peer: tuple[str, int], server: tuple[str, int], identity: str
+    ) -> None:
         self.site = site
         self.peer = peer
         self.server = server
-        self.address = address_key(peer[0])
+        self.address = identity  # who is at the other end (web.peers): the caps count by it
+        self.probe_only = False  # held beyond the cap: a probe is answered, nothing else
         self.state = State.OPENING
         self.opening: asyncio.Task[Any] | None = None  # OPENING: the task connecting it
         self.layer: asyncio.Transport | None = None  # OPENING under TLS: the TLS layer
@@ -163,6 +167,7 @@ class HttpConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.state in (State.READING, State.IDLE, State.WORKING):
             self._to(State.DRAINING)  # WORKING: while its answer is being written
+            self.site.slots.stalled(self)  # its client is not reading: the first to go
         if self.state is not State.CLOSED:
             self._arm(self.site.timeouts.write_seconds, self.evict)
             if self._transport is not None:
@@ -253,13 +258,19 @@ class HttpConnection(asyncio.Protocol):
     def _dispatch(self) -> None:
         request, body = self._request, bytes(self._body)
         assert request is not None and self._transport is not None
+        path = request.target.partition(b"?")[0].decode("latin-1")
+        # The probes have threads of their own: never behind a queue of other requests.
+        probe = path in EXEMPT_PATHS
+        if self.probe_only and not probe:  # held beyond the cap for the probes
+            self.site.rejections.inc(TOO_MANY_CONNECTIONS)
+            self._refuse(503, "too many connections; retry in a second")
+            return
         self._to(State.WORKING)
         self._cancel_timer()
         self._transport.pause_reading()
         self.site.slots.working(self)
-        path = request.target.partition(b"?")[0].decode("latin-1")
         loop, app = self.site.loop, self.site.app
-        extra = {CONNECTED: self.connected}
+        extra = {CONNECTED: self.connected, PEER: self.address}
 
         def job() -> None:
             answer = run_app(app, request, body, self.site.scheme, self.server, self.peer, extra)
@@ -267,8 +278,6 @@ class HttpConnection(asyncio.Protocol):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._respond, answer)
 
-        # The probes have threads of their own: never behind a queue of other requests.
-        probe = path in EXEMPT_PATHS
         (self.site.probe_workers if probe else self.site.workers).submit(job)
 
     # ------------------------------------------------------------------ writing answers
@@ -281,7 +290,7 @@ class HttpConnection(asyncio.Protocol):
         headers = [_SERVER, (b"Date", _date(int(time.time()))), *answer.headers]
         if not any(n.lower() == b"content-length" for n, _ in answer.headers):
             headers.append((b"Content-Length", b"%d" % len(answer.body)))
-        if self.site.stopping:
+        if self.site.stopping or self.probe_only:
             headers.append((b"Connection", b"close"))
         self._request = None
         body = b"" if request.method == b"HEAD" else answer.body

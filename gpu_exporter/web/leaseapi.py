@@ -37,6 +37,7 @@ from gpu_exporter.choose.tokens import (
 )
 from gpu_exporter.model import all_devices
 from gpu_exporter.units import parse_duration
+from gpu_exporter.web import peers
 from gpu_exporter.web.auth import is_anonymous
 from gpu_exporter.web.gateway import CONNECTED
 from gpu_exporter.web.services import services
@@ -143,7 +144,7 @@ def claim_params(params: MultiDict[str, str]) -> MultiDict[str, str]:
 @api.route("/choose", methods=["GET", "POST"])  # Flask adds HEAD: see claim_params
 def choose_route() -> Response:
     svc = services()
-    requester = request.remote_addr or "unknown"
+    requester = peers.requester(request.environ)
     holders = not is_anonymous(request.environ)  # who holds what: not to the unauthenticated
     try:
         given = claim_params(choose_params())
@@ -257,7 +258,7 @@ def renew_lease(lease_id: str) -> Response:
         bad("ttl", "ttl must be more than 0; DELETE the lease to release it")
     lease_seconds = DEFAULT_LEASE_SECONDS if ttl is None else ttl
     svc = services()
-    requester = request.remote_addr or "unknown"
+    requester = peers.requester(request.environ)
     leases = svc.leases
     lease = leases.renew(
         leases.authorize(lease_id, admin=is_lease_admin(), renewing_for=requester), lease_seconds

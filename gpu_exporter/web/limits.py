@@ -43,12 +43,17 @@ class Limits:
     """What one exporter lets its clients take; the defaults are the flags' defaults."""
 
     # Connections held at once (file descriptors, memory); lowered at start to the open-files
-    # limit less a reserve. At the cap a new connection evicts the oldest one still waiting
-    # for its request, or is refused (503 on plain HTTP).
+    # limit less a reserve. At the cap a new connection evicts the oldest one whose answer
+    # goes unread, else the oldest still waiting for its request, else the oldest of the peer
+    # holding the most (a fair share each), or is refused (503 on plain HTTP).
     max_connections: int = 1024
-    # Connections of one client address still waiting for their request; beyond it that
-    # address's oldest waiting one is evicted (a slowloris only churns its own).
-    max_waiting_per_address: int = 512
+    # Beyond max_connections: connections held for /healthz and /readyz only (a probe always
+    # gets one; any other request on one is 503 too many connections).
+    probe_connections: int = 8
+    # Connections of one peer (web.peers: a remote address, or a local user) still waiting
+    # for their request; beyond it that peer's oldest waiting one is evicted (a slowloris only
+    # churns its own).
+    max_waiting_per_peer: int = 512
     # --max-requests-in-flight: requests handled at once, the probes exempt. One more waits
     # up to slot_wait_seconds for a slot (a burst of short requests queues rather than
     # failing: a scrape takes about a millisecond), then gets 503.
@@ -59,7 +64,7 @@ class Limits:
     # --max-waiters: /choose?wait= requests waiting at once (503); below max_in_flight, so
     # waiting clients never take every worker.
     max_waiters: int = 8
-    # --max-waiters-per-requester: waiting requests of one client address (429); 0: any.
+    # --max-waiters-per-requester: waiting requests of one requester (web.peers; 429); 0: any.
     max_waiters_per_requester: int = 2
     max_query_bytes: int = 4096  # 414 beyond
     max_header_bytes: int = 16 * 1024  # the request line and headers: 431 beyond

@@ -5,8 +5,9 @@ process for nothing and invite NVML initialisation before a fork. One event-loop
 every connection (:mod:`gpu_exporter.web.connection`): a slow, idle or hostile client costs a
 file descriptor and a little memory, never a worker thread, because the app runs on a worker
 (:mod:`gpu_exporter.web.gateway`) only once a whole request has arrived. Connections are
-capped globally and per client address (:mod:`gpu_exporter.web.admission`); probes
-(``/healthz``, ``/readyz``) have workers of their own. Every limit comes in one
+capped globally, shared fairly per peer and limited per peer while waiting
+(:mod:`gpu_exporter.web.admission`); probes (``/healthz``, ``/readyz``) have workers and
+connections of their own. Every limit comes in one
 :class:`~gpu_exporter.web.limits.Limits`. Why this design and not cheroot,
 waitress or a Rust server: docs/server-choice.md.
 
@@ -36,10 +37,11 @@ from typing import Any
 import h11
 
 from gpu_exporter.counters import TOO_MANY_CONNECTIONS, RequestCounter
-from gpu_exporter.web.admission import ConnectionSlots
+from gpu_exporter.web.admission import Admitted, ConnectionSlots
 from gpu_exporter.web.connection import HttpConnection, Site, reason_phrase
 from gpu_exporter.web.gateway import Workers, error_answer
 from gpu_exporter.web.limits import DEFAULT_LIMITS, DEFAULT_TIMEOUTS, Limits, Timeouts
+from gpu_exporter.web.peers import PeerIdentities
 from gpu_exporter.web.tlslayer import TlsLayer
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class Server:
         tls: Callable[[], ssl.SSLContext] | None = None,
         rejections: RequestCounter | None = None,
         timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        peers: PeerIdentities | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -89,6 +92,7 @@ class Server:
         self._tls = tls
         self._rejections = rejections if rejections is not None else RequestCounter()
         self._timeouts = timeouts
+        self._peers = peers if peers is not None else PeerIdentities()
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -192,7 +196,9 @@ class Server:
             workers=Workers(limits.worker_threads, "http"),
             probe_workers=Workers(limits.probe_threads, "probe"),
             slots=ConnectionSlots(
-                max(1, min(limits.max_connections, room)), limits.max_waiting_per_address
+                max(1, min(limits.max_connections, room - limits.probe_connections)),
+                limits.max_waiting_per_peer,
+                limits.probe_connections,
             ),
             rejections=self._rejections,
             limits=limits,
@@ -234,14 +240,18 @@ class Server:
 
     def _open(self, sock: socket.socket, peer: Any, site: Site) -> None:
         sock.setblocking(False)
-        conn = HttpConnection(site, (str(peer[0]), int(peer[1])), sock.getsockname()[:2])
-        if not site.slots.admit(conn):
+        them, us = (str(peer[0]), int(peer[1])), sock.getsockname()[:2]
+        # Named now, while the peer's socket is surely in the kernel's table; caps count by it.
+        conn = HttpConnection(site, them, us, self._peers.identify(them, us))
+        admitted = site.slots.admit(conn)
+        if admitted is None:
             site.rejections.inc(TOO_MANY_CONNECTIONS)
             if self._tls is None:
                 with contextlib.suppress(OSError):
                     sock.send(_BUSY)
             sock.close()
             return
+        conn.probe_only = admitted is Admitted.PROBE_ONLY
         protocol: asyncio.Protocol = conn
         if self._tls is not None:
             protocol = conn.layer = TlsLayer(

@@ -100,7 +100,7 @@ def device_cells(gpu: GpuSample) -> DeviceCells:
 class LeaseRow:
     id: str
     gpus: str  # "0, 3"
-    holder: str  # owner, else the requester's address
+    holder: str  # owner, else the requester
     requester: str
     expires_in_seconds: float
 
@@ -108,7 +108,7 @@ class LeaseRow:
 @dataclass(frozen=True, slots=True)
 class WaitingRow:
     wants: str  # "2 GPUs (model=A100)"
-    holder: str | None  # owner, else the requester's address; None: not shown
+    holder: str | None  # owner, else the requester; None: not shown
     since_seconds: float
 
 
