@@ -88,7 +88,8 @@ def get_json(url: str, timeout: float) -> Any:
     except AnswerTooLarge as exc:
         raise SourceUnavailable(
             f"{where} answered more than {exc.max_bytes:,} bytes, the most the fleet reader "
-            "takes; narrow the fleet with a selector (--prometheus-selector)"
+            "takes; narrow the fleet with a selector (--prometheus-selector, the client's "
+            "--selector)"
         ) from None
     except (OSError, ValueError) as exc:
         raise SourceUnavailable(f"cannot reach {where or url}: {failure(exc, timeout)}") from None
