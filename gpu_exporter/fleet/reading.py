@@ -70,6 +70,7 @@ Check = Callable[[], None]
 # series of bench/cluster.py's 100,000 GPUs (920,000 series), is 183 MiB; beyond this the
 # store is refused rather than buffered (a 500 MB answer took the exporter to 1.5 GB).
 MAX_ANSWER_BYTES: Final = 256 * 2**20
+READ_SECONDS: Final = 10.0  # one read of the fleet, in all: connecting and every byte
 WATCH_SECONDS: Final = 0.1  # how often a read in progress asks its Check
 
 
@@ -175,7 +176,7 @@ class PrometheusReader:
     url: str
     selector: str = ""
     fetch: Fetch = get_json
-    timeout: float = 10.0
+    timeout: float = READ_SECONDS
     packed: bool | None = None
     was_large: bool = False
     max_answer_bytes: int = MAX_ANSWER_BYTES
