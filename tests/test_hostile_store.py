@@ -12,12 +12,15 @@ import contextlib
 import json
 import signal
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from tls_certs import CA
 
 from conftest import build_stack
 from gpu_exporter.choose.refusal import ApiError
@@ -32,6 +35,8 @@ _HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
 
 def trickle(conn: socket.socket, stop: threading.Event) -> None:
     """An answer, its status line first, one byte a second: each byte resets a read timeout."""
+    if isinstance(conn, ssl.SSLSocket):
+        conn.recv(65536)  # the request, under TLS
     answer = _HEAD + b"Content-Length: 100000\r\n\r\n" + b" " * 100_000
     for i in range(len(answer)):
         if stop.wait(1.0 if i else 0.0):
@@ -55,8 +60,9 @@ def flood(total: int, sent: list[int]) -> Handler:
 
 
 @contextlib.contextmanager
-def store(handle: Handler) -> Iterator[str]:
-    """A store at the URL yielded: each connection's request is read, then ``handle`` answers."""
+def store(handle: Handler, *, read_request: bool = True) -> Iterator[str]:
+    """A store at the URL yielded: each connection's request is read (unless ``handle`` reads
+    it: TLS), then ``handle`` answers."""
     stop = threading.Event()
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.1)
@@ -64,7 +70,7 @@ def store(handle: Handler) -> Iterator[str]:
     def serve(conn: socket.socket) -> None:
         with conn:
             try:
-                while b"\r\n\r\n" not in (head := conn.recv(65536)) and head:
+                while read_request and b"\r\n\r\n" not in (head := conn.recv(65536)) and head:
                     pass
                 handle(conn, stop)
             except OSError:  # the exporter hung up: what a bounded reader does
@@ -118,6 +124,26 @@ def test_a_trickling_store_fails_the_read_at_its_deadline() -> None:
         took, error = read_in_thread(PrometheusReader(url, timeout=2.0), 6.0)
     assert isinstance(error, SourceUnavailable)
     assert f"no answer from {url.removeprefix('http://')} within 2 s" in str(error)
+    assert took < 3.0
+
+
+def test_a_trickling_tls_store_is_cut_at_the_deadline_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = CA.create(tmp_path, "ca")
+    issued = ca.issue(tmp_path, "localhost", server=True)
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(issued.cert, issued.key)
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca.path))  # the reader trusts the test CA
+
+    def tls_trickle(conn: socket.socket, stop: threading.Event) -> None:
+        with server_side.wrap_socket(conn, server_side=True) as tls:
+            trickle(tls, stop)
+
+    with store(tls_trickle, read_request=False) as url:
+        https = url.replace("http://127.0.0.1", "https://localhost")
+        took, error = read_in_thread(PrometheusReader(https, timeout=2.0), 6.0)
+    assert isinstance(error, SourceUnavailable) and "within 2 s" in str(error)
     assert took < 3.0
 
 
