@@ -25,6 +25,7 @@ from gpu_exporter.fleet.queries import check_selector
 from gpu_exporter.fleet.ranking import FleetRanking, rank_fleet
 from gpu_exporter.fleet.reading import (
     DEFAULT_EXPORTER_PORT,
+    Check,
     Fetch,
     PrometheusReader,
     SourceUnavailable,
@@ -160,15 +161,19 @@ def choose_fleet(
     monotonic: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     defaults: Mapping[str, str] = SHIPPED_DEFAULTS,
+    check: Check | None = None,
 ) -> ClusterChoice:
     """Choose and claim GPUs across the fleet; ``args`` are ``/cluster/choose``'s parameters.
 
     Reads the fleet from ``prometheus`` (a URL, narrowed by ``selector``, or a
     :class:`PrometheusReader` the caller keeps); if it cannot be asked and ``hosts`` are named,
     from those hosts directly. ``defaults`` are the filters applied where ``args`` gives none;
-    the chosen host applies its own again. Raises :class:`ApiError`: 400 for bad parameters,
-    503 ``not_enough_gpus`` (with every host's reason) or ``prometheus_unavailable``.
+    the chosen host applies its own again. ``check`` is asked while the store is read and
+    may raise to give the choice up (its client left). Raises :class:`ApiError`: 400 for bad
+    parameters, 503 ``not_enough_gpus`` (with every host's reason) or
+    ``prometheus_unavailable`` (the store unreachable, refusing, too slow or too large).
     """
+    watch: Check = check if check is not None else (lambda: None)
     req = parse_cluster_args(args, defaults=defaults)
     reader = prometheus
     if isinstance(prometheus, str) or prometheus is None:
@@ -189,7 +194,7 @@ def choose_fleet(
         fleet: Fleet | None = None
         if reader is not None:
             try:
-                fleet = reader.read(req, now)
+                fleet = reader.read(req, now, watch)
             except SourceUnavailable as exc:
                 if not hosts:
                     raise ApiError(503, "prometheus_unavailable", str(exc)) from None
@@ -211,6 +216,6 @@ def choose_fleet(
             message = f"{gpus} {where} ({plural(len(fleet.hosts), 'host')}"
             message += f"; {details})" if details else ")"
             if fleet.filtered and reader is not None:  # the store named no GPU's reasons
-                message += "; " + reader.reasons(req, now)
+                message += "; " + reader.reasons(req, now, watch)
             raise ApiError(503, "not_enough_gpus", " ".join([*notes, message]))
         sleep(min(remaining, WAIT_POLL_SECONDS))

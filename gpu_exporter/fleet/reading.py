@@ -16,7 +16,7 @@ import json
 import logging
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields, replace
 from typing import Any, Final
 
@@ -42,7 +42,7 @@ from gpu_exporter.fleet.queries import (
     scraped_query,
 )
 from gpu_exporter.model import GpuSample
-from gpu_exporter.outbound import base_url, exchange, failure
+from gpu_exporter.outbound import AnswerTooLarge, Bounds, base_url, exchange, failure
 from gpu_exporter.podallocations import allocated_to
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,14 @@ VALUE_METRICS: Final[Mapping[str, tuple[str, type]]] = {
 Answers = dict[str, list[dict[str, Any]]]
 Fetch = Callable[[str, float], Any]
 """GET a URL with a timeout and return its decoded JSON; raises :class:`SourceUnavailable`."""
+Check = Callable[[], None]
+"""Raises to give a read up (its client left, the exporter stops); asked while it waits."""
+# The most one answer of the store may hold. The full read's largest answer, every per-GPU
+# series of bench/cluster.py's 100,000 GPUs (920,000 series), is 183 MiB; beyond this the
+# store is refused rather than buffered (a 500 MB answer took the exporter to 1.5 GB).
+MAX_ANSWER_BYTES: Final = 256 * 2**20
+READ_SECONDS: Final = 10.0  # one read of the fleet, in all: connecting and every byte
+WATCH_SECONDS: Final = 0.1  # how often a read in progress asks its Check
 
 
 class SourceUnavailable(Exception):
@@ -72,11 +80,18 @@ class SourceUnavailable(Exception):
 
 def get_json(url: str, timeout: float) -> Any:
     """The default :data:`Fetch`: a GET without credentials (neither the store nor a host's
-    ``/gpus`` needs any)."""
+    ``/gpus`` needs any). Under :class:`~gpu_exporter.outbound.Bounds` (as :func:`query`
+    asks), bounded by them."""
     where = urllib.parse.urlsplit(url).netloc
     headers = {"Accept": "application/json", "User-Agent": "gpu-exporter-cluster"}
     try:
         resp = exchange("GET", url, headers=headers, timeout=timeout)
+    except AnswerTooLarge as exc:
+        raise SourceUnavailable(
+            f"{where} answered more than {exc.max_bytes:,} bytes, the most the fleet reader "
+            "takes; narrow the fleet with a selector (--prometheus-selector, the client's "
+            "--selector)"
+        ) from None
     except (OSError, ValueError) as exc:
         raise SourceUnavailable(f"cannot reach {where or url}: {failure(exc, timeout)}") from None
     if resp.status >= 400:
@@ -88,14 +103,33 @@ def get_json(url: str, timeout: float) -> Any:
         raise SourceUnavailable(f"{where} did not answer JSON") from None
 
 
+def _carry_on() -> None:
+    """The default :data:`Check`: nobody gives up."""
+
+
 def query(
-    prometheus: str, queries: Mapping[str, str], at: float, *, fetch: Fetch, timeout: float
+    prometheus: str,
+    queries: Mapping[str, str],
+    at: float,
+    *,
+    fetch: Fetch,
+    timeout: float,
+    bounds: Bounds | None = None,
+    check: Check = _carry_on,
 ) -> Answers:
-    """Run the instant queries (concurrently), all evaluated at Unix time ``at``."""
+    """Run the instant queries (concurrently), all evaluated at Unix time ``at``.
+
+    ``bounds`` (by default ``timeout`` seconds and :data:`MAX_ANSWER_BYTES`) bound them all
+    together; this thread watches them and ``check`` every :data:`WATCH_SECONDS`, and at the
+    deadline, or when ``check`` raises, cuts every exchange still in progress and raises.
+    """
+    bounds = bounds if bounds is not None else Bounds(timeout, MAX_ANSWER_BYTES)
+    where = urllib.parse.urlsplit(base_url(prometheus)).netloc or prometheus
 
     def one(expr: str) -> list[dict[str, Any]]:
         params = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
-        doc = fetch(f"{base_url(prometheus)}/api/v1/query?{params}", timeout)
+        with bounds.applied():
+            doc = fetch(f"{base_url(prometheus)}/api/v1/query?{params}", bounds.remaining())
         if not isinstance(doc, dict) or doc.get("status") != "success":
             error = doc.get("error") if isinstance(doc, dict) else None
             raise SourceUnavailable(f"Prometheus refused {expr!r}: {error or doc!r}"[:500])
@@ -104,9 +138,28 @@ def query(
         result: list[dict[str, Any]] = doc["data"].get("result") or []
         return result
 
-    with ThreadPoolExecutor(max_workers=len(queries)) as pool:
-        futures = {name: pool.submit(one, expr) for name, expr in queries.items()}
+    if bounds.remaining() <= 0:
+        raise SourceUnavailable(f"no answer from {where} within {bounds.seconds:g} s")
+    pool = ThreadPoolExecutor(max_workers=len(queries), thread_name_prefix="store")
+    futures = {name: pool.submit(one, expr) for name, expr in queries.items()}
+    try:
+        pending = set(futures.values())
+        while pending:
+            wait_for = min(WATCH_SECONDS, max(0.0, bounds.remaining()))
+            done, pending = wait(pending, wait_for, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()  # raises the first failure
+            if pending and bounds.remaining() <= 0:
+                raise SourceUnavailable(
+                    f"no answer from {where} within {bounds.seconds:g} s "
+                    "(the deadline of the whole fleet read)"
+                )
+            check()
         return {name: future.result() for name, future in futures.items()}
+    finally:
+        if not all(future.done() for future in futures.values()):
+            bounds.cut("the fleet read was given up")  # its threads end at once
+        pool.shutdown(wait=False)
 
 
 @dataclass(slots=True)
@@ -114,36 +167,64 @@ class PrometheusReader:
     """Reads one store's fleet, narrowed by ``selector``. ``packed``: True takes the packed
     read wherever the request fits it, False never, None past :data:`LARGE_FLEET_HOSTS`.
     Whether the fleet was large last time (then the scrape times and the packed series are
-    asked at once) is this object's state, so the caller's: a server keeps one reader."""
+    asked at once) is this object's state, so the caller's: a server keeps one reader.
+
+    One read (every query it asks) has ``timeout`` seconds in all, connecting and every byte
+    included, and each answer at most ``max_answer_bytes``: a store that trickles or floods
+    fails the read (:class:`SourceUnavailable`), it cannot hold the caller."""
 
     url: str
     selector: str = ""
     fetch: Fetch = get_json
-    timeout: float = 10.0
+    timeout: float = READ_SECONDS
     packed: bool | None = None
     was_large: bool = False
+    max_answer_bytes: int = MAX_ANSWER_BYTES
 
-    def ask(self, queries: Mapping[str, str], now: float) -> Answers:
-        return query(self.url, queries, now, fetch=self.fetch, timeout=self.timeout)
+    def bounds(self) -> Bounds:
+        """The bounds of one read."""
+        return Bounds(self.timeout, self.max_answer_bytes)
 
-    def read(self, req: ClusterRequest, now: float) -> Fleet:
+    def ask(
+        self,
+        queries: Mapping[str, str],
+        now: float,
+        bounds: Bounds | None = None,
+        check: Check = _carry_on,
+    ) -> Answers:
+        bounds = bounds if bounds is not None else self.bounds()
+        return query(
+            self.url,
+            queries,
+            now,
+            fetch=self.fetch,
+            timeout=self.timeout,
+            bounds=bounds,
+            check=check,
+        )
+
+    def read(self, req: ClusterRequest, now: float, check: Check = _carry_on) -> Fleet:
+        """The fleet, read within one :meth:`bounds`; ``check`` may give the read up."""
+        bounds = self.bounds()
+
+        def ask(queries: Mapping[str, str]) -> Answers:
+            return self.ask(queries, now, bounds, check)
+
         c, sel, max_age = req.choose, self.selector, req.max_age_seconds
         fits = self.packed is not False and packable(c.filters, c.sort, c.idle_for_seconds, max_age)
         packed = {"packed": packed_query(c.filters, sel), "problems": problems_query(sel, max_age)}
         answers: Answers = {}
         if fits and (self.packed or self.was_large):  # known large: all at once
-            answers = self.ask({"scraped": scraped_query(sel), **packed}, now)
-        scraped = (
-            answers.get("scraped") or self.ask({"scraped": scraped_query(sel)}, now)["scraped"]
-        )
+            answers = ask({"scraped": scraped_query(sel), **packed})
+        scraped = answers.get("scraped") or ask({"scraped": scraped_query(sel)})["scraped"]
         self.was_large = len(scraped) > LARGE_FLEET_HOSTS
         if fits and (self.packed or self.was_large) and scraped:
-            answers = answers or self.ask(packed, now)
+            answers = answers or ask(packed)
             count = f"count({PACKED}{braces(sel)})"  # an empty answer may be none passing
-            if answers["packed"] or self.ask({"n": count}, now)["n"]:
+            if answers["packed"] or ask({"n": count})["n"]:
                 return parse_packed({**answers, "scraped": scraped}, now, max_age)
             log.info("no %s series at %s: the full read", PACKED, self.url)
-        answers = self.ask(full_queries(c.filters, c.sort, c.idle_for_seconds, sel), now)
+        answers = ask(full_queries(c.filters, c.sort, c.idle_for_seconds, sel))
         fleet = parse_full({**answers, "scraped": scraped}, now, max_age, c.idle_for_seconds)
         if not fleet.hosts:
             raise SourceUnavailable(
@@ -154,10 +235,12 @@ class PrometheusReader:
             )
         return fleet
 
-    def reasons(self, req: ClusterRequest, now: float) -> str:
+    def reasons(self, req: ClusterRequest, now: float, check: Check = _carry_on) -> str:
         """Why no GPU passed a packed read: how many fail each filter (one query)."""
         try:
-            answer = self.ask({"r": reasons_query(req.choose.filters, self.selector)}, now)
+            answer = self.ask(
+                {"r": reasons_query(req.choose.filters, self.selector)}, now, check=check
+            )
         except SourceUnavailable as exc:
             return f"the store did not count the reasons: {exc}"
         return reasons_text(answer["r"], req.choose.filters)

@@ -209,7 +209,8 @@ def cluster_choose_route() -> Response:
         raise ApiError(
             404, "not_configured", "this exporter has no fleet view: start it with --prometheus-url"
         )
-    result = cluster.choose(args.to_dict(), services().waiters)
+    connected = request.environ.get(CONNECTED)
+    result = cluster.choose(args.to_dict(), services().waiters, connected)
     fmt = req.choose.format
     if fmt == "json":
         resp = jsonify(result.to_json())

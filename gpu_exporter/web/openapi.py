@@ -280,6 +280,9 @@ def _header(description: str) -> dict[str, Any]:
 
 
 def document() -> dict[str, Any]:
+    # Here, not at the top: the fleet reader is loaded only where /cluster/choose is served.
+    from gpu_exporter.fleet.reading import MAX_ANSWER_BYTES, READ_SECONDS
+
     choose_ok = _answer(
         "The chosen GPUs (and the lease, unless lease=0).", text=_type(STRING), json=_ref("Choice")
     ) | {
@@ -331,7 +334,10 @@ def document() -> dict[str, Any]:
                 404,
                 503,
                 s404="This exporter was started without --prometheus-url.",
-                s503="Not enough GPUs qualify on any host, or Prometheus cannot be asked.",
+                s503="Not enough GPUs qualify on any host (not_enough_gpus), Prometheus cannot "
+                f"be asked, answers nothing within {READ_SECONDS:g} s or more than "
+                f"{MAX_ANSWER_BYTES >> 20} MiB (prometheus_unavailable), or the exporter is "
+                "shutting down (shutting_down).",
             ),
         },
     }
