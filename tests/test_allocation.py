@@ -210,4 +210,10 @@ def test_run_choose_and_use_gpus_export_indices_when_asked(
     assert status != 0 and "--format env" in err
     with use_gpus(1, indices=True) as gpus:
         assert os.environ["CUDA_VISIBLE_DEVICES"] == str(by_uuid[gpus.uuids[0]])
+    # inside Slurm's device cgroup: the job's own 0..1, read from the mask before it is replaced
+    monkeypatch.setenv("SLURM_JOB_GPUS", "1,3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with use_gpus(1, indices=True) as gpus:
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == str([1, 3].index(by_uuid[gpus.uuids[0]]))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert exporter.lease_ids() == set()

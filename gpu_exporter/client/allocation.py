@@ -21,6 +21,9 @@ Where the allocation is read from, first match wins:
 
 A mask that gives the job no GPU (``CUDA_VISIBLE_DEVICES=-1``, ``NVIDIA_VISIBLE_DEVICES=none``)
 is refused: there is nothing to choose from, and the job must not run without a GPU.
+
+:func:`cuda_indices` goes the other way, for tools that cannot take UUIDs: the leased cards'
+places among the cards the job's CUDA sees (``--indices``, ``indices=True``).
 """
 
 from __future__ import annotations

@@ -256,10 +256,12 @@ class GpuSession:
             replacing = replaced_visible_devices(choice) if self._ignore_mask else None
             if replacing is not None:
                 warnings.warn(replacing, GpuExporterWarning, stacklevel=2)
+            # Indices are read against the job's environment as it was, mask included.
+            env = as_indices(choice, self._timeout) if self._indices else choice.env()
             self._saved = {key: os.environ.get(key) for key in _ENV_KEYS}
             for key in _ENV_KEYS:
                 os.environ.pop(key, None)
-            os.environ.update(as_indices(choice, self._timeout) if self._indices else choice.env())
+            os.environ.update(env)
             if self._framework is not None and choice.mem_bytes is not None:
                 apply(choice, self._framework)
         except BaseException:
