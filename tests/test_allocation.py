@@ -151,6 +151,16 @@ def test_choose_and_use_gpus_stay_inside_a_uuid_mask(
     assert status == 0 and out.strip() == uuids[2], err
 
 
+def test_a_choice_across_hosts_is_not_confined_by_this_hosts_mask(
+    exporter: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mask names the cards of the host the job runs on; a fleet choice claims on another
+    host (here the exporter, named by --hosts), whose cards it does not name."""
+    monkeypatch.setenv("SLURM_JOB_GPUS", "1")
+    choice = client.choose(2, hosts=[exporter.url], lease=0)
+    assert len(choice.uuids) == 2
+
+
 def test_without_a_server_the_local_choice_stays_inside_the_mask(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -158,9 +158,9 @@ def http_claimer(
     def claim(host: Host, n: int, include: tuple[str, ...]) -> Choice:
         lease = args.get("lease", DEFAULT_LEASE)
         try:
-            return choose_on_host(
+            return choose_on_host(  # this job's mask names this host's cards, not host's
                 n, host.url, lease=lease, wait=None, owner=req.choose.owner,
-                timeout=timeout, include=include, **passed_on,
+                timeout=timeout, include=include, ignore_mask=True, **passed_on,
             )  # fmt: skip
         except ServerError as exc:
             if exc.status == 400:
