@@ -207,16 +207,21 @@ def test_unread_answers_are_the_first_to_go_at_the_cap() -> None:
     # got 503 meanwhile.
     with served() as exporter, extra_server(exporter, limits=Limits(max_connections=10)) as s:
         greedy = [socket.socket() for _ in range(10)]
-        for sock in greedy:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", s.port))
-            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
-        time.sleep(1.0)  # their answers fill the buffers: all ten stall
-        for _ in range(5):
-            status, _, seconds = timed_get(s.port, "/metrics")
-            assert status == 200 and seconds < 2.0
-        for sock in greedy:
-            sock.close()
+        try:
+            for sock in greedy:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect(("127.0.0.1", s.port))
+                sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+            # Their answers fill the buffers and all ten stall (well within 2.5 s, on a busy
+            # machine too): a new connection is then served at once, where the old code
+            # answered 503 until the 10 s write deadline freed the cap.
+            time.sleep(2.5)
+            for _ in range(5):
+                status, _, seconds = timed_get(s.port, "/metrics")
+                assert status == 200 and seconds < 2.0
+        finally:
+            for sock in greedy:
+                sock.close()
 
 
 class EachAddressAPeer(PeerIdentities):

@@ -120,6 +120,9 @@ def test_ctrl_c_on_gpu_exporter_choose_wait_frees_its_place() -> None:
             text=True,
             cwd=ROOT,
             env={**os.environ, "NO_PROXY": "*"},
+            # As from a terminal: a suite started in the background (`cmd &` in a script)
+            # hands its children SIGINT ignored, and Ctrl-C would then never reach this one.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         try:
             within(15, lambda: any(r[1] == "/choose" for r in exporter.requests[1:]))
