@@ -857,25 +857,7 @@ class Run:
     def memory_lease(self) -> None:
         progress = self.work / "share.progress"
         env = dict(self.env, GPU_EXPORTER_URL=f"http://{HOST}:{self.port}")
-        run = self.start(
-            "run-share",
-            self.python(
-                "-m",
-                "gpu_exporter",
-                "run",
-                "-n",
-                "1",
-                "--mem",
-                "8GiB",
-                # The one card may still read busy from the job before: a share takes a busy
-                # card only when it says so (the utilization default applies to --mem).
-                "--max-util",
-                "100%",
-                "--",
-                *self.job_command("share", progress),
-            ),
-            env,
-        )
+        run = self.run_share("run-share", "share", progress, env)
         capped = self.wait_phase(run, progress, "capped", 120)
         if capped is None:
             return
@@ -947,25 +929,7 @@ class Run:
         env = dict(self.env, GPU_EXPORTER_URL=f"http://{HOST}:{self.port}")
         # A user's own newer-name fraction: beside the one `run` sets, JAX would refuse the GPU.
         env["XLA_CLIENT_MEM_FRACTION"] = "0.5"
-        run = self.start(
-            "run-jax",
-            self.python(
-                "-m",
-                "gpu_exporter",
-                "run",
-                "-n",
-                "1",
-                "--mem",
-                "8GiB",
-                # The one card may still read busy from the job before: a share takes a busy
-                # card only when it says so (the utilization default applies to --mem).
-                "--max-util",
-                "100%",
-                "--",
-                *self.job_command("jax", progress),
-            ),
-            env,
-        )
+        run = self.run_share("run-jax", "jax", progress, env)
         done = self.wait_phase(run, progress, "done", 120)
         run.proc.wait(30)
         if done is None:
@@ -1007,6 +971,13 @@ class Run:
             }
         self.report.measurements["jax_fraction_names"] = found
         self.report.add("JAX's fraction variables, alone and together", "info", json.dumps(found))
+
+    def run_share(self, name: str, kind: str, progress: Path, env: dict[str, str]) -> Proc:
+        """``gpu-exporter run -n 1 --mem 8GiB -- <the job>``: a memory lease for its life."""
+        # The one card may still read busy from the job before: a share takes a busy card
+        # only when it says so (the utilization default applies to --mem).
+        command = ["-m", "gpu_exporter", "run", "-n", "1", "--mem", "8GiB", "--max-util", "100%"]
+        return self.start(name, self.python(*command, "--", *self.job_command(kind, progress)), env)
 
     def job_command(self, kind: str, progress: Path) -> list[str]:
         job = f"fake-{kind}" if self.card.fake else kind
