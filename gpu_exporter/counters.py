@@ -53,6 +53,7 @@ URI_TOO_LONG = "uri_too_long"
 AUTH_THROTTLED = "auth_throttled"  # 429: too many failed logins from that address
 AUTH_BUSY = "auth_busy"  # 503: every bcrypt slot busy
 TOO_MANY_CONNECTIONS = "too_many_connections"  # every connection at the cap busy with a request
+STORE_BUSY = "store_busy"  # 503: every /cluster/choose read slot (Limits.store_reads) busy
 REJECTION_REASONS = (
     TOO_MANY_REQUESTS,
     TOO_MANY_WAITERS,
@@ -60,6 +61,7 @@ REJECTION_REASONS = (
     AUTH_THROTTLED,
     AUTH_BUSY,
     TOO_MANY_CONNECTIONS,
+    STORE_BUSY,
 )
 # gpu_exporter_lease_gpus_released_total{reason}: why a GPU left its lease before expiry.
 ARRIVED = "arrived"  # the job showed up on it

@@ -273,7 +273,9 @@ def build(
         from gpu_exporter.web.cluster import ClusterService
 
         reader = PrometheusReader(config.prometheus_url, config.prometheus_selector)
-        cluster = ClusterService(reader, http_claimer, release, defaults=choose_defaults)
+        cluster = ClusterService(
+            reader, http_claimer, release, choose_defaults, limits=limits, rejections=rejections
+        )
     taken = kubelet.allocations.taken if kubelet is not None else None  # pods hold these GPUs
     claimer = Claimer(
         cache, leases, waiters, clock=clock, max_age_seconds=config.max_age_seconds, taken=taken

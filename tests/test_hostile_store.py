@@ -256,6 +256,48 @@ def test_clients_that_leave_free_their_slots_and_others_are_answered_meanwhile()
         assert time.monotonic() - started < 2.0
 
 
+@pytest.mark.slow
+def test_patient_clients_of_a_trickling_store_leave_slots_for_scrapes_and_choose() -> None:
+    """Clients that stay for their answer hold at most ``Limits.store_reads`` request slots;
+    before, 4 of them took every slot of ``--max-requests-in-flight 4`` for the 10 s read."""
+    with (
+        store(trickle) as url,
+        exporter(
+            "--simulate",
+            "1",
+            "--prometheus-url",
+            url,
+            "--max-requests-in-flight",
+            "4",
+            "--max-waiters",
+            "2",
+        ) as ex,
+    ):
+        patient = [
+            threading.Thread(
+                target=ask_and_leave, args=(ex.base, "/cluster/choose?n=1", 6.0), daemon=True
+            )
+            for _ in range(4)
+        ]
+        for t in patient:
+            t.start()
+        time.sleep(1.5)  # one read is under way, the other three refused store_busy
+        for _ in range(3):
+            status, body = get(ex.base + "/metrics")
+            assert status == 200, body
+            status, body = get(ex.base + "/choose?n=1&lease=0&max_util=1&max_mem_used=1")
+            assert status == 200, body
+        status, body = get(ex.base + "/cluster/choose?n=1&format=json")
+        assert status == 503, body
+        assert json.loads(body)["error"]["code"] == "store_busy"
+        assert "1 fleet read is in progress already" in body
+        metrics = get(ex.base + "/metrics")[1]
+        assert 'gpu_exporter_requests_rejected_total{reason="store_busy"} 0.0' not in metrics
+        assert 'gpu_exporter_requests_rejected_total{reason="store_busy"}' in metrics
+        for t in patient:
+            t.join()
+
+
 def _peak_rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         for line in status:

@@ -158,6 +158,7 @@ def test_a_fresh_exporter_exports_every_known_label_value_at_zero() -> None:
         "auth_throttled",
         "auth_busy",
         "too_many_connections",
+        "store_busy",
     }
 
 

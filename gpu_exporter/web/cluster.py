@@ -7,20 +7,27 @@ it takes one of the shared ``--max-waiters`` slots (:class:`~gpu_exporter.choose
 and ends at once with ``shutting_down`` when the exporter stops. The store's read is bounded
 by the reader (:class:`~gpu_exporter.fleet.reading.PrometheusReader`: one deadline, a size
 cap) and given up, with every exchange still in progress cut, when the exporter stops or the
-requesting client hangs up (``client_closed``): a slow store holds no request slot for long.
+requesting client hangs up (``client_closed``). Patient clients of a slow store hold at most
+:attr:`~gpu_exporter.web.limits.Limits.store_reads` request slots (one per read in progress;
+none between the reads of a ``wait=``): the next waits up to ``slot_wait_seconds`` for one,
+then 503 ``store_busy``, so a trickling store can never take every request slot.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from gpu_exporter.choose.claim import Waiters
 from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
 from gpu_exporter.choose.refusal import ApiError
+from gpu_exporter.counters import STORE_BUSY, RequestCounter
 from gpu_exporter.fleet.placing import Claimer, ClusterChoice, Release, choose_fleet
 from gpu_exporter.fleet.reading import PrometheusReader
+from gpu_exporter.units import plural
+from gpu_exporter.web.limits import DEFAULT_LIMITS, Limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +39,27 @@ class ClusterService:
     release: Release
     # --choose-defaults: what "free" means here; each host re-applies its own when claiming.
     defaults: Mapping[str, str] = field(default_factory=lambda: dict(SHIPPED_DEFAULTS))
+    limits: Limits = DEFAULT_LIMITS  # store_reads, slot_wait_seconds
+    rejections: RequestCounter = field(default_factory=RequestCounter)  # store_busy counted
+    _reads: threading.BoundedSemaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_reads", threading.BoundedSemaphore(self.limits.store_reads))
+
+    @contextlib.contextmanager
+    def _read_slot(self, wait_seconds: float) -> Iterator[None]:
+        """One of the :attr:`Limits.store_reads` slots, for a read of the store and the claim
+        after it; 503 ``store_busy`` when none frees within ``wait_seconds``."""
+        if not self._reads.acquire(timeout=wait_seconds):
+            self.rejections.inc(STORE_BUSY)
+            n = self.limits.store_reads
+            are = "is" if n == 1 else "are"
+            message = f"{plural(n, 'fleet read')} {are} in progress already; retry in a few seconds"
+            raise ApiError(503, STORE_BUSY, message)
+        try:
+            yield
+        finally:
+            self._reads.release()
 
     def choose(
         self,
@@ -49,6 +77,9 @@ class ClusterService:
 
         with contextlib.ExitStack() as slot:
             waiting = False
+            reading = contextlib.ExitStack()  # the read slot, given back for every pause
+            reading.enter_context(self._read_slot(self.limits.slot_wait_seconds))
+            slot.push(reading)
 
             def pause(seconds: float) -> None:
                 nonlocal waiting
@@ -56,7 +87,10 @@ class ClusterService:
                 if not waiting:  # the first pause: from now on this request waits for GPUs
                     slot.enter_context(waiters.slot())
                     waiting = True
+                reading.close()
                 waiters.sleep(seconds)
+                check()  # a waiter waits for a read slot as long as it slept
+                reading.enter_context(self._read_slot(max(seconds, self.limits.slot_wait_seconds)))
 
             return choose_fleet(
                 args,

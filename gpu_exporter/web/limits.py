@@ -85,6 +85,13 @@ class Limits:
     bcrypt_wait_seconds: float = 0.25
 
     @property
+    def store_reads(self) -> int:
+        """``/cluster/choose`` reads of the store at once (an eighth of the request slots, at
+        least one): clients of a store that trickles can hold no more request slots than
+        this, and the rest serve scrapes and ``/choose``."""
+        return max(1, self.max_in_flight // 8)
+
+    @property
     def worker_threads(self) -> int:
         """App threads: one per request in flight and :attr:`probe_threads` more, so that the
         request one too many finds a thread and :class:`RequestLimits` answers it 503 after at

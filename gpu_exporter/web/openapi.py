@@ -336,7 +336,8 @@ def document() -> dict[str, Any]:
                 s404="This exporter was started without --prometheus-url.",
                 s503="Not enough GPUs qualify on any host (not_enough_gpus), Prometheus cannot "
                 f"be asked, answers nothing within {READ_SECONDS:g} s or more than "
-                f"{MAX_ANSWER_BYTES >> 20} MiB (prometheus_unavailable), or the exporter is "
+                f"{MAX_ANSWER_BYTES >> 20} MiB (prometheus_unavailable), every fleet read slot "
+                "is busy (store_busy), or the exporter is "
                 "shutting down (shutting_down).",
             ),
         },
