@@ -16,6 +16,7 @@ import pytest
 from gpu_exporter import client
 from gpu_exporter.client import GpuExporterError, NoGpusAvailable, use_gpus
 from gpu_exporter.client.allocation import HostGpu, allocation, cuda_indices
+from gpu_exporter.client.hostapi import as_indices
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, Scenario, SimGpu, SimulatedNvml
 from harness import cli, finish, free_port
@@ -159,6 +160,20 @@ def test_a_choice_across_hosts_is_not_confined_by_this_hosts_mask(
     monkeypatch.setenv("SLURM_JOB_GPUS", "1")
     choice = client.choose(2, hosts=[exporter.url], lease=0)
     assert len(choice.uuids) == 2
+
+
+def test_indices_of_a_choice_across_hosts_follow_the_chosen_hosts_order(
+    exporter: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This host's Slurm mask says nothing of how CUDA on the chosen host numbers its cards
+    (before, it was applied there: refused here, or wrong indices)."""
+    by_uuid = {g.uuid: g.index for g in exporter.daemon.cache.get().gpus}  # PCI order here
+    monkeypatch.setenv("SLURM_JOB_GPUS", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    choice = client.choose(1, hosts=[exporter.url], lease=0)
+    assert choice.host is not None
+    env = as_indices(choice)
+    assert env["CUDA_VISIBLE_DEVICES"] == str(by_uuid[choice.uuids[0]])
 
 
 def test_without_a_server_the_local_choice_stays_inside_the_mask(

@@ -269,7 +269,8 @@ def as_indices(choice: Choice, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> dict
     """``choice.env()`` with ``CUDA_VISIBLE_DEVICES`` as indices (under
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID``) that name the same cards, for tools that cannot take
     UUIDs; read before the environment is changed. Without a server (a local choice) NVML's
-    own indices, which follow the PCI bus order."""
+    own indices, which follow the PCI bus order. For a choice across the fleet on another
+    host (``choice.host``), that host's own order: this host's masks do not describe it."""
     env = choice.env()
     if choice.local:
         if any(os.environ.get(v) for v in ("SLURM_JOB_GPUS", "NVIDIA_VISIBLE_DEVICES")):
@@ -278,7 +279,8 @@ def as_indices(choice: Choice, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> dict
             )
         places: tuple[int, ...] = choice.indices
     else:
-        places = cuda_indices(choice.uuids, os.environ, lambda: host_gpus(choice.url, timeout))
+        environ = os.environ if choice.host is None else {}
+        places = cuda_indices(choice.uuids, environ, lambda: host_gpus(choice.url, timeout))
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in places)
     return env
 
