@@ -142,6 +142,7 @@ def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -
                 "GpuExporterStale",
                 "GpuExporterTargetDown",
                 "GpuExporterCannotSaveLeases",
+                "GpuExporterGpusWithheld",
             )
             for quiet in quiet_alerts:
                 assert prom.query(alerts[quiet]["expr"]) == [], quiet

@@ -117,6 +117,7 @@ HOST_ALERTS = {
     "GpuExporterStale",
     "GpuExporterKubeletDown",
     "GpuExporterCannotSaveLeases",
+    "GpuExporterGpusWithheld",
 }
 
 

@@ -546,6 +546,27 @@ def test_malformed_entries_withhold_the_gpus_they_name(tmp_path: Path) -> None:
     assert s.client.get("/choose?n=3&lease=0").status_code == 200  # the leases ended too
 
 
+def test_withheld_gpus_show_on_the_status_page_and_in_the_metrics(tmp_path: Path) -> None:
+    """The page recommended a withheld GPU that /choose refuses, and nothing said so to
+    Prometheus; now the row says why and a gauge counts them until they are free."""
+    clock = FakeClock()
+    uuids = [SimGpu(i, A100, Load("idle")).uuid for i in range(3)]
+    bad = {**lease_entry([uuids[0]], 1, now=clock.time(), lease_id="bad"), "expires_at": "soon"}
+    state = tmp_path / "leases.json"
+    state.write_text(json.dumps({"version": 1, "leases": [bad]}))
+    os.utime(state, (clock.time() - 60, clock.time() - 60))
+    s = build_stack(idle_sim(3), clock=clock, state_dir=str(tmp_path), max_lease_seconds=600)
+    s.sample()
+    page = s.client.get("/").text
+    assert f"<code>{uuids[0]}</code>" not in page.split('id="recommendation"')[1].split("</p>")[0]
+    assert "withheld for 540 s more: leases.json had malformed entries" in page
+    assert "gpu_exporter_gpus_withheld 1.0" in s.client.get("/metrics").text
+    clock.advance(541)
+    s.sample()
+    assert "gpu_exporter_gpus_withheld 0.0" in s.client.get("/metrics").text
+    assert "withheld for" not in s.client.get("/").text
+
+
 def test_malformed_entries_naming_more_gpus_than_a_host_has_withhold_every_gpu(
     tmp_path: Path,
 ) -> None:

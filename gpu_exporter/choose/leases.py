@@ -141,6 +141,11 @@ class LeaseTable:
         cards = (card_memory(g, shared[g.uuid]) for g in snapshot.gpus if g.uuid in shared)
         return {card.uuid: (card.leased, card.overrun) for card in cards}
 
+    def withheld(self, snapshot: Snapshot) -> dict[str, str]:
+        """UUID → why, for the devices of ``snapshot`` no claim may get now: those a
+        ``leases.json`` that could not be trusted may have leased (see persistence)."""
+        return self._file.withheld(all_devices(snapshot.gpus), self._clock.time())
+
     @property
     def state_problem(self) -> str | None:
         """Why the last write of ``leases.json`` failed, until one succeeds (``/readyz``)."""
@@ -237,7 +242,7 @@ class LeaseTable:
                 for lease in self._leases.values()
                 for uuid in lease.uuids
             }
-            leased = self._file.withheld(all_devices(snapshot.gpus), now) | leased
+            leased = self.withheld(snapshot) | leased
             if ttl_seconds > 0 and self.max_gpus_per_requester:
                 holding = sum(
                     len(lease.gpus)

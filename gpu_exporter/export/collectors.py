@@ -38,6 +38,7 @@ from gpu_exporter.export.spec import (
     GPU_PROCESS_POD_INFO,
     GPU_UP,
     GPU_VALUES,
+    GPUS_WITHHELD,
     KUBERNETES_METRICS,
     KUBERNETES_UP,
     LAST_SAMPLE,
@@ -80,6 +81,10 @@ class Leases(Protocol):
     @property
     def state_write_errors(self) -> int:
         """Writes of the state file that failed."""
+        ...
+
+    def withheld(self, snapshot: Snapshot) -> Mapping[str, str]:
+        """UUID → why, for the devices no claim may get after an untrusted state file."""
         ...
 
 
@@ -270,6 +275,7 @@ def lease_families(
     yield _counts(CHOOSE_REQUESTS, requests.counts())
     yield _counts(LEASES_DROPPED, leases.dropped)
     yield _one(STATE_WRITE_ERRORS, leases.state_write_errors)
+    yield _one(GPUS_WITHHELD, len(leases.withheld(snapshot)))
 
 
 def _counts(spec: MetricSpec, counts: Mapping[str, int]) -> Metric:

@@ -466,6 +466,20 @@ STATE_WRITE_ERRORS = MetricSpec(
     "state_unwritable) and /readyz is 503.",
     updated=AT_SCRAPE,
 )
+GPUS_WITHHELD = MetricSpec(
+    "gpu_exporter_gpus_withheld",
+    "gauge",
+    "GPUs and MIG devices no claim may get because a leases.json that could not be trusted "
+    "may have leased them.",
+    (),
+    "the lease table",
+    unit="devices",
+    details="A leases.json that was set aside (leases.corrupt) or held malformed entries "
+    "could have leased them: they are refused until its longest lease could have ended "
+    "(--max-lease after the file last changed, at most --max-lease after the start), or a "
+    "start with --discard-leases. The status page and /choose's refusals say for how long.",
+    updated=AT_SCRAPE,
+)
 REQUESTS_REJECTED = MetricSpec(
     "gpu_exporter_requests_rejected_total",
     "counter",
@@ -568,6 +582,7 @@ EXPORTER_METRICS = (
     CHOOSE_REQUESTS,
     LEASES_DROPPED,
     STATE_WRITE_ERRORS,
+    GPUS_WITHHELD,
     REQUESTS_REJECTED,
     CHOOSE_WAITERS,
     WEB_CONFIG_RELOADS,

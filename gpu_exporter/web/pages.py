@@ -55,6 +55,7 @@ def index() -> str:
         waiting=svc.claimer.waiting(),
         monotonic_now=now,
         holders=not is_anonymous(request.environ),
+        withheld=svc.leases.withheld(snapshot),
     )
     return render_template(
         "index.html",

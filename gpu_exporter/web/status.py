@@ -8,6 +8,7 @@ users) it names no holder, requester or lease: GPU states and counts only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpu_exporter.choose.filters import Filters
@@ -160,10 +161,13 @@ def status_view(
     waiting: tuple[Waiter, ...] = (),
     monotonic_now: float = 0.0,
     holders: bool = True,
+    withheld: Mapping[str, str] | None = None,
 ) -> StatusView:
     """What ``/`` shows; the recommendation is what ``/choose?n=1`` would give under
-    ``filters`` (the server's ``--choose-defaults``). ``holders``: name who holds what."""
+    ``filters`` (the server's ``--choose-defaults``). ``holders``: name who holds what.
+    ``withheld``: UUID → why, the devices no claim may get (an untrusted state file)."""
     held = {uuid: lease for lease in leases for uuid in lease.uuids}
+    withheld = withheld or {}
     shared = memory_leases(leases)
     rows = []
     for gpu in snapshot.gpus:
@@ -172,7 +176,7 @@ def status_view(
             f"{_holder(lease) if holders else 'leased'}, "
             f"{max(0.0, lease.expires_at - wall_now):.0f} s left"
             if lease
-            else None
+            else withheld.get(gpu.uuid)
         )
         committed = None
         if gpu.uuid in shared:
@@ -192,6 +196,7 @@ def status_view(
         if holders
     )
     leased = {
+        **withheld,
         **reserved_for(snapshot.gpus, waiting),
         **{
             uuid: f"leased by {_holder(lease)}" if holders else "leased"
