@@ -201,6 +201,24 @@ def test_a_probe_always_gets_a_connection() -> None:
             sock.close()
 
 
+def test_a_refusal_lingering_on_a_probe_connection_is_closed_when_the_server_stops() -> None:
+    """A request refused on a connection held for probes lingers (its rest is dropped);
+    stopping the server closes it too, long before its linger would end."""
+    with served() as exporter:
+        lingering = Timeouts(linger_seconds=60.0)
+        with extra_server(exporter, limits=Limits(max_connections=2), timeouts=lingering) as s:
+            busy = hold_long_polls(exporter, s.port, 2)
+            sock = connect(s.port)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            site = s.site
+            assert site is not None
+            until(lambda: "LINGERING" in {c.state.name for c in site.slots.connections()})
+        assert site.slots.connections() == []
+        assert closed_within(sock, 5.0) < 5.0
+        for held in (sock, *busy):
+            held.close()
+
+
 def test_unread_answers_are_the_first_to_go_at_the_cap() -> None:
     # Issue 28.11: connections pipelining scrapes into a tiny receive buffer and reading
     # nothing held the whole cap until the write deadline (10 s), and every new connection
