@@ -25,9 +25,13 @@ from tls_certs import CA
 from conftest import build_stack
 from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.choose.request import parse_cluster_args
+from gpu_exporter.client.choosing import http_claimer
+from gpu_exporter.client.hostapi import release
+from gpu_exporter.fleet.placing import choose_fleet
 from gpu_exporter.fleet.reading import PrometheusReader, SourceUnavailable
 from gpu_exporter.simulate import Scenario, SimulatedNvml
 from harness import exporter, get
+from served import served
 
 Handler = Callable[[socket.socket, threading.Event], None]
 _HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -208,6 +212,28 @@ def test_a_read_is_given_up_at_once_when_its_check_says_so() -> None:
         gone.set()
         thread.join(2.0)
     assert outcome and isinstance(outcome[0], ApiError) and outcome[0].code == "client_closed"
+
+
+def test_a_trickling_host_is_passed_over_at_the_deadline_of_the_whole_read() -> None:
+    """``--hosts``: each read had only a per-read timeout, which every trickled byte resets,
+    so one such host held the choice for as long as it liked. Now the read of the hosts has
+    one deadline; the host still trickling then is passed over, the others are chosen from."""
+    with store(trickle) as slow, served(sampling=False) as good:
+        took, result = within(
+            8.0,
+            lambda: choose_fleet(
+                {"n": "1", "lease": "0", "max_util": "1", "max_mem_used": "1"},
+                hosts=[slow, good.url],
+                timeout=2.0,
+                claimer=http_claimer,
+                release=release,
+            ),
+        )
+    assert took < 4.0
+    assert not isinstance(result, BaseException), result
+    assert result.placements[0].url == good.url
+    passed = {url: why for _, url, why in result.passed_over}
+    assert "within 2 s (the deadline of the whole read)" in passed[slow], passed
 
 
 # -- a real exporter process -----------------------------------------------------------------

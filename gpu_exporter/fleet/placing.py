@@ -200,7 +200,7 @@ def choose_fleet(
                     raise ApiError(503, "prometheus_unavailable", str(exc)) from None
                 notes.append(f"{exc}; asked the hosts named instead")
         if fleet is None:
-            fleet = read_hosts(hosts, req, fetch=fetch, timeout=timeout, now=now)
+            fleet = read_hosts(hosts, req, fetch=fetch, timeout=timeout, now=now, check=watch)
         ranking = rank_fleet(fleet, c.n, c.filters, sort=c.sort, spread=req.spread)
         claim = claimer(args, req, fleet, timeout)
         placements, passed = place(ranking, c.n, spread=req.spread, claim=claim, release=release)

@@ -449,19 +449,48 @@ def parse_packed(answers: Mapping[str, Any], evaluated_at: float, max_age_second
 
 
 def read_hosts(
-    hosts: Sequence[str], req: ClusterRequest, *, fetch: Fetch, timeout: float, now: float
+    hosts: Sequence[str],
+    req: ClusterRequest,
+    *,
+    fetch: Fetch,
+    timeout: float,
+    now: float,
+    check: Check = _carry_on,
 ) -> Fleet:
-    """The fleet from each named exporter's ``/gpus`` and ``/leases`` (asked concurrently)."""
+    """The fleet from each named exporter's ``/gpus`` and ``/leases`` (asked concurrently).
+
+    The whole read has ``timeout`` seconds (connecting and every byte, as a store's read)
+    and each answer at most :data:`MAX_ANSWER_BYTES`: a host that trickles or floods is
+    passed over with why, never waited for past the deadline. ``check`` may give the read up.
+    """
+    bounds = Bounds(timeout, MAX_ANSWER_BYTES)
 
     def one(name: str) -> Host:
         url = base_url(name, DEFAULT_EXPORTER_PORT)
         try:
-            snapshot, held = fetch(url + "/gpus", timeout), fetch(url + "/leases", timeout)
+            with bounds.applied():
+                snapshot = fetch(url + "/gpus", bounds.remaining())
+                held = fetch(url + "/leases", bounds.remaining())
             return host_from_snapshot(url, name, snapshot, held, req.max_age_seconds)
         except SourceUnavailable as exc:
-            return Host(url=url, instance=name, problem=str(exc))
+            why = bounds.cut_because
+            problem = f"no answer from {urllib.parse.urlsplit(url).netloc}: {why}" if why else ""
+            return Host(url=url, instance=name, problem=problem or str(exc))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             return Host(url=url, instance=name, problem=f"unexpected /gpus answer: {exc}")
 
-    with ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts)))) as pool:
-        return Fleet(tuple(pool.map(one, hosts)), "hosts", now)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))), thread_name_prefix="hosts")
+    futures = [pool.submit(one, name) for name in hosts]
+    try:
+        pending = set(futures)
+        while pending and bounds.remaining() > 0:
+            _, pending = wait(pending, min(WATCH_SECONDS, max(0.0, bounds.remaining())))
+            check()
+        if pending:  # the deadline: what is still being read ends at once, passed over
+            bounds.cut(f"nothing within {timeout:g} s (the deadline of the whole read)")
+            wait(pending)
+        return Fleet(tuple(future.result() for future in futures), "hosts", now)
+    finally:
+        if not all(future.done() for future in futures):
+            bounds.cut("the read of the hosts was given up")
+        pool.shutdown(wait=False)
