@@ -270,6 +270,13 @@ def build(
         pods = kubelet.allocations if kubelet is not None else None
         dcgm = DcgmCollector(cache, dcgm_hostname(), xids=xids, pods=pods)
         registry.register(dcgm)
+    if config.metric_names == "dcgm":
+        log.info(
+            "--metric-names=dcgm: %s are served under dcgm-exporter's names only; the shipped "
+            "recording rules, some alerts and /cluster/choose read them: --metric-names=both "
+            "keeps them (docs/dcgm-compat.md)",
+            ", ".join(sorted(REPLACED)),
+        )
     # Collectors rendered on every scrape, after the cached GPU part; same order as registered.
     live: list[Collector] = [ProcessCollector(registry=registry)]
     if watcher is not None:

@@ -44,20 +44,22 @@ XID_NO_ERROR = "No Error"  # dcgm-exporter's err_msg for Xid 0 (none since start
 
 @dataclass(frozen=True, slots=True)
 class Conversion:
-    """From gpu-exporter's base unit to dcgm-exporter's: multiply by ``factor``."""
+    """From gpu-exporter's base unit to dcgm-exporter's: times ``times``, divided by ``per``."""
 
     unit: str  # dcgm-exporter's unit, for the docs
-    factor: float = 1.0
+    times: float = 1.0  # rounded to 6 decimals: a ratio of 0.57 is 57 %, not 56.99999999999999
+    per: float = 1.0  # exact where it is a power of two (MiB)
 
     def __call__(self, value: float) -> float:
-        # Rounded so that a ratio of 0.57 is 57 %, not 56.99999999999999.
-        return value if self.factor == 1.0 else round(value * self.factor, 6)
+        if self.times != 1.0:
+            value = round(value * self.times, 6)
+        return value / self.per if self.per != 1.0 else value
 
 
-MHZ = Conversion("MHz", 1e-6)  # from hertz
-MIB = Conversion("MiB", 2**-20)  # from bytes
-PERCENT = Conversion("%", 100.0)  # from a ratio 0-1
-MILLIJOULES = Conversion("mJ", 1000.0)  # from joules
+MHZ = Conversion("MHz", per=1e6)  # from hertz
+MIB = Conversion("MiB", per=2**20)  # from bytes
+PERCENT = Conversion("%", times=100.0)  # from a ratio 0-1
+MILLIJOULES = Conversion("mJ", times=1000.0)  # from joules
 CELSIUS = Conversion("°C")
 WATTS = Conversion("W")
 COUNT = Conversion("1")
