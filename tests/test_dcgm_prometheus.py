@@ -2,8 +2,9 @@
 gpu-exporter with ``--metric-names`` (tests/dcgmusage.py says where each query comes from).
 
 One exporter serves the fleet scenario (MIG, a lost GPU, Xids, ECC …) with ``both``, so its
-DCGM values can be compared with its own names from the same scrape; a second serves
-``dcgm`` alone, so the dashboard's ``$instance`` has two hosts.
+DCGM values can be compared with its own names from the same scrape, and ``--kubernetes``
+against a fake kubelet (a pod holds a card, another a MIG device); a second serves ``dcgm``
+alone, so the dashboard's ``$instance`` has two hosts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 
 import dcgmusage
 import promql
+from fakekubelet import fake_kubelet
+from gpu_exporter.simulate import Scenario, SimulatedNvml
 from harness import Prometheus, exporter, prometheus
 
 pytestmark = pytest.mark.slow
@@ -42,9 +45,16 @@ def by_uuid(result: list[dict[str, object]], label: str) -> dict[str, float]:
 
 def test_dcgm_exporters_dashboard_and_queries_on_gpu_exporter() -> None:
     scenario = str(promql.FLEET_SCENARIO)
+    sim = SimulatedNvml.of(Scenario.from_argument(scenario), clock=time.monotonic).gpus
+    pods = [
+        ("ml", "train", [("trainer", [("nvidia.com/gpu", [sim[1].uuid])])]),
+        ("ml", "infer", [("server", [("nvidia.com/mig-2g.20gb", [sim[4].mig_uuid(1)])])]),
+    ]
     with (
+        fake_kubelet(pods) as kubelet,
         exporter(
             *("--simulate", scenario, "--interval", "0.5", "--metric-names", "both"),
+            *(f"--kubernetes={kubelet.socket_path}", "--kubernetes.poll-interval", "0.5"),
             env={"NODE_NAME": "node-a"},
         ) as a,
         exporter(
@@ -94,6 +104,18 @@ def test_dcgm_exporters_dashboard_and_queries_on_gpu_exporter() -> None:
         mig = prom.query(f'DCGM_FI_DEV_FB_USED{{{only_a}, GPU_I_ID!=""}}')
         assert mig and all(r["metric"]["UUID"].startswith("GPU-") for r in mig)
         assert all(r["metric"]["GPU_I_PROFILE"] for r in mig)
+        # dcgm-exporter's pod labels on the devices the kubelet gave to containers, and
+        # gone from the next scrape once the pods are.
+        held = prom.wait_for(f'DCGM_FI_DEV_FB_USED{{{only_a}, namespace="ml"}}')
+        labels = {(r["metric"]["pod"], r["metric"]["container"], r["metric"]["gpu"]) for r in held}
+        assert labels == {("train", "trainer", "1"), ("infer", "server", "4")}
+        assert next(r for r in held if r["metric"]["pod"] == "infer")["metric"]["GPU_I_ID"]
+        kubelet.pods = []
+        deadline = time.monotonic() + 20
+        while prom.query(f'DCGM_FI_DEV_GPU_TEMP{{{only_a}, pod!=""}}'):
+            assert time.monotonic() < deadline, "pod labels outlived their pods"
+            time.sleep(0.5)
+        assert prom.query(f'DCGM_FI_DEV_GPU_TEMP{{{only_a}, gpu="1"}}')
         # dcgm mode alone: none of the families a DCGM name replaced.
         assert not prom.query(f'gpu_memory_used_bytes{{instance="{b.address}"}}')
         assert prom.query(f'gpu_up{{instance="{b.address}"}}')
