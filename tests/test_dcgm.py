@@ -76,6 +76,14 @@ def test_every_default_counter_is_served_with_its_type_and_help_or_said_why_not(
     doc = (Path(__file__).parent.parent / "docs" / "dcgm-compat.md").read_text()
     for name in dcgmusage.DEFAULT_COUNTERS:
         assert f"`{name}`" in doc, name
+    # The doc's table row of each served name gives the series the code converts.
+    from gpu_exporter.export.dcgm import DCGM_METRICS
+
+    rows = {line.split(" | ")[0].strip("| `"): line for line in doc.splitlines()}
+    for metric in DCGM_METRICS:
+        if metric.field is not None:
+            assert f"`{metric.source}`" in rows[metric.name], metric.name
+        assert f"| {metric.type} |" in rows[metric.name], metric.name
 
 
 def test_labels_are_dcgm_exporters_on_every_series(node_name: str) -> None:
