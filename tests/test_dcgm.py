@@ -81,9 +81,14 @@ def test_every_default_counter_is_served_with_its_type_and_help_or_said_why_not(
 
     rows = {line.split(" | ")[0].strip("| `"): line for line in doc.splitlines()}
     for metric in DCGM_METRICS:
-        if metric.field is not None:
-            assert f"`{metric.source}`" in rows[metric.name], metric.name
         assert f"| {metric.type} |" in rows[metric.name], metric.name
+        if "(in " in metric.help:  # the conversion ends in the unit its help states
+            assert f"(in {metric.conversion.unit})" in metric.help, metric.name
+        spec = metric.spec
+        if spec is not None:
+            label = {field: value for value, field in spec.per_label}.get(metric.field or "")
+            series = spec.name if label is None else f'{spec.name}{{{spec.labels[-1]}="{label}"}}'
+            assert f"`{series}`" in rows[metric.name], metric.name
 
 
 def test_labels_are_dcgm_exporters_on_every_series(node_name: str) -> None:

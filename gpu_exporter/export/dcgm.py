@@ -46,7 +46,7 @@ XID_NO_ERROR = "No Error"  # dcgm-exporter's err_msg for Xid 0 (none since start
 class Conversion:
     """From gpu-exporter's base unit to dcgm-exporter's: times ``times``, divided by ``per``."""
 
-    unit: str  # dcgm-exporter's unit, for the docs
+    unit: str  # dcgm-exporter's unit, as its help names it: "(in MHz)"
     times: float = 1.0  # rounded to 6 decimals: a ratio of 0.57 is 57 %, not 56.99999999999999
     per: float = 1.0  # exact where it is a power of two (MiB)
 
@@ -60,7 +60,7 @@ MHZ = Conversion("MHz", per=1e6)  # from hertz
 MIB = Conversion("MiB", per=2**20)  # from bytes
 PERCENT = Conversion("%", times=100.0)  # from a ratio 0-1
 MILLIJOULES = Conversion("mJ", times=1000.0)  # from joules
-CELSIUS = Conversion("°C")
+CELSIUS = Conversion("C")  # as its help writes it
 WATTS = Conversion("W")
 COUNT = Conversion("1")
 FLAG = Conversion("0/1")  # from a bool
@@ -80,15 +80,6 @@ class DcgmMetric:
     def spec(self) -> MetricSpec | None:
         """The gpu-exporter metric that serves the same value (None for the Xid row)."""
         return None if self.field is None else SPEC_OF_FIELD[self.field]
-
-    @property
-    def source(self) -> str:
-        """The gpu-exporter series it converts, for the docs: ``gpu_clock_hz{clock="sm"}``."""
-        spec = self.spec
-        if spec is None:
-            return "the Xid listener's last Xid (gpu_xid_errors_total counts them)"
-        label = {field: value for value, field in spec.per_label}.get(self.field or "")
-        return spec.name if label is None else f'{spec.name}{{{spec.labels[-1]}="{label}"}}'
 
 
 def _fields(spec: MetricSpec) -> tuple[str, ...]:
