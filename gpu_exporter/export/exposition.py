@@ -15,7 +15,9 @@ its render-ahead thread sleeps until the next scrape instead of waking for every
 
 The body is byte for byte what ``prometheus_client.make_wsgi_app`` over the same collectors
 would serve (a test compares them), because each family is rendered on its own and the
-parts are simply concatenated (OpenMetrics: with one ``# EOF`` at the end). For gzip, the
+parts are simply concatenated (OpenMetrics: with one ``# EOF`` at the end); dcgm-exporter's
+names (``--metric-names``) are the exception, written by :mod:`gpu_exporter.export.dcgm`
+itself because prometheus_client would give their counters' ``# TYPE`` a ``_total``. For gzip, the
 compressor's state after the cached part is kept too: a scrape copies it and compresses only
 the live tail.
 """
