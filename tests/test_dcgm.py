@@ -351,3 +351,11 @@ def test_the_environment_sets_the_names(monkeypatch: pytest.MonkeyPatch) -> None
     parser = cli.build_parser()
     args = parser.parse_args(["serve"])
     assert args.metric_names == "both"
+
+
+def test_the_daemonset_gives_the_node_name_for_the_host_label() -> None:
+    """In a pod, the host name is the pod's; dcgm-exporter's label names the node."""
+    path = Path(__file__).parent.parent / "deploy" / "kubernetes" / "daemonset.yaml"
+    container = yaml.safe_load(path.read_text())["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
