@@ -7,6 +7,7 @@ Run from the repository root::
     .venv/bin/python bench/run.py --report    # only regenerate docs/performance.md's table
     .venv/bin/python bench/run.py --idle-only # group 6 alone → bench/results/idle.json
     .venv/bin/python bench/run.py --report --idle bench/results/idle.json  # its rows in the table
+    .venv/bin/python bench/run.py --metric-names gpu-exporter dcgm both  # group 1 per mode
 
 Both exporters run as subprocesses on 127.0.0.1 with ``LD_LIBRARY_PATH`` pointing at the fake
 ``libnvidia-ml.so.1`` (``tests/fakenvml``, compiled here with the system C compiler), so
@@ -74,6 +75,7 @@ import servers  # noqa: E402  (bench/servers.py: load generator and /proc helper
 
 import fakenvml  # noqa: E402  (tests/fakenvml, on the path just above)
 from fakenvml import FakeGpu  # noqa: E402
+from gpu_exporter.config import METRIC_NAMES  # noqa: E402
 
 RESULTS_DIR = HERE / "results"
 DOC = ROOT / "docs" / "performance.md"
@@ -902,6 +904,49 @@ def _idle_only(
     return 0
 
 
+def _metric_names_only(
+    size: Size, modes: list[str], work: Path, lib: Path, out: Path | None, started: float
+) -> int:
+    """``--metric-names``: group 1 (``/metrics`` latency) of gpu-exporter alone, once per
+    ``serve --metric-names`` mode, one after another on the same machine; printed and written
+    to ``metric-names.json``."""
+    results: dict[str, Any] = {}
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    for mode in modes:
+        _log(f"starting gpu-exporter --metric-names={mode} on {GPUS} fake GPUs")
+        with running("gpu-exporter", lib, lab(), work, ("--metric-names", mode)) as ex:
+            results[mode] = group_latency({"gpu-exporter": ex}, size)["gpu-exporter"]
+    report = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": servers.cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "fake": FAKE,
+            "load_average_before_after": [load_before, [round(x, 2) for x in os.getloadavg()]],
+            "wall_seconds": round(time.monotonic() - started, 1),
+        },
+        "metric_names": results,
+    }
+    path = out or RESULTS_DIR / "metric-names.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(
+        "| `--metric-names` | body KiB (gzip) | p50 / p99 ms | gzip + OpenMetrics p50 / p99 ms "
+        "| 16 concurrent: req/s; p50 / p99 ms; CPU µs/request |"
+    )
+    print("|---|--:|--:|--:|--:|")
+    for mode, r in results.items():
+        plain, gzipped = (r[k]["body_bytes"] / 1024 for k in ("sequential", "sequential_gzip"))
+        kib = f"{plain:.1f} ({gzipped:.1f})"
+        print(
+            f"| `{mode}` | {kib} | {_pp(r['sequential'])} | {_pp(r['sequential_gzip'])} "
+            f"| {_load(r['concurrent_16'])} |"
+        )
+    after = report["meta"]["load_average_before_after"][1]  # type: ignore[index]
+    print(f"load average before / after: {load_before} / {after}")
+    print(f"JSON: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
@@ -939,6 +984,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only group 6 (steady-state idle CPU), into bench/results/idle.json",
     )
+    parser.add_argument(
+        "--metric-names",
+        nargs="+",
+        choices=METRIC_NAMES,
+        metavar="MODE",
+        help="only group 1 (/metrics latency) of gpu-exporter, once per serve --metric-names "
+        "MODE given (gpu-exporter, dcgm, both), into bench/results/metric-names.json",
+    )
     args = parser.parse_args(argv)
     if args.report is not None:
         report = json.loads(args.report.read_text())
@@ -958,7 +1011,9 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out or RESULTS_DIR / ("exporter-quick.json" if args.quick else "exporter.json")
     started = time.monotonic()
     peer, peer_note = (
-        (False, "skipped (--no-peer)") if args.no_peer else peer_available(create=True)
+        (False, "skipped (--no-peer)")
+        if args.no_peer or args.metric_names
+        else peer_available(create=True)
     )
     if not peer:
         _log(f"nvitop-exporter: {peer_note}; measuring gpu-exporter alone")
@@ -969,6 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
         lib = fakenvml.build(work / "lib")
         if args.idle_only:
             return _idle_only(size, peer, peer_note, work, lib, args.out, started)
+        if args.metric_names:
+            return _metric_names_only(size, args.metric_names, work, lib, args.out, started)
         report = measure(size, peer, work, lib)
     report = {
         "meta": {

@@ -24,6 +24,7 @@ from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
     DEFAULT_KUBELET_SOCKET,
     DEFAULT_LISTEN,
+    METRIC_NAMES,
     ServeConfig,
     default_state_dir,
     parse_listen_address,
@@ -356,6 +357,14 @@ def build_parser(env: FlagEnvironment | None = None) -> argparse.ArgumentParser:
         "/choose never hands out a GPU a pod was given. Needs "
         "pip install 'gpu-exporter[kubernetes]'",
     )
+    serve.add_argument(
+        "--metric-names",
+        choices=METRIC_NAMES,
+        default=env("metric-names", _DEFAULTS.metric_names),
+        help="which names /metrics serves: gpu-exporter's own (default), dcgm: dcgm-exporter's "
+        "(DCGM_FI_DEV_GPU_UTIL …, its units and labels) in place of ours for the same values, "
+        "so its dashboards work unchanged, or both, for a migration (docs/dcgm-compat.md)",
+    )
     serve.add_argument(  # for tests and benchmarks: the kubelet asked more often
         "--kubernetes.poll-interval",
         dest="kubernetes_poll_seconds",
@@ -423,6 +432,8 @@ def _serve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--max-waiters-per-requester must be 0 (no limit) or more")
     if args.auth_scope not in ("all", "writes"):  # from the environment
         parser.error("--auth-scope must be all or writes")
+    if args.metric_names not in METRIC_NAMES:  # from the environment
+        parser.error(f"--metric-names must be one of {', '.join(METRIC_NAMES)}")
     from gpu_exporter.choose.defaults import parse_defaults
     from gpu_exporter.fleet.queries import check_selector
 

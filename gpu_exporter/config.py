@@ -18,6 +18,8 @@ DEFAULT_LISTEN = f":{DEFAULT_PORT}"
 DEFAULT_CHOOSE_DEFAULTS = "max_util=50%&max_mem_used=50%"
 DEFAULT_PROCESS_SERIES_LIMIT = 64  # --process-series-limit: per device, largest first
 DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"  # --kubernetes
+# --metric-names: gpu-exporter's own names, dcgm-exporter's (docs/dcgm-compat.md), or both.
+METRIC_NAMES = ("gpu-exporter", "dcgm", "both")
 # The app's own paths (tests/test_logs.py checks them against its routes): the metrics can
 # be served at neither these nor a prefix of them (the dispatcher takes every path below).
 APP_PATHS = (
@@ -63,6 +65,7 @@ class ServeConfig:
     # --kubernetes: the kubelet's PodResources socket (None: off), asked every poll interval
     kubernetes_socket: str | None = None
     kubernetes_poll_seconds: float = 10.0
+    metric_names: str = METRIC_NAMES[0]  # one of METRIC_NAMES
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:

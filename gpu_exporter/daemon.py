@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ from gpu_exporter.collect.xid import XidListener
 from gpu_exporter.config import ServeConfig
 from gpu_exporter.counters import PcieRates, RequestCounter, XidCounter
 from gpu_exporter.export.collectors import GpuCollector, PodCollector, WebConfigCollector
+from gpu_exporter.export.dcgm import REPLACED, DcgmCollector
 from gpu_exporter.export.exposition import Exposition
 from gpu_exporter.nvml import Nvml
 from gpu_exporter.revision import revision
@@ -180,6 +182,13 @@ def state_file(state_dir: str | None, *, discard: bool = False) -> StateFile | N
     return state
 
 
+def dcgm_hostname() -> str:
+    """The ``Hostname``/``hostname`` label of dcgm-exporter's names: ``$NODE_NAME`` (set from
+    the node's name in a Kubernetes pod, whose own host name is the pod's), else this host's
+    name, as dcgm-exporter chooses it."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
 def listen_address(config: ServeConfig) -> str:
     """``127.0.0.1:9400``, ``[::1]:9400`` or ``:9400`` (every interface), as configured."""
     host = f"[{config.host}]" if ":" in config.host else config.host
@@ -253,8 +262,21 @@ def build(
         process_series_limit=config.process_series_limit,
         version=version if version is not None else __version__,
         revision=revision(),
+        replaced=REPLACED if config.metric_names == "dcgm" else frozenset(),
     )
     registry.register(gpu_collector)
+    dcgm = None
+    if config.metric_names != "gpu-exporter":
+        pods = kubelet.allocations if kubelet is not None else None
+        dcgm = DcgmCollector(cache, dcgm_hostname(), xids=xids, pods=pods)
+        registry.register(dcgm)
+    if config.metric_names == "dcgm":
+        log.info(
+            "--metric-names=dcgm: %s are served under dcgm-exporter's names only; the shipped "
+            "recording rules, some alerts and /cluster/choose read them: --metric-names=both "
+            "keeps them (docs/dcgm-compat.md)",
+            ", ".join(sorted(REPLACED)),
+        )
     # Collectors rendered on every scrape, after the cached GPU part; same order as registered.
     live: list[Collector] = [ProcessCollector(registry=registry)]
     if watcher is not None:
@@ -263,7 +285,7 @@ def build(
     if kubelet is not None:
         live.append(PodCollector(kubelet.allocations, cache, config.process_series_limit))
         registry.register(live[-1])
-    exposition = Exposition(cache, gpu_collector, live)
+    exposition = Exposition(cache, gpu_collector, live, dcgm=dcgm)
 
     cluster = None
     if config.prometheus_url:

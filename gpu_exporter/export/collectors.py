@@ -126,15 +126,19 @@ def _one(spec: MetricSpec, value: float, labels: list[str] | None = None) -> Met
 
 
 def gpu_families(
-    snapshot: Snapshot, process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT
+    snapshot: Snapshot,
+    process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
+    replaced: frozenset[str] = frozenset(),
 ) -> Iterator[Metric]:
-    """Per-GPU families, with MIG devices as extra series (gpu = the parent's index).
+    """Per-GPU families, with MIG devices as extra series (gpu = the parent's index); none of
+    the value families named in ``replaced`` (served under dcgm-exporter's names instead).
 
     A value the GPU did not report this sample has no series at all.
     """
     info, up = _family(GPU_INFO), _family(GPU_UP)
     down, seen = _family(GPU_DOWN_REASON), _family(GPU_LAST_SEEN)
-    values = [_family(spec) for spec in GPU_VALUES]
+    specs = [spec for spec in GPU_VALUES if spec.name not in replaced]
+    values = [_family(spec) for spec in specs]
     mig_info = _family(GPU_MIG_INFO)
     proc_labels = (*GPU_LABELS, "pid", *snapshot.process_labels)
     procs = _family(PROCESS_MEMORY, proc_labels)
@@ -166,7 +170,7 @@ def gpu_families(
                 ],
                 1,
             )
-        for spec, family in zip(GPU_VALUES, values, strict=True):
+        for spec, family in zip(specs, values, strict=True):
             if spec.mig or not gpu.is_mig_device:
                 _add_values(spec, family, ids, gpu)
         for p in _largest_processes(gpu, process_series_limit):
@@ -316,6 +320,7 @@ class GpuCollector(Collector):
         pcie: PcieRates | None = None,
         process_series_limit: int = DEFAULT_PROCESS_SERIES_LIMIT,
         revision: str = "unknown",
+        replaced: frozenset[str] = frozenset(),
     ) -> None:
         self._cache = cache
         self._version = version
@@ -327,12 +332,14 @@ class GpuCollector(Collector):
         self._xids = xids
         self._pcie = pcie
         self._process_series_limit = process_series_limit
+        # Value families served under dcgm-exporter's names only (--metric-names=dcgm).
+        self._replaced = replaced
 
     def describe(self) -> Iterator[Metric]:
         """Every family this collector may produce (empty): the registry learns the names,
         which prometheus_client's ``/metrics?name[]=`` filter needs to find the collector."""
         for spec in METRICS:
-            if spec not in _OWN_COLLECTORS:
+            if spec not in _OWN_COLLECTORS and spec.name not in self._replaced:
                 yield _family(spec)
 
     def collect(self) -> Iterator[Metric]:
@@ -347,7 +354,7 @@ class GpuCollector(Collector):
         so nothing here may read anything that changes between samples.
         """
         return _with_series(
-            gpu_families(snapshot, self._process_series_limit),
+            gpu_families(snapshot, self._process_series_limit, self._replaced),
             exporter_families(snapshot, self._version, self._revision),
             field_families(snapshot),
         )

@@ -15,7 +15,9 @@ its render-ahead thread sleeps until the next scrape instead of waking for every
 
 The body is byte for byte what ``prometheus_client.make_wsgi_app`` over the same collectors
 would serve (a test compares them), because each family is rendered on its own and the
-parts are simply concatenated (OpenMetrics: with one ``# EOF`` at the end). For gzip, the
+parts are simply concatenated (OpenMetrics: with one ``# EOF`` at the end); dcgm-exporter's
+names (``--metric-names``) are the exception, written by :mod:`gpu_exporter.export.dcgm`
+itself because prometheus_client would give their counters' ``# TYPE`` a ``_total``. For gzip, the
 compressor's state after the cached part is kept too: a scrape copies it and compresses only
 the live tail.
 """
@@ -38,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.export.collectors import GpuCollector
+from gpu_exporter.export.dcgm import DcgmCollector
 from gpu_exporter.model import Snapshot
 
 OPENMETRICS_EOF = b"# EOF\n"
@@ -70,7 +73,7 @@ def _render(encoder: Encoder, families: Iterable[Metric], openmetrics: bool) -> 
 class _Part:
     """The snapshot part of one content type, rendered and half-compressed."""
 
-    sequence: int
+    key: tuple[int, int]  # the snapshot's sequence, and the DCGM labels' version
     text: bytes
     gzip_head: bytes  # what the compressor emitted for ``text`` so far (not flushed)
     gzip_state: Any  # zlib compressor after ``text``; copied per scrape, never used directly
@@ -82,6 +85,9 @@ class Exposition:
     ``live`` are collectors rendered on every scrape after the GPU collector's families,
     such as ``ProcessCollector``; register the same objects, in the same order, in the
     registry given to :func:`gpu_exporter.web.app.create_app` so that both agree.
+    ``dcgm`` (``--metric-names=dcgm|both``) adds dcgm-exporter's names, written by
+    :class:`~gpu_exporter.export.dcgm.DcgmCollector` itself: its sampled families in the
+    cached part (rendered again when its pod labels change), its last Xid in the tail.
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class Exposition:
         gpu: GpuCollector,
         live: Sequence[Collector] = (),
         *,
+        dcgm: DcgmCollector | None = None,
         gzip_level: int = GZIP_LEVEL,
         monotonic: Callable[[], float] = time.monotonic,
         prerender_window_seconds: float = PRERENDER_WINDOW_SECONDS,
@@ -104,6 +111,7 @@ class Exposition:
         self._thread: threading.Thread | None = None
         self._gpu = gpu
         self._live = tuple(live)
+        self._dcgm = dcgm
         self._gzip_level = gzip_level
         self._parts: dict[str, _Part] = {}
         self._lock = threading.Lock()
@@ -126,6 +134,8 @@ class Exposition:
             self._gpu.live_families(snapshot), *(collector.collect() for collector in self._live)
         )
         tail = _render(encoder, live, openmetrics)
+        if self._dcgm is not None:
+            tail += self._dcgm.render_live(snapshot)
         if openmetrics:
             tail += OPENMETRICS_EOF
         headers = [("Content-Type", content_type)]
@@ -140,20 +150,22 @@ class Exposition:
     def _part(
         self, snapshot: Snapshot, encoder: Encoder, content_type: str, openmetrics: bool
     ) -> _Part:
-        sequence = snapshot.sequence
+        key = (snapshot.sequence, self._dcgm.version if self._dcgm is not None else 0)
         part = self._parts.get(content_type)
-        if part is not None and part.sequence == sequence:
+        if part is not None and part.key == key:
             return part
         with self._lock:  # concurrent scrapes of a new sample render it once
             part = self._parts.get(content_type)
-            if part is not None and part.sequence == sequence:
+            if part is not None and part.key == key:
                 return part
             text = _render(encoder, self._gpu.snapshot_families(snapshot), openmetrics)
+            if self._dcgm is not None:
+                text += self._dcgm.render_snapshot(snapshot)
             compressor = zlib.compressobj(self._gzip_level, zlib.DEFLATED, GZIP_WBITS)
-            fresh = _Part(sequence, text, compressor.compress(text), compressor)
+            fresh = _Part(key, text, compressor.compress(text), compressor)
             self.renders += 1
-            if part is None or sequence > part.sequence:
-                if any(p.sequence != sequence for p in self._parts.values()):
+            if part is None or key > part.key:
+                if any(p.key != key for p in self._parts.values()):
                     self._parts = {}  # keep only the newest sample's parts
                 self._parts[content_type] = fresh
             return fresh
