@@ -251,27 +251,30 @@ def _host_port(base: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# An exporter with 4 request slots (and 2 waiters, fewer than its slots, as it requires).
+FOUR_SLOTS = ("--simulate", "1", "--max-requests-in-flight", "4", "--max-waiters", "2")
+
+
+def askers(base: str, n: int, after: float) -> list[threading.Thread]:
+    """``n`` clients started asking ``/cluster/choose`` that hang up ``after`` seconds."""
+    threads = [
+        threading.Thread(
+            target=ask_and_leave, args=(base, "/cluster/choose?n=1", after), daemon=True
+        )
+        for _ in range(n)
+    ]
+    for t in threads:
+        t.start()
+    return threads
+
+
 @pytest.mark.slow
 def test_clients_that_leave_free_their_slots_and_others_are_answered_meanwhile() -> None:
     with (
         store(trickle) as url,
-        exporter(
-            "--simulate",
-            "1",
-            "--prometheus-url",
-            url,
-            "--max-requests-in-flight",
-            "4",
-            "--max-waiters",
-            "2",
-        ) as ex,
+        exporter(*FOUR_SLOTS, "--prometheus-url", url) as ex,
     ):
-        leavers = [
-            threading.Thread(target=ask_and_leave, args=(ex.base, "/cluster/choose?n=1", 0.5))
-            for _ in range(8)
-        ]
-        for t in leavers:
-            t.start()
+        leavers = askers(ex.base, 8, 0.5)
         for t in leavers:
             t.join()
         time.sleep(0.5)  # each left 0.5 s after asking; the exporter notices within 0.1 s
@@ -288,25 +291,9 @@ def test_patient_clients_of_a_trickling_store_leave_slots_for_scrapes_and_choose
     before, 4 of them took every slot of ``--max-requests-in-flight 4`` for the 10 s read."""
     with (
         store(trickle) as url,
-        exporter(
-            "--simulate",
-            "1",
-            "--prometheus-url",
-            url,
-            "--max-requests-in-flight",
-            "4",
-            "--max-waiters",
-            "2",
-        ) as ex,
+        exporter(*FOUR_SLOTS, "--prometheus-url", url) as ex,
     ):
-        patient = [
-            threading.Thread(
-                target=ask_and_leave, args=(ex.base, "/cluster/choose?n=1", 6.0), daemon=True
-            )
-            for _ in range(4)
-        ]
-        for t in patient:
-            t.start()
+        patient = askers(ex.base, 4, 6.0)
         time.sleep(1.5)  # one read is under way, the other three refused store_busy
         for _ in range(3):
             status, body = get(ex.base + "/metrics")
@@ -353,14 +340,7 @@ def test_sigterm_ends_the_exporter_within_5_s_with_store_reads_in_flight() -> No
         store(trickle) as url,
         exporter("--simulate", "1", "--prometheus-url", url) as ex,
     ):
-        askers = [
-            threading.Thread(
-                target=ask_and_leave, args=(ex.base, "/cluster/choose?n=1", 8.0), daemon=True
-            )
-            for _ in range(6)
-        ]
-        for t in askers:
-            t.start()
+        askers(ex.base, 6, 8.0)
         time.sleep(1.0)  # every read is under way, its clients still waiting
         ex.proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
