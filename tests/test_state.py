@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harness
-from conftest import FakeClock, build_stack, sim_of
+from conftest import FakeClock, Stack, build_stack, sim_of
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.lease import Lease
 from gpu_exporter.choose.leases import LeaseTable
@@ -526,16 +526,24 @@ def test_a_leases_json_set_aside_withholds_every_gpu_for_max_lease(
         assert choose_json(ex.base)[0] == 200
 
 
-def test_malformed_entries_withhold_the_gpus_they_name(tmp_path: Path) -> None:
-    """Issue 28.1: a skipped entry may have been a lease; its GPUs wait out --max-lease."""
+def after_a_malformed_entry(tmp_path: Path, gpu: int) -> tuple[Stack, FakeClock, list[str]]:
+    """Three idle GPUs restored from a leases.json (changed 60 s ago, --max-lease 600 s)
+    whose one entry, malformed, names GPU ``gpu``: (the stack sampled once, its clock, the
+    UUIDs)."""
     clock = FakeClock()
     uuids = [SimGpu(i, A100, Load("idle")).uuid for i in range(3)]
-    bad = {**lease_entry([uuids[1]], 1, now=clock.time(), lease_id="bad"), "expires_at": "soon"}
+    bad = {**lease_entry([uuids[gpu]], 1, now=clock.time(), lease_id="bad"), "expires_at": "soon"}
     state = tmp_path / "leases.json"
     state.write_text(json.dumps({"version": 1, "leases": [bad]}))
     os.utime(state, (clock.time() - 60, clock.time() - 60))
     s = build_stack(idle_sim(3), clock=clock, state_dir=str(tmp_path), max_lease_seconds=600)
     s.sample()
+    return s, clock, uuids
+
+
+def test_malformed_entries_withhold_the_gpus_they_name(tmp_path: Path) -> None:
+    """Issue 28.1: a skipped entry may have been a lease; its GPUs wait out --max-lease."""
+    s, clock, uuids = after_a_malformed_entry(tmp_path, 1)
     got = {s.client.get("/choose?n=1").text.strip() for _ in range(2)}
     assert got == {uuids[0], uuids[2]}
     refused = s.client.get("/choose?n=1", headers={"Accept": "application/json"})
@@ -549,14 +557,7 @@ def test_malformed_entries_withhold_the_gpus_they_name(tmp_path: Path) -> None:
 def test_withheld_gpus_show_on_the_status_page_and_in_the_metrics(tmp_path: Path) -> None:
     """The page recommended a withheld GPU that /choose refuses, and nothing said so to
     Prometheus; now the row says why and a gauge counts them until they are free."""
-    clock = FakeClock()
-    uuids = [SimGpu(i, A100, Load("idle")).uuid for i in range(3)]
-    bad = {**lease_entry([uuids[0]], 1, now=clock.time(), lease_id="bad"), "expires_at": "soon"}
-    state = tmp_path / "leases.json"
-    state.write_text(json.dumps({"version": 1, "leases": [bad]}))
-    os.utime(state, (clock.time() - 60, clock.time() - 60))
-    s = build_stack(idle_sim(3), clock=clock, state_dir=str(tmp_path), max_lease_seconds=600)
-    s.sample()
+    s, clock, uuids = after_a_malformed_entry(tmp_path, 0)
     page = s.client.get("/").text
     assert f"<code>{uuids[0]}</code>" not in page.split('id="recommendation"')[1].split("</p>")[0]
     assert "withheld for 540 s more: leases.json had malformed entries" in page
