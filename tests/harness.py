@@ -158,6 +158,16 @@ class Prometheus:
                 raise AssertionError(f"no data for {expr!r} after {timeout:.0f} s")
             time.sleep(0.25)
 
+    def without_data(self, exprs: dict[str, str], timeout: float = 30.0) -> dict[str, str]:
+        """Poll every expression until it returns data; {name: expr} of those that never did."""
+        pending = dict(exprs)
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            pending = {name: e for name, e in pending.items() if not self.query(e)}
+            if pending:
+                time.sleep(0.5)
+        return pending
+
     def wait_for_targets_up(self, count: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while True:

@@ -18,7 +18,7 @@ import pytest
 import promql
 from fakekubelet import fake_kubelet
 from gpu_exporter.simulate import Scenario, SimulatedNvml
-from harness import Prometheus, exporter, get, prometheus
+from harness import exporter, get, prometheus
 
 pytestmark = pytest.mark.slow
 
@@ -32,17 +32,6 @@ def substitute(expr: str, instance: str) -> str:
         .replace("$__range", "5m")
         .replace("$__interval", "15s")
     )
-
-
-def wait_all(prom: Prometheus, exprs: dict[str, str], timeout: float) -> dict[str, str]:
-    """Poll every expression until it returns data; {where: expr} of those that never did."""
-    pending = dict(exprs)
-    deadline = time.monotonic() + timeout
-    while pending and time.monotonic() < deadline:
-        pending = {where: e for where, e in pending.items() if not prom.query(e)}
-        if pending:
-            time.sleep(0.5)
-    return pending
 
 
 def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -> None:
@@ -96,7 +85,7 @@ def test_every_dashboard_query_returns_data_and_alerts_select_the_right_gpus() -
             for q in [*promql.panel_queries(), *promql.annotation_queries()]:
                 host = a.address if q.where.startswith("gpu-host.json") else ".*"
                 queries[q.where] = substitute(q.expr, host)
-            no_data = wait_all(prom, queries, timeout=45)
+            no_data = prom.without_data(queries, timeout=45)
             assert no_data == {}, "queries without data:\n" + "\n".join(
                 f"  {where}: {expr}" for where, expr in no_data.items()
             )

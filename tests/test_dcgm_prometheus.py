@@ -18,7 +18,7 @@ import dcgmusage
 import promql
 from fakekubelet import fake_kubelet
 from gpu_exporter.simulate import Scenario, SimulatedNvml
-from harness import Prometheus, exporter, prometheus
+from harness import exporter, prometheus
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +26,6 @@ pytestmark = pytest.mark.slow
 def grafana(expr: str, instances: str) -> str:
     """What Grafana sends with "All" selected in both variables."""
     return expr.replace("$instance", instances).replace("$gpu", ".*")
-
-
-def wait_all(prom: Prometheus, exprs: dict[str, str], timeout: float = 30.0) -> dict[str, str]:
-    """Poll every expression until it returns data; {what: expr} of those that never did."""
-    pending = dict(exprs)
-    deadline = time.monotonic() + timeout
-    while pending and time.monotonic() < deadline:
-        pending = {what: e for what, e in pending.items() if not prom.query(e)}
-        if pending:
-            time.sleep(0.5)
-    return pending
 
 
 def by_uuid(result: list[dict[str, object]], label: str) -> dict[str, float]:
@@ -79,7 +68,7 @@ def test_dcgm_exporters_dashboard_and_queries_on_gpu_exporter() -> None:
             for title, expr in dcgmusage.DASHBOARD_PANELS.items()
             if title not in dcgmusage.PANELS_WAITING
         }
-        assert wait_all(prom, panels | dcgmusage.USER_QUERIES) == {}
+        assert prom.without_data(panels | dcgmusage.USER_QUERIES) == {}
         # A panel whose name waits for its gpu-exporter value has no data yet: when the value
         # is wired, this fails until PANELS_WAITING and NOT_SERVED lose it.
         for title, name in dcgmusage.PANELS_WAITING.items():
