@@ -20,7 +20,7 @@ import contextlib
 import ctypes
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pynvml
@@ -112,6 +112,59 @@ PSTATE_UNKNOWN: int = pynvml.NVML_PSTATE_UNKNOWN
 EVENT_TYPE_XID: int = pynvml.nvmlEventTypeXidCriticalError
 # gpuInstanceId / computeInstanceId when a process or event is not inside a MIG instance.
 NO_INSTANCE = 0xFFFFFFFF
+
+
+# -- field values: many values in one call (issue 31) ---------------------------------------
+# nvmlDeviceGetFieldValues ids this exporter asks for, by the header's name. Taken from the
+# header's numbers where older bindings lack the constant (NVML_FI_DEV_GPU_TEMP is newer
+# than nvidia-ml-py 13.615); a driver that does not know an id answers that entry alone.
+FIELD_IDS: dict[str, int] = {
+    name: int(getattr(pynvml, name, number))
+    for name, number in (
+        ("NVML_FI_DEV_ECC_CURRENT", 1),
+        ("NVML_FI_DEV_ECC_SBE_VOL_TOTAL", 3),
+        ("NVML_FI_DEV_ECC_DBE_VOL_TOTAL", 4),
+        ("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", 5),
+        ("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", 6),
+        ("NVML_FI_DEV_RETIRED_SBE", 29),
+        ("NVML_FI_DEV_RETIRED_DBE", 30),
+        ("NVML_FI_DEV_RETIRED_PENDING", 31),
+        # Per NVLink (scopeId = the link): the counters summed over the link's lanes.
+        ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", 38),
+        ("NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", 45),
+        ("NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", 52),
+        ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", 59),
+        ("NVML_FI_DEV_MEMORY_TEMP", 82),
+        ("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 83),
+        ("NVML_FI_DEV_NVLINK_LINK_COUNT", 91),
+        ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", 94),
+        ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", 138),  # KiB, per link
+        ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", 139),
+        ("NVML_FI_DEV_REMAPPED_COR", 142),
+        ("NVML_FI_DEV_REMAPPED_UNC", 143),
+        ("NVML_FI_DEV_REMAPPED_PENDING", 144),
+        ("NVML_FI_DEV_REMAPPED_FAILURE", 145),
+        ("NVML_FI_DEV_NVLINK_GET_STATE", 165),  # per link: NVML_NVLINK_STATE_ACTIVE = 1
+        ("NVML_FI_DEV_POWER_AVERAGE", 185),  # mW over 1 s: Ampere and later except GA100
+        ("NVML_FI_DEV_POWER_INSTANT", 186),  # mW now: every card
+        ("NVML_FI_DEV_POWER_CURRENT_LIMIT", 190),  # the enforced limit, mW
+        ("NVML_FI_DEV_GPU_TEMP", 308),  # °C, sub-degree (drivers since 580)
+    )
+}
+FIELD_NAMES: dict[int, str] = {number: name for name, number in FIELD_IDS.items()}
+FIELD_VALUES = "nvmlDeviceGetFieldValues"
+# The union member nvmlFieldValue_t.value holds for each nvmlValueType_t.
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+_INVALID_ARGUMENT = pynvml.NVML_ERROR_INVALID_ARGUMENT
+
+
+def field_function(field_id: int) -> str:
+    """The ``function`` label of an error in one entry of a batch: the call and the field.
+
+    >>> field_function(82)
+    'nvmlDeviceGetFieldValues(NVML_FI_DEV_MEMORY_TEMP)'
+    """
+    return f"{FIELD_VALUES}({FIELD_NAMES.get(field_id, field_id)})"
 
 
 def error_code(name: str) -> int:
@@ -503,3 +556,37 @@ class Nvml:
             _instance(getattr(data, "gpuInstanceId", None)),
             _instance(getattr(data, "computeInstanceId", None)),
         )
+
+    # -- field values (issue 31) ---------------------------------------------------------
+    def field_values(self, handle: Any, entries: Sequence[tuple[int, int]]) -> list[Any]:
+        """One ``nvmlDeviceGetFieldValues`` call for ``(field id, scope id)`` entries: per entry,
+        its value (an int, or a float for a double) or the :class:`NvmlError` of its own
+        ``nvmlReturn``, which fails that entry alone.
+
+        An entry's ``INVALID_ARGUMENT`` is :class:`Unsupported` (the batch itself is well formed,
+        so the driver does not know that id); an entry's failure other than unsupported is
+        counted under :func:`field_function`, once per field and call; a lost GPU in an entry
+        raises :class:`GpuLost`. The call failing as a whole raises as any call does.
+        """
+        values = self._call(FIELD_VALUES, handle, list(entries))
+        out: list[Any] = []
+        counted: set[int] = set()
+        for v in values:
+            code = int(v.nvmlReturn)
+            if code == pynvml.NVML_SUCCESS:
+                member = _VALUE_MEMBERS[int(v.valueType)] if 0 <= v.valueType < 7 else "ullVal"
+                value = getattr(v.value, member)
+                out.append(float(value) if member == "dVal" else int(value))
+                continue
+            function = field_function(int(v.fieldId))
+            if code == _INVALID_ARGUMENT:
+                code = pynvml.NVML_ERROR_NOT_SUPPORTED
+            error = _classify(function, pynvml.NVMLError(code))
+            if isinstance(error, GpuLost | NvmlUnavailable):
+                self._count(function, error.error)
+                raise error
+            if not isinstance(error, Unsupported) and v.fieldId not in counted:
+                counted.add(int(v.fieldId))
+                self._count(function, error.error)
+            out.append(error)
+        return out

@@ -85,6 +85,9 @@ NEEDED_BY_THE_EXPORTER = {
     "nvmlEventSetCreate",
     "nvmlEventSetWait_v2",
     "nvmlEventSetFree",
+    # Issue 31: power, temperatures, energy, ECC, remapped rows, retired pages, PCIe replays
+    # and NVLink in one call per GPU and cadence.
+    "nvmlDeviceGetFieldValues",
 }
 
 

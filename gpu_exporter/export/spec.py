@@ -28,6 +28,7 @@ from gpu_exporter.model import (
     CLOCKS_EVENT_REASONS,
     ECC_COUNTERS,
     ECC_ERRORS,
+    NVLINK_ERRORS,
     PCIE_LINKS,
     PROCESS_LABELS,
     RETIREMENT_CAUSES,
@@ -137,6 +138,23 @@ def _compute_mode(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
         yield (gpu.compute_mode,), 1.0
 
 
+def _nvlink(attribute: str) -> Values:
+    def values(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+        for link in gpu.nvlink or ():
+            value = getattr(link, attribute)
+            if value is not None:
+                yield (str(link.link),), float(value)
+
+    return values
+
+
+def _nvlink_errors(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+    for link in gpu.nvlink or ():
+        for error, value in zip(NVLINK_ERRORS, link.errors(), strict=True):
+            if value is not None:
+                yield (str(link.link), error), float(value)
+
+
 def _ecc_errors(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
     for error in ECC_ERRORS:
         for counter in ECC_COUNTERS:
@@ -214,6 +232,9 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
          "nvmlDeviceGetTotalEnergyConsumption", "energy_joules", "joules", type="counter"),
     _gpu("gpu_temperature_celsius", "GPU core temperature.",
          "nvmlDeviceGetTemperature", "temperature_celsius", "celsius"),
+    _gpu("gpu_memory_temperature_celsius", "Memory (HBM) temperature.",
+         "nvmlDeviceGetFieldValues (NVML_FI_DEV_MEMORY_TEMP)", "memory_temperature_celsius",
+         "celsius"),
     _labelled("gpu_temperature_threshold_celsius",
               "Temperatures at which the GPU slows down, shuts down, and the highest GPU and "
               "memory temperatures for normal operation.",
@@ -282,6 +303,35 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
     _gpu("gpu_pcie_replay_errors_total",
          "PCIe replays (retransmissions after link errors) since the driver loaded.",
          "nvmlDeviceGetPcieReplayCounter", "pcie_replay_errors", "replays", type="counter"),
+    MetricSpec("gpu_nvlink_up", "gauge",
+               "1 for each NVLink that is active, 0 for one that is not." + SAMPLED,
+               (*GPU_LABELS, "link"), "nvmlDeviceGetFieldValues (NVML_FI_DEV_NVLINK_GET_STATE)",
+               unit="0/1", values=_nvlink("active"), default="no: --collect.nvlink",
+               **_read_as("nvlink"),
+               details="Absent on cards without NVLink."),
+    MetricSpec("gpu_nvlink_transmit_bytes_total", "counter",
+               "Data sent over each NVLink (payload, without protocol overhead)." + SAMPLED,
+               (*GPU_LABELS, "link"),
+               "nvmlDeviceGetFieldValues (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX)",
+               unit="bytes", values=_nvlink("transmit_bytes"), default="no: --collect.nvlink",
+               **_read_as("nvlink"),
+               details="Never goes backwards: a driver reset of the counter restarts it from "
+               "the exported value. rate() gives bytes/second."),
+    MetricSpec("gpu_nvlink_receive_bytes_total", "counter",
+               "Data received over each NVLink (payload, without protocol overhead)." + SAMPLED,
+               (*GPU_LABELS, "link"),
+               "nvmlDeviceGetFieldValues (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)",
+               unit="bytes", values=_nvlink("receive_bytes"), default="no: --collect.nvlink",
+               **_read_as("nvlink")),
+    MetricSpec("gpu_nvlink_errors_total", "counter",
+               "NVLink errors per link: crc_flit (flow-control CRC), crc_data, replay, "
+               "recovery." + SAMPLED,
+               (*GPU_LABELS, "link", "error"),
+               "nvmlDeviceGetFieldValues (NVML_FI_DEV_NVLINK_*_ERROR_COUNT_TOTAL)",
+               unit="errors", values=_nvlink_errors, default="no: --collect.nvlink",
+               **_read_as("nvlink"),
+               details="Summed over the link's lanes; never goes backwards (as the byte "
+               "counters)."),
     _gpu("gpu_encoder_utilization_ratio", "Fraction of time (0-1) the video encoder was busy.",
          "nvmlDeviceGetEncoderUtilization", "encoder_utilization_ratio", "ratio"),
     _gpu("gpu_decoder_utilization_ratio", "Fraction of time (0-1) the video decoder was busy.",
