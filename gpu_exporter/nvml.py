@@ -212,6 +212,9 @@ class NvmlUnavailable(NvmlError):
 
 
 _NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
+# The v3 process struct (pynvml >= 12.535), for process lists in one call; None: pynvml's own.
+_PROCESSES_V3: Any = getattr(pynvml, "c_nvmlProcessInfo_v3_t", None)
+_NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
 _TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
 _FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
 
@@ -266,6 +269,7 @@ class Nvml:
         self._memory_v2 = True
         self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
         self._in_flight: dict[int, str | None] = {}  # thread id → NVML function it is inside
+        self._process_capacity = 16  # entries of the process-list buffer (see _processes)
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, function: str, *args: Any, answer: int | None = None, **kwargs: Any) -> Any:
@@ -277,6 +281,17 @@ class Nvml:
         fn: Callable[..., Any] | None = getattr(self._lib, function, None)
         if fn is None:  # bindings older than this function: same as a driver without it
             raise Unsupported(function, _FUNCTION_NOT_FOUND, "not in these NVML bindings")
+        return self._call_with(function, fn, *args, answer=answer, **kwargs)
+
+    def _call_with(
+        self,
+        function: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        answer: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``fn(*args)`` as :meth:`_call` calls ``function``."""
         in_flight, thread = self._in_flight, threading.get_ident()
         in_flight[thread] = function
         try:
@@ -401,7 +416,10 @@ class Nvml:
 
         Only processes in this process's PID namespace are listed (a driver rule).
         """
-        procs = self._call("nvmlDeviceGetComputeRunningProcesses", handle)
+        if self._lib is pynvml and _PROCESSES_V3 is not None:  # one call, not pynvml's two
+            procs = self._call_with("nvmlDeviceGetComputeRunningProcesses", self._processes, handle)
+        else:
+            procs = self._call("nvmlDeviceGetComputeRunningProcesses", handle)
         return tuple(
             ProcessInfo(
                 int(p.pid),
@@ -411,6 +429,30 @@ class Nvml:
             )
             for p in procs
         )
+
+    def _processes(self, handle: Any) -> list[Any]:
+        """``nvmlDeviceGetComputeRunningProcesses_v3`` in one call where the list fits a
+        buffer sized by the longest list so far (pynvml always makes two when there is a
+        process: the count, then the list); a longer list grows the buffer and asks again."""
+        assert _PROCESSES_V3 is not None
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+        while True:
+            capacity = self._process_capacity
+            count = ctypes.c_uint(capacity)
+            infos = (_PROCESSES_V3 * capacity)()
+            ret = fn(handle, ctypes.byref(count), infos)
+            if ret == pynvml.NVML_ERROR_INSUFFICIENT_SIZE and count.value > capacity:
+                self._process_capacity = count.value * 2 + 5  # as pynvml oversizes
+                continue
+            if ret != pynvml.NVML_SUCCESS:
+                raise pynvml.NVMLError(ret)
+            procs = []
+            for i in range(count.value):
+                p = pynvml.nvmlStructToFriendlyObject(infos[i])
+                if p.usedGpuMemory == _NOT_AVAILABLE:  # WDDM: the driver cannot say
+                    p.usedGpuMemory = None
+                procs.append(p)
+            return procs
 
     # -- health ----------------------------------------------------------------------------
     def clocks_event_reasons(self, handle: Any) -> int:

@@ -771,3 +771,28 @@ def test_the_handle_is_asked_once_and_again_after_a_loss_or_reinitialisation(
     assert after_init >= after_loss + 2
     samples_later(5)
     assert calls("nvmlDeviceGetHandleByIndex_v2") == after_init
+
+
+def test_a_process_list_takes_one_call_not_two(
+    start_exporter: Callable[..., Exporter], tmp_path: Path
+) -> None:
+    """pynvml asks for the count, then the list; the exporter passes a buffer big enough for
+    the longest list so far, and asks again only when a list outgrows it."""
+    stats = tmp_path / "calls.stats"
+    gpus = [FakeGpu(synthetic_processes=(3, 2**30)), FakeGpu(synthetic_processes=(40, 2**20))]
+    ex = start_exporter(gpus, stats=stats)
+    assert ex.value("gpu_compute_processes", gpu="1", uuid=_uuid(1)) == 40
+    before = fakenvml.read_stats(stats)
+    ex.wait_for(
+        lambda: (
+            fakenvml.read_stats(stats)["nvmlDeviceGetCount_v2"]
+            >= before["nvmlDeviceGetCount_v2"] + 5
+        )
+    )
+    after = fakenvml.read_stats(stats)
+    samples = after["nvmlDeviceGetCount_v2"] - before["nvmlDeviceGetCount_v2"]
+    lists = (
+        after["nvmlDeviceGetComputeRunningProcesses_v3"]
+        - before["nvmlDeviceGetComputeRunningProcesses_v3"]
+    )
+    assert samples * 2 <= lists <= (samples + 1) * 2  # one call per GPU and sample
