@@ -261,8 +261,13 @@ class Nvml:
     inside, so a call that does not return can be named in errors and counted.
     """
 
-    def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:
+    def __init__(
+        self, lib: Any = pynvml, *, simulated: bool = False, count_calls: bool = False
+    ) -> None:
         self._lib = lib
+        # Calls made, by function, when asked for (bench/real_gpu.py's probe: the exporter's
+        # NVML calls per GPU and sample on a real driver, which counts nothing itself).
+        self.calls: Counter[str] | None = Counter() if count_calls else None
         self.simulated = simulated
         self._errors: Counter[tuple[str, str]] = Counter()
         self._errors_lock = threading.Lock()
@@ -292,6 +297,9 @@ class Nvml:
         **kwargs: Any,
     ) -> Any:
         """``fn(*args)`` as :meth:`_call` calls ``function``."""
+        if self.calls is not None:
+            with self._errors_lock:
+                self.calls[function] += 1
         in_flight, thread = self._in_flight, threading.get_ident()
         in_flight[thread] = function
         try:
