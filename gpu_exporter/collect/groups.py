@@ -19,7 +19,7 @@ GROUPS: dict[str, str] = {
     "health": "ECC mode and errors, remapped rows, retired pages, persistence and compute mode",
     "pcie": "PCIe link generation and width, replay errors",
     "media": "encoder and decoder utilization",
-    "nvlink": "NVLink state, data and error counters per link (off by default)",
+    "nvlink": "NVLink state, data and error counters per link",
     "processes": "compute processes (process series, lease attribution by arrival)",
     "xid": "the Xid event listener (one thread, not per sample)",
 }
