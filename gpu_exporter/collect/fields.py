@@ -504,8 +504,7 @@ MIG_FIELDS = (_f("memory", _MEMORY_FIELDS, _memory(False), FAST, CORE), _UTILIZA
 MIG_DEVICE_COUNT = _f(
     "mig_device_count", "mig_device_count", lambda n, _, h: n.max_mig_device_count(h), ONCE, CORE
 )
-# A whole GPU, in the order read (MIG mode before processes: in MIG mode, processes are
-# read per MIG device instead), then the once-fields. Kept as a table, not in ruff's layout.
+# Field values in base units.
 _WATTS: Callable[[int], float] = lambda mw: mw / 1000.0  # noqa: E731
 _REMAPPED = (
     "NVML_FI_DEV_REMAPPED_COR",
@@ -513,6 +512,8 @@ _REMAPPED = (
     "NVML_FI_DEV_REMAPPED_PENDING",
     "NVML_FI_DEV_REMAPPED_FAILURE",
 )
+# A whole GPU, in the order read (MIG mode before processes: in MIG mode, processes are
+# read per MIG device instead), then the once-fields. Kept as a table, not in ruff's layout.
 GPU_FIELDS = (
     # First: the SLOW batch's NVLink entries need the link count (--collect.nvlink).
     _f("nvlink_link_count", (), None, ONCE, "nvlink",
