@@ -796,3 +796,34 @@ def test_a_process_list_takes_one_call_not_two(
         - before["nvmlDeviceGetComputeRunningProcesses_v3"]
     )
     assert samples * 2 <= lists <= (samples + 1) * 2  # one call per GPU and sample
+
+
+def test_an_entry_the_driver_does_not_know_is_read_by_its_getter(
+    start_exporter: Callable[..., Exporter], tmp_path: Path
+) -> None:
+    """A driver before 580 has no NVML_FI_DEV_GPU_TEMP (308): that entry answers alone
+    (INVALID_ARGUMENT or NOT_SUPPORTED), and the temperature comes from its getter from then
+    on, every sample — present, equal, and no error counted."""
+    stats = tmp_path / "calls.stats"
+    old_driver = {"field:308": "INVALID_ARGUMENT", "field:185": "NOT_SUPPORTED"}  # + no average
+    gpus = [FakeGpu(temperature_c=64, power_usage_mw=70_000, errors=old_driver), FakeGpu()]
+    ex = start_exporter(gpus, stats=stats)
+    s = ex.samples()
+    ids0 = (("gpu", "0"), ("uuid", _uuid(0)))
+    assert s[("gpu_temperature_celsius", ids0)] == 64
+    assert s[("gpu_power_draw_watts", ids0)] == 70  # the instant value: no getter needed
+    assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]
+    unsupported = {dict(k[1])["field"] for k in s if k[0] == "gpu_exporter_field_supported"}
+    assert not unsupported & {"temperature", "power_draw"}
+    before = fakenvml.read_stats(stats)
+    ex.wait_for(
+        lambda: (
+            fakenvml.read_stats(stats)["nvmlDeviceGetCount_v2"]
+            >= before["nvmlDeviceGetCount_v2"] + 4
+        )
+    )
+    after = fakenvml.read_stats(stats)
+    samples = after["nvmlDeviceGetCount_v2"] - before["nvmlDeviceGetCount_v2"]
+    getter = after["nvmlDeviceGetTemperature"] - before["nvmlDeviceGetTemperature"]
+    assert samples <= getter <= samples + 1  # GPU 0 only; GPU 1's comes from the batch
+    assert "nvmlDeviceGetPowerUsage" not in after
