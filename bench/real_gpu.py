@@ -784,7 +784,8 @@ class Run:
             "info",
             f"GPM {gpm.get('supported')}: {gpm.get('metrics')}; "
             f"memory temp {found.get('fields', {}).get('memory_temp_c')}; "
-            f"NVLinks up {found.get('nvlink', {}).get('up')}",
+            f"NVLinks up {found.get('nvlink', {}).get('up')}; the exporter's NVML calls per "
+            f"GPU per sample {found.get('calls', {}).get('per_gpu_per_sample')}",
         )
 
     # a plain-curl claim, released when its job arrives; the busy card refused
@@ -1400,6 +1401,7 @@ def probe(path: Path) -> int:
             costs[name] = _cost(call)
         found["call_us"] = costs
         found["fields"] = _field_values(n, h)
+        found["calls"] = _calls_per_sample()
         found["nvlink"] = _nvlink(n, h)
         found["gpm"] = _gpm(n, h)
         found["process_utilization"] = _process_utilization(n, h)
@@ -1407,6 +1409,46 @@ def probe(path: Path) -> int:
         n.nvmlShutdown()
         path.write_text(json.dumps(found, default=str))
     return 0
+
+
+def _calls_per_sample(fast_samples: int = 29) -> dict[str, Any]:
+    """The exporter's NVML calls per GPU and sample on this driver (issue 31): its own reads
+    (``read_gpu``, the default groups) over one --slow-interval — a first sample that reads
+    everything, then ``fast_samples`` fast ones and a slow one — counted by its NVML wrapper;
+    the first sample's one-off identity and static reads are left out."""
+    try:
+        from gpu_exporter.collect.read import read_gpu
+        from gpu_exporter.nvml import Nvml
+    except ImportError as exc:
+        return {"error": f"the exporter is not importable here: {exc}"}
+    nvml = Nvml(count_calls=True)
+    try:
+        nvml.init()
+        gpus = nvml.device_count()
+        identities: dict[int, Any] = {}
+        unsupported: set[tuple[str, str]] = set()
+
+        def sample(slow: bool) -> None:
+            for g in range(gpus):
+                identities[g] = read_gpu(nvml, g, identities.get(g), unsupported, slow_due=slow)[1]
+
+        sample(True)
+        assert nvml.calls is not None
+        nvml.calls.clear()
+        for i in range(fast_samples + 1):
+            sample(i == fast_samples)
+        made = dict(nvml.calls)
+    except Exception as exc:
+        return {"error": str(exc)}
+    finally:
+        nvml.shutdown()
+    per = (fast_samples + 1) * max(gpus, 1)
+    return {
+        "gpus": gpus,
+        "samples": fast_samples + 1,
+        "per_gpu_per_sample": round(sum(made.values()) / per, 2),
+        "by_function": {f: round(n / per, 3) for f, n in sorted(made.items())},
+    }
 
 
 def batch_fields(n: Any) -> dict[str, int]:

@@ -8,6 +8,8 @@ Run from the repository root::
     .venv/bin/python bench/run.py --idle-only # group 6 alone → bench/results/idle.json
     .venv/bin/python bench/run.py --report --idle bench/results/idle.json  # its rows in the table
     .venv/bin/python bench/run.py --metric-names gpu-exporter dcgm both  # group 1 per mode
+    .venv/bin/python bench/run.py --calls-only # NVML calls per GPU per sample → calls.json
+    .venv/bin/python bench/run.py --report --calls bench/results/calls.json  # ... in the table
 
 Both exporters run as subprocesses on 127.0.0.1 with ``LD_LIBRARY_PATH`` pointing at the fake
 ``libnvidia-ml.so.1`` (``tests/fakenvml``, compiled here with the system C compiler), so
@@ -37,6 +39,11 @@ Measured (the seven groups of docs/performance.md):
 7. Hostile clients: the worst p99 of a scraper (``/metrics`` and ``/healthz`` every 100 ms)
    and a job (``/choose?lease=0`` every 100 ms) while 200 slowloris and 200 idle connections
    attack (``bench/hostile.py``; 10 + 10 in ``--quick``, a smoke run only).
+
+NVML calls per GPU and sample (issue 31), both exporters at once on the same fake cards, over
+windows of one --slow-interval (30 s, so each window holds one slow read per GPU): 8 GPUs
+without and with 16 compute processes, and 64 GPUs. A full run measures them too (group 2);
+``--calls-only`` measures only them, into ``bench/results/calls.json``.
 
 Results go to ``bench/results/exporter.json`` (``exporter-quick.json`` for ``--quick``);
 ``--report`` turns a results file into the table in ``docs/performance.md``, which a full
@@ -108,6 +115,8 @@ class Size:
     idle: idle.IdleSize  # group 6: warm-up and window of the steady-state idle CPU
     hostile: int = 200  # slowloris connections, and as many idle ones (bench/hostile.py)
     hostile_seconds: float = 10.0  # the good clients' window under that attack
+    calls_seconds: float = 30.0  # calls per GPU per sample: one --slow-interval per case
+    call_cases: tuple[tuple[int, int], ...] = ((8, 0), (8, 16), (64, 0))  # (GPUs, processes)
 
 
 FULL = Size(
@@ -139,6 +148,8 @@ QUICK = Size(
     # not the measurement (which takes 200 + 200 connections and 10 s).
     hostile=10,
     hostile_seconds=2.0,
+    calls_seconds=3.0,
+    call_cases=((8, 16),),
 )
 
 
@@ -427,6 +438,61 @@ def sample_cost(exporters: dict[str, Exporter], seconds: float) -> dict[str, dic
     return out
 
 
+CALLS_RATIO_TARGET = 0.5  # ≤ ½ of the peer's NVML calls per GPU per sample
+# Called exactly once per GPU and sample by each exporter: how samples are counted.
+ONCE_PER_GPU_AND_SAMPLE = "nvmlDeviceGetUtilizationRates"
+
+
+def calls_per_gpu(lib: Path, work: Path, size: Size, peer: bool) -> list[dict[str, Any]]:
+    """NVML calls per GPU per sample of both exporters, started together on the same cards,
+    over one window of ``size.calls_seconds`` in which nobody scrapes, for each of
+    ``size.call_cases``.
+    Samples are counted by a call each exporter makes once per GPU and sample (utilization),
+    so the two are compared per sample each really took."""
+    out = []
+    kinds = ["gpu-exporter"] + (["nvitop-exporter"] if peer else [])
+    for gpus, processes in size.call_cases:
+        _log(f"2. NVML calls per GPU and sample: {gpus} GPUs, {processes} processes")
+        with contextlib.ExitStack() as stack:
+            exporters = {
+                k: stack.enter_context(running(k, lib, lab(gpus, processes), work)) for k in kinds
+            }
+            cost = sample_cost(exporters, size.calls_seconds)
+        case: dict[str, Any] = {"gpus": gpus, "processes": processes}
+        for kind, result in cost.items():
+            by_function = result["nvml_calls_by_function"]
+            samples = by_function.get(ONCE_PER_GPU_AND_SAMPLE, 0) * result["samples"] / gpus
+            total = sum(by_function.values()) * result["samples"]
+            case[kind] = {
+                "samples": round(samples, 1),
+                "nvml_calls_per_gpu_per_sample": round(total / (samples * gpus), 2)
+                if samples
+                else None,
+                "nvml_calls_by_function": by_function,
+            }
+        ours, other = case["gpu-exporter"], case.get("nvitop-exporter")
+        if other and other["nvml_calls_per_gpu_per_sample"]:
+            ratio = ours["nvml_calls_per_gpu_per_sample"] / other["nvml_calls_per_gpu_per_sample"]
+            case["ratio_calls"] = round(ratio, 3)
+        out.append(case)
+    return out
+
+
+def calls_rows(cases: list[dict[str, Any]]) -> Iterator[tuple[str, Any, Any, str, bool | None]]:
+    """(measure, ours, peer, target, met) for the calls-per-GPU rows."""
+    for case in cases:
+        ours, other = case["gpu-exporter"], case.get("nvitop-exporter")
+        ratio = case.get("ratio_calls")
+        what = f"{case['gpus']} GPUs, {case['processes']} processes"
+        yield (
+            f"NVML calls per GPU per sample, {what}",
+            ours["nvml_calls_per_gpu_per_sample"],
+            other and other["nvml_calls_per_gpu_per_sample"],
+            f"≤ {CALLS_RATIO_TARGET:g}× peer" + ("" if ratio is None else f" (is {ratio:.2f}×)"),
+            None if ratio is None else ratio <= CALLS_RATIO_TARGET,
+        )
+
+
 def sample_duration(exporter: Exporter) -> float | None:
     conn = http.client.HTTPConnection(HOST, exporter.port, timeout=5)
     with contextlib.closing(conn):
@@ -595,6 +661,11 @@ def markdown(report: dict[str, Any]) -> str:
             f" Group 6 from a later `--idle-only` run, {idle_meta['date']} "
             f"(`bench/results/{idle_meta['file']}`, {idle_meta['wall_seconds']} s)."
         )
+    if calls_meta := meta.get("calls_from"):
+        idle_note += (
+            f" NVML calls per GPU per sample from a later `--calls-only` run, "
+            f"{calls_meta['date']} (`bench/results/{calls_meta['file']}`)."
+        )
     lines = [
         f"{label}, {meta['date']}: {meta['cpu_count']} CPUs ({meta['cpu']}), "
         f"{meta['platform']}, Python {meta['python']}, gpu-exporter "
@@ -660,14 +731,16 @@ def markdown(report: dict[str, Any]) -> str:
     )
     expected = ours_s.get("expected_calls_per_sample")
     calls = ours_s["nvml_calls_per_sample"]
+    # (results from before issue 31 have no figure: then 19 slow calls per GPU on the card)
+    slow = ours_s.get("slow_calls_per_sample", GPUS * 19 / 30)
     row(
         "2",
         "NVML calls per sample",
         calls,
         peer_s and peer_s["nvml_calls_per_sample"],
-        f"fast fields × devices + 1 = {expected}, + health fields every 30 s",
+        f"fast calls × devices + 1 = {expected}, + slow calls every 30 s",
         # + 0.05: the figure is rounded to one decimal
-        expected is not None and expected <= calls <= expected + slow_calls_per_sample() + 0.05,
+        expected is not None and expected <= calls <= expected + slow + 0.05,
     )
     cpu = ours_s["cpu_percent_of_one_core"]
     peer_cpu = peer_s and peer_s["cpu_percent_of_one_core"]
@@ -696,6 +769,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         None,
     )
+    for what, ours, peer, target, met in calls_rows(report.get("calls", [])):
+        row("2", what, ours, peer, target, met)
     ch, hz = cho["choose"], cho["healthz"]
     rate = ch["requests_per_second"] or 0
     row(
@@ -819,6 +894,7 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
         report["rss_start"] = {k: e.rss_mib() for k, e in exporters.items()}
         report["sampling"] = group_sampling(exporters, size)  # first: nobody has scraped yet
         report["sampling"]["gpu-exporter"]["expected_calls_per_sample"] = _expected_calls()
+        report["sampling"]["gpu-exporter"]["slow_calls_per_sample"] = slow_calls_per_sample()
         report["latency"] = group_latency(exporters, size)
         _log(f"1. /metrics latency, {size.sparse} scrapes each a new sample apart")
         for kind, result in sparse(exporters, size.sparse).items():
@@ -832,6 +908,7 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
         GPUS,
     )
     report["scaling"] = group_scaling(lib, work, size)
+    report["calls"] = calls_per_gpu(lib, work, size, peer)
     _log(
         f"6. steady-state idle CPU: {size.idle.warmup_seconds:g} s warm-up, "
         f"{size.idle.window_seconds:g} s window, cases {size.idle.cases}"
@@ -846,27 +923,35 @@ def measure(size: Size, peer: bool, work: Path, lib: Path) -> dict[str, Any]:
 
 
 def _expected_calls() -> int:
-    """One nvmlDeviceGetCount_v2, then per GPU its handle and one call per supported field."""
-    return 1 + GPUS * (1 + per_sample_fields())
+    """One nvmlDeviceGetCount_v2, then per GPU its fast calls (the handle is kept)."""
+    return 1 + GPUS * per_sample_calls()
+
+
+def _calls(when: str) -> int:
+    """NVML calls per GPU to read the fields of cadence ``when`` (default groups, MIG off):
+    one per getter, one for all the field values (issue 31)."""
+    from gpu_exporter.collect.fields import FIELDS
+    from gpu_exporter.collect.groups import OFF_BY_DEFAULT
+
+    read = [f for f in FIELDS.values() if f.when == when and f.group not in OFF_BY_DEFAULT]
+    getters = sum(1 for f in read if f.batch is None and f.field != "mig_device_count")
+    return getters + any(f.batch is not None for f in read)
 
 
 def slow_calls_per_sample() -> float:
-    """The health fields' calls (``collect/fields.py`` SLOW) for 8 GPUs every --slow-interval
-    (30 samples): what a window averages at most on top of :func:`_expected_calls`. One call
-    a field, but pynvml reads each cause's retired pages with two (the count, then the list):
-    19 calls on the rich card; the "a100-sxm" one has no retired pages (3 fields fewer): 14."""
-    from gpu_exporter.collect.fields import FIELDS, SLOW
+    """The slow calls (``collect/fields.py`` SLOW) for 8 GPUs every --slow-interval (30
+    samples): what a window averages at most on top of :func:`_expected_calls`. The
+    "a100-sxm" card has no fan (asked once, then never again)."""
+    from gpu_exporter.collect.fields import SLOW
 
-    slow = sum(1 for f in FIELDS.values() if f.when == SLOW)
-    return GPUS * (slow - 3 if FAKE == "a100-sxm" else slow + 2) / 30
+    return GPUS * (_calls(SLOW) - (FAKE == "a100-sxm")) / 30
 
 
-def per_sample_fields() -> int:
-    """The fields read every (fast) sample from a GPU of :func:`lab` (MIG off): every fast
-    field; the "a100-sxm" card has no fan (asked once, then never again)."""
-    from gpu_exporter.collect.fields import FAST, FIELDS
+def per_sample_calls() -> int:
+    """The calls made every (fast) sample on a GPU of :func:`lab` (MIG off)."""
+    from gpu_exporter.collect.fields import FAST
 
-    return sum(1 for f in FIELDS.values() if f.when == FAST) - (FAKE == "a100-sxm")
+    return _calls(FAST)
 
 
 def with_idle(report: dict[str, Any], idle_run: dict[str, Any], file: str) -> dict[str, Any]:
@@ -947,6 +1032,31 @@ def _metric_names_only(
     return 0
 
 
+def _calls_only(
+    size: Size, peer: bool, note: str, work: Path, lib: Path, out: Path | None, started: float
+) -> int:
+    """``--calls-only``: NVML calls per GPU per sample alone, printed and written to
+    ``calls.json``."""
+    results = calls_per_gpu(lib, work, size, peer)
+    report = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "peer": f"nvitop-exporter ({note})" if peer else note,
+            "fake": FAKE,
+            "window_seconds": size.calls_seconds,
+            "wall_seconds": round(time.monotonic() - started, 1),
+        },
+        "calls": results,
+    }
+    path = out or RESULTS_DIR / "calls.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    for what, ours, other, target, met in calls_rows(results):
+        mark = "" if met is None else ("yes" if met else "**no**")
+        print(f"| 2 | {what} | {_f(ours)} | {_f(other)} | {target} | {mark} |")
+    print(f"JSON: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
@@ -992,11 +1102,27 @@ def main(argv: list[str] | None = None) -> int:
         help="only group 1 (/metrics latency) of gpu-exporter, once per serve --metric-names "
         "MODE given (gpu-exporter, dcgm, both), into bench/results/metric-names.json",
     )
+    parser.add_argument(
+        "--calls-only",
+        action="store_true",
+        help="only NVML calls per GPU per sample (group 2), into bench/results/calls.json",
+    )
+    parser.add_argument(
+        "--calls",
+        type=Path,
+        metavar="CALLS.json",
+        help="with --report: the calls-per-GPU rows from this --calls-only results file",
+    )
     args = parser.parse_args(argv)
     if args.report is not None:
         report = json.loads(args.report.read_text())
         if args.idle is not None:
             report = with_idle(report, json.loads(args.idle.read_text()), args.idle.name)
+        if args.calls is not None:
+            calls_run = json.loads(args.calls.read_text())
+            meta = {**report["meta"], "calls_from": {"date": calls_run["meta"]["date"]}}
+            report = {**report, "meta": meta, "calls": calls_run["calls"]}
+            report["meta"]["calls_from"]["file"] = args.calls.name
         write_doc_table(report, args.doc)
         print(markdown(report))
         return 0
@@ -1026,6 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
             return _idle_only(size, peer, peer_note, work, lib, args.out, started)
         if args.metric_names:
             return _metric_names_only(size, args.metric_names, work, lib, args.out, started)
+        if args.calls_only:
+            return _calls_only(size, peer, peer_note, work, lib, args.out, started)
         report = measure(size, peer, work, lib)
     report = {
         "meta": {

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from gpu_exporter import __version__, logs
 from gpu_exporter.argparsing import Parser, checked, parse, parser_of
-from gpu_exporter.collect.groups import GROUPS
+from gpu_exporter.collect.groups import GROUPS, OFF_BY_DEFAULT
 from gpu_exporter.config import (
     DEFAULT_CHOOSE_DEFAULTS,
     DEFAULT_KUBELET_SOCKET,
@@ -255,13 +255,14 @@ def build_parser(env: FlagEnvironment | None = None) -> argparse.ArgumentParser:
         "(default %(default)s)",
     )
     for group, what in GROUPS.items():
+        off = group in OFF_BY_DEFAULT
         serve.add_argument(
             f"--collect.{group}",
             dest=f"collect_{group}",
             action=argparse.BooleanOptionalAction,
-            default=not env.flag(f"no-collect.{group}"),
-            help=f"read and export {what} (default: on; --no-collect.{group}: no NVML call, "
-            "no series)",
+            default=env.flag(f"collect.{group}") if off else not env.flag(f"no-collect.{group}"),
+            help=f"read and export {what} (default: {'off' if off else 'on'}; "
+            f"--no-collect.{group}: no NVML call, no series)",
         )
     serve.add_argument(
         "--max-requests-in-flight",

@@ -61,7 +61,8 @@ class ServeConfig:
     log_format: str = "logfmt"  # or "json" (gpu_exporter.logs)
     # Health fields (collect.groups.SLOW) are read this often; the fast ones every interval.
     slow_interval_seconds: float = 30.0
-    collect_disabled: tuple[str, ...] = ()  # --no-collect.<group>: not read, not exported
+    # --no-collect.<group>: not read, not exported (collect.groups.OFF_BY_DEFAULT unless asked)
+    collect_disabled: tuple[str, ...] = ("nvlink",)
     # --kubernetes: the kubelet's PodResources socket (None: off), asked every poll interval
     kubernetes_socket: str | None = None
     kubernetes_poll_seconds: float = 10.0

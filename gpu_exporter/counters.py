@@ -160,3 +160,34 @@ class RequestCounter:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+
+class MonotonicCounters:
+    """Device counters that never go backwards (NVLink's, issue 25): NVML's count, plus what
+    was counted before the last time the driver reset it.
+
+    A reading below the last one of the same counter is a reset (a GPU reset, a driver
+    reload): the count restarts from that new base, so the exported counter stays where it
+    was and grows from there — never a drop, so never a negative ``rate()``, and never more
+    than NVML counted. Kept for the exporter's life, across NVML re-initialisations and lost
+    GPUs (whose counters are what a reset clears). Keys are whatever names one counter:
+    ``(uuid, link, kind)``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[object, tuple[int, int]] = {}  # key → (last reading, offset)
+
+    def value(self, key: object, reading: int) -> int:
+        """The exported value of counter ``key`` for NVML's ``reading`` now.
+
+        >>> c = MonotonicCounters()
+        >>> [c.value("tx", r) for r in (100, 150, 20, 50, 50)]
+        [100, 150, 150, 180, 180]
+        """
+        with self._lock:
+            last, offset = self._last.get(key, (reading, 0))
+            if reading < last:  # reset: restart from the new base
+                offset += last - reading
+            self._last[key] = (reading, offset)
+            return reading + offset

@@ -6,7 +6,7 @@ absent (this GPU cannot report it, or the call failed this time) — never a sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 CLOCKS = ("graphics", "sm", "memory", "video")
@@ -30,6 +30,8 @@ PCIE_LINKS = ("current", "max")
 # Opt-in process attribution (--process-labels), in label order.
 PROCESS_LABELS = ("user", "command", "container", "slurm_job", "pod")
 VISIBILITIES = ("full", "partial", "none")  # process_visibility's answers
+# NVLink error counters, by the name used in the ``type`` label of gpu_nvlink_errors_total.
+NVLINK_ERRORS = ("crc_flit", "crc_data", "replay", "recovery")
 
 
 _SHOWN = ("pid", "used_memory_bytes", *PROCESS_LABELS)
@@ -73,6 +75,28 @@ class Event:
     data: int
     gpu_instance_id: int | None
     compute_instance_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class NvLinkSample:
+    """One NVLink of a GPU: whether it is active, and its counters since the driver loaded
+    (data bytes, without protocol overhead; errors by :data:`NVLINK_ERRORS`). None: that
+    counter did not answer. The exporter keeps the counters from going backwards when the
+    driver resets them (:class:`gpu_exporter.counters.MonotonicCounters`)."""
+
+    link: int
+    active: bool | None
+    transmit_bytes: int | None
+    receive_bytes: int | None
+    crc_flit_errors: int | None
+    crc_data_errors: int | None
+    replay_errors: int | None
+    recovery_errors: int | None
+
+    def errors(self) -> tuple[int | None, ...]:
+        """The error counters, in :data:`NVLINK_ERRORS` order."""
+        return (self.crc_flit_errors, self.crc_data_errors, self.replay_errors,
+                self.recovery_errors)  # fmt: skip
 
 
 # -- the snapshot ----------------------------------------------------------------------------
@@ -131,6 +155,7 @@ class GpuSample:
     power_limit_watts: float | None = None
     energy_joules: float | None = None  # since the driver loaded; only ever grows
     temperature_celsius: float | None = None
+    memory_temperature_celsius: float | None = None  # HBM / memory die (field value)
     fan_speed_ratio: float | None = None
     clock_graphics_hz: float | None = None
     clock_sm_hz: float | None = None
@@ -173,6 +198,8 @@ class GpuSample:
     power_limit_max_watts: float | None = None
     encoder_utilization_ratio: float | None = None
     decoder_utilization_ratio: float | None = None
+    # Each NVLink that answers (--collect.nvlink); None where the card has none.
+    nvlink: tuple[NvLinkSample, ...] | None = None
 
     # MIG. On a parent GPU: its mode and its MIG devices. A MIG device is a GpuSample too,
     # with the parent's index, its own "MIG-…" uuid, and parent_uuid set.
@@ -229,6 +256,8 @@ class GpuSample:
                 value = [d.to_json() for d in value]
             elif name == "processes" and value is not None:
                 value = [p.to_json() for p in value]
+            elif name == "nvlink" and value is not None:
+                value = [asdict(link) for link in value]
             elif isinstance(value, tuple):
                 value = list(value)
             out[name] = value

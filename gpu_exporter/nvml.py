@@ -20,7 +20,7 @@ import contextlib
 import ctypes
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pynvml
@@ -114,6 +114,59 @@ EVENT_TYPE_XID: int = pynvml.nvmlEventTypeXidCriticalError
 NO_INSTANCE = 0xFFFFFFFF
 
 
+# -- field values: many values in one call (issue 31) ---------------------------------------
+# nvmlDeviceGetFieldValues ids this exporter asks for, by the header's name. Taken from the
+# header's numbers where older bindings lack the constant (NVML_FI_DEV_GPU_TEMP is newer
+# than nvidia-ml-py 13.615); a driver that does not know an id answers that entry alone.
+FIELD_IDS: dict[str, int] = {
+    name: int(getattr(pynvml, name, number))
+    for name, number in (
+        ("NVML_FI_DEV_ECC_CURRENT", 1),
+        ("NVML_FI_DEV_ECC_SBE_VOL_TOTAL", 3),
+        ("NVML_FI_DEV_ECC_DBE_VOL_TOTAL", 4),
+        ("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", 5),
+        ("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", 6),
+        ("NVML_FI_DEV_RETIRED_SBE", 29),
+        ("NVML_FI_DEV_RETIRED_DBE", 30),
+        ("NVML_FI_DEV_RETIRED_PENDING", 31),
+        # Per NVLink (scopeId = the link): the counters summed over the link's lanes.
+        ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", 38),
+        ("NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", 45),
+        ("NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", 52),
+        ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", 59),
+        ("NVML_FI_DEV_MEMORY_TEMP", 82),
+        ("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 83),
+        ("NVML_FI_DEV_NVLINK_LINK_COUNT", 91),
+        ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", 94),
+        ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", 138),  # KiB, per link
+        ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", 139),
+        ("NVML_FI_DEV_REMAPPED_COR", 142),
+        ("NVML_FI_DEV_REMAPPED_UNC", 143),
+        ("NVML_FI_DEV_REMAPPED_PENDING", 144),
+        ("NVML_FI_DEV_REMAPPED_FAILURE", 145),
+        ("NVML_FI_DEV_NVLINK_GET_STATE", 165),  # per link: NVML_NVLINK_STATE_ACTIVE = 1
+        ("NVML_FI_DEV_POWER_AVERAGE", 185),  # mW over 1 s: Ampere and later except GA100
+        ("NVML_FI_DEV_POWER_INSTANT", 186),  # mW now: every card
+        ("NVML_FI_DEV_POWER_CURRENT_LIMIT", 190),  # the enforced limit, mW
+        ("NVML_FI_DEV_GPU_TEMP", 308),  # °C, sub-degree (drivers since 580)
+    )
+}
+FIELD_NAMES: dict[int, str] = {number: name for name, number in FIELD_IDS.items()}
+FIELD_VALUES = "nvmlDeviceGetFieldValues"
+# The union member nvmlFieldValue_t.value holds for each nvmlValueType_t.
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+_INVALID_ARGUMENT = pynvml.NVML_ERROR_INVALID_ARGUMENT
+
+
+def field_function(field_id: int) -> str:
+    """The ``function`` label of an error in one entry of a batch: the call and the field.
+
+    >>> field_function(82)
+    'nvmlDeviceGetFieldValues(NVML_FI_DEV_MEMORY_TEMP)'
+    """
+    return f"{FIELD_VALUES}({FIELD_NAMES.get(field_id, field_id)})"
+
+
 def error_code(name: str) -> int:
     """The NVML return code for a name such as ``"GPU_IS_LOST"`` (``NVML_ERROR_`` optional).
 
@@ -159,6 +212,9 @@ class NvmlUnavailable(NvmlError):
 
 
 _NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
+# The v3 process struct (pynvml >= 12.535), for process lists in one call; None: pynvml's own.
+_PROCESSES_V3: Any = getattr(pynvml, "c_nvmlProcessInfo_v3_t", None)
+_NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
 _TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
 _FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
 
@@ -205,14 +261,20 @@ class Nvml:
     inside, so a call that does not return can be named in errors and counted.
     """
 
-    def __init__(self, lib: Any = pynvml, *, simulated: bool = False) -> None:
+    def __init__(
+        self, lib: Any = pynvml, *, simulated: bool = False, count_calls: bool = False
+    ) -> None:
         self._lib = lib
+        # Calls made, by function, when asked for (bench/real_gpu.py's probe: the exporter's
+        # NVML calls per GPU and sample on a real driver, which counts nothing itself).
+        self.calls: Counter[str] | None = Counter() if count_calls else None
         self.simulated = simulated
         self._errors: Counter[tuple[str, str]] = Counter()
         self._errors_lock = threading.Lock()
         self._memory_v2 = True
         self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
         self._in_flight: dict[int, str | None] = {}  # thread id → NVML function it is inside
+        self._process_capacity = 16  # entries of the process-list buffer (see _processes)
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, function: str, *args: Any, answer: int | None = None, **kwargs: Any) -> Any:
@@ -224,6 +286,20 @@ class Nvml:
         fn: Callable[..., Any] | None = getattr(self._lib, function, None)
         if fn is None:  # bindings older than this function: same as a driver without it
             raise Unsupported(function, _FUNCTION_NOT_FOUND, "not in these NVML bindings")
+        return self._call_with(function, fn, *args, answer=answer, **kwargs)
+
+    def _call_with(
+        self,
+        function: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        answer: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``fn(*args)`` as :meth:`_call` calls ``function``."""
+        if self.calls is not None:
+            with self._errors_lock:
+                self.calls[function] += 1
         in_flight, thread = self._in_flight, threading.get_ident()
         in_flight[thread] = function
         try:
@@ -348,7 +424,10 @@ class Nvml:
 
         Only processes in this process's PID namespace are listed (a driver rule).
         """
-        procs = self._call("nvmlDeviceGetComputeRunningProcesses", handle)
+        if self._lib is pynvml and _PROCESSES_V3 is not None:  # one call, not pynvml's two
+            procs = self._call_with("nvmlDeviceGetComputeRunningProcesses", self._processes, handle)
+        else:
+            procs = self._call("nvmlDeviceGetComputeRunningProcesses", handle)
         return tuple(
             ProcessInfo(
                 int(p.pid),
@@ -358,6 +437,30 @@ class Nvml:
             )
             for p in procs
         )
+
+    def _processes(self, handle: Any) -> list[Any]:
+        """``nvmlDeviceGetComputeRunningProcesses_v3`` in one call where the list fits a
+        buffer sized by the longest list so far (pynvml always makes two when there is a
+        process: the count, then the list); a longer list grows the buffer and asks again."""
+        assert _PROCESSES_V3 is not None
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+        while True:
+            capacity = self._process_capacity
+            count = ctypes.c_uint(capacity)
+            infos = (_PROCESSES_V3 * capacity)()
+            ret = fn(handle, ctypes.byref(count), infos)
+            if ret == pynvml.NVML_ERROR_INSUFFICIENT_SIZE and count.value > capacity:
+                self._process_capacity = count.value * 2 + 5  # as pynvml oversizes
+                continue
+            if ret != pynvml.NVML_SUCCESS:
+                raise pynvml.NVMLError(ret)
+            procs = []
+            for i in range(count.value):
+                p = pynvml.nvmlStructToFriendlyObject(infos[i])
+                if p.usedGpuMemory == _NOT_AVAILABLE:  # WDDM: the driver cannot say
+                    p.usedGpuMemory = None
+                procs.append(p)
+            return procs
 
     # -- health ----------------------------------------------------------------------------
     def clocks_event_reasons(self, handle: Any) -> int:
@@ -503,3 +606,37 @@ class Nvml:
             _instance(getattr(data, "gpuInstanceId", None)),
             _instance(getattr(data, "computeInstanceId", None)),
         )
+
+    # -- field values (issue 31) ---------------------------------------------------------
+    def field_values(self, handle: Any, entries: Sequence[tuple[int, int]]) -> list[Any]:
+        """One ``nvmlDeviceGetFieldValues`` call for ``(field id, scope id)`` entries: per entry,
+        its value (an int, or a float for a double) or the :class:`NvmlError` of its own
+        ``nvmlReturn``, which fails that entry alone.
+
+        An entry's ``INVALID_ARGUMENT`` is :class:`Unsupported` (the batch itself is well formed,
+        so the driver does not know that id); an entry's failure other than unsupported is
+        counted under :func:`field_function`, once per field and call; a lost GPU in an entry
+        raises :class:`GpuLost`. The call failing as a whole raises as any call does.
+        """
+        values = self._call(FIELD_VALUES, handle, list(entries))
+        out: list[Any] = []
+        counted: set[int] = set()
+        for v in values:
+            code = int(v.nvmlReturn)
+            if code == pynvml.NVML_SUCCESS:
+                member = _VALUE_MEMBERS[int(v.valueType)] if 0 <= v.valueType < 7 else "ullVal"
+                value = getattr(v.value, member)
+                out.append(float(value) if member == "dVal" else int(value))
+                continue
+            function = field_function(int(v.fieldId))
+            if code == _INVALID_ARGUMENT:
+                code = pynvml.NVML_ERROR_NOT_SUPPORTED
+            error = _classify(function, pynvml.NVMLError(code))
+            if isinstance(error, GpuLost | NvmlUnavailable):
+                self._count(function, error.error)
+                raise error
+            if not isinstance(error, Unsupported) and v.fieldId not in counted:
+                counted.add(int(v.fieldId))
+                self._count(function, error.error)
+            out.append(error)
+        return out

@@ -347,6 +347,7 @@ def test_create_app_is_short() -> None:
         "collect.podresources",
         "podallocations",
         "model",
+        "counters",
     ],
 )
 def test_doctests(module: str) -> None:

@@ -45,23 +45,31 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     assert k8s["with"]["requests"] > 0 and k8s["with"]["errors"] == 0
     assert k8s["pod_info_series"] == 8 + 2 and k8s["kubelet_calls"] > 0
     assert k8s["without"]["p99_ms"] > 0 and k8s["with"]["p99_ms"] > 0
-    # 2. sampling: exactly the supported fast fields of every device, and nothing else. The
-    # fake GPUs report every field there is: 13 fast ones (fan too), the 18 health fields and
-    # the energy counter every --slow-interval (30 s: at most 8 x 18 / 30 more per sample).
+    # 2. sampling: exactly the fast calls of every device, and nothing else (issue 31: the
+    # handle kept; power and temperatures in one field-value batch; memory and video clocks,
+    # fan, encoder and decoder every --slow-interval): memory, utilization, the batch, two
+    # clocks, clocks event reasons, processes = 7 per GPU; the 12 slow calls (11 getters and
+    # the slow batch) every 30 s: at most 8 x 12 / 30 more per sample.
     sampling = report["sampling"]["gpu-exporter"]
-    assert sampling["expected_calls_per_sample"] == 1 + 8 * (1 + 13)
-    assert 113 <= sampling["nvml_calls_per_sample"] <= 113 + 8 * 18 / 30 + 0.01
+    assert sampling["expected_calls_per_sample"] == 1 + 8 * 7
+    assert 57 <= sampling["nvml_calls_per_sample"] <= 57 + 8 * 12 / 30 + 0.01
+    assert sampling["slow_calls_per_sample"] == 8 * 12 / 30
     assert set(sampling["nvml_calls_by_function"]) >= {"nvmlDeviceGetMemoryInfo_v2"}
     assert "nvmlDeviceGetUUID" not in sampling["nvml_calls_by_function"]  # read once only
+    assert "nvmlDeviceGetHandleByIndex_v2" not in sampling["nvml_calls_by_function"]
+    # 2. calls per GPU per sample (--quick: 8 GPUs with 16 processes; no peer here)
+    (calls,) = report["calls"]
+    assert (calls["gpus"], calls["processes"]) == (8, 16)
+    assert 7 <= calls["gpu-exporter"]["nvml_calls_per_gpu_per_sample"] <= 7 + 12 / 30 + 0.01
     # 3. /choose against the no-op baseline
     for route in ("choose", "healthz"):
         assert report["choose"][route]["requests"] > 0, route
         assert report["choose"][route]["errors"] == 0, route
-    # 4. scaling: calls grow linearly with devices (1 + 14 per GPU), 2 calls for a process list
+    # 4. scaling: calls grow linearly with devices (1 + 7 per GPU), 1 call for a process list
     points = {(p["devices"], p["processes"]): p for p in report["scaling"]}
-    assert points[(1, 0)]["nvml_calls_per_sample"] == 1 + 14
-    assert points[(64, 0)]["nvml_calls_per_sample"] == 1 + 64 * 14
-    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 15
+    assert points[(1, 0)]["nvml_calls_per_sample"] == 1 + 7
+    assert points[(64, 0)]["nvml_calls_per_sample"] == 1 + 64 * 7
+    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 7
     # 6. steady-state idle CPU (--quick: 16 processes on 8 GPUs, and 64 GPUs), nobody scraping
     cases = {(c["gpus"], c["processes"]): c["gpu-exporter"] for c in report["idle"]}
     assert set(cases) == {(8, 16), (64, 0)}

@@ -85,6 +85,9 @@ NEEDED_BY_THE_EXPORTER = {
     "nvmlEventSetCreate",
     "nvmlEventSetWait_v2",
     "nvmlEventSetFree",
+    # Issue 31: power, temperatures, energy, ECC, remapped rows, retired pages, PCIe replays
+    # and NVLink in one call per GPU and cadence.
+    "nvmlDeviceGetFieldValues",
 }
 
 
@@ -143,13 +146,18 @@ def start_exporter(fake_lib: Path, tmp_path: Path) -> Iterator[Callable[..., Exp
     started: list[Exporter] = []
 
     def start(
-        gpus: list[FakeGpu], *, ready: bool = True, args: tuple[str, ...] = (), **kwargs: object
+        gpus: list[FakeGpu],
+        *,
+        ready: bool = True,
+        args: tuple[str, ...] = (),
+        stats: Path | None = None,
+        **kwargs: object,
     ) -> Exporter:
         config = tmp_path / f"fakenvml-{len(started)}.conf"
         fakenvml.write_config(config, gpus, **kwargs)
         port = free_port()
         log = tmp_path / f"exporter-{len(started)}.log"
-        env = fakenvml.environment(fake_lib, config)
+        env = fakenvml.environment(fake_lib, config, stats)
         env["GPU_EXPORTER_STATE_DIR"] = tempfile.mkdtemp(dir=tmp_path)
         command = ["serve", "--interval", "0.1", "--listen-address", f"127.0.0.1:{port}", *args]
         with log.open("wb") as out:
@@ -533,3 +541,289 @@ def test_the_getters_and_the_xid_wait_over_the_real_bindings(
     assert second == f"61.0 {2**29}"
     assert values.startswith("(0.37, 0.12) 123.0 MemoryInfo(") and event == "True 8 79 None"
     assert errors == "{}"  # a wait's timeout is an answer, not an error
+
+
+# -- issue 31: field values in batches; issue 25: memory temperature and NVLink --------------
+
+
+def _rich(**health: int | str) -> FakeGpu:
+    """A card answering every field, with health counters that are not all 0."""
+    values: dict[str, int | str] = {"retired_pages": "2 1 0", "ecc_corrected_volatile": 7}
+    values |= {"remapped_correctable": 2, "pcie_replays": 5, **health}
+    return FakeGpu(fan_percent=40, energy_mj=123_456_789, temperature_c=61, health=values)
+
+
+def _gpu_samples(ex: Exporter) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The GPU series of a scrape (the exporter's own change with time and calls)."""
+    return {
+        k: v for k, v in ex.samples().items() if k[0].startswith("gpu_") and k[0] not in _VOLATILE
+    }
+
+
+_VOLATILE = {  # when the sample was taken, and how long it took
+    "gpu_last_seen_timestamp_seconds",
+    "gpu_exporter_last_sample_timestamp_seconds",
+    "gpu_exporter_sample_duration_seconds",
+}
+
+
+def test_a_full_scrape_is_the_same_batched_and_one_call_per_field(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    """Every exported value equal, series by series, whether the fields come from
+    nvmlDeviceGetFieldValues or from one getter each (the batch refused on every GPU)."""
+    gpus = [_rich(), _rich(ecc_uncorrected_aggregate=1), FakeGpu(power_usage_mw=250_500)]
+    batched = start_exporter(gpus)
+    single = start_exporter(
+        gpus, every_gpu=FakeGpu(errors={"nvmlDeviceGetFieldValues": "NOT_SUPPORTED"})
+    )
+    ex_b, ex_s = _gpu_samples(batched), _gpu_samples(single)
+
+    def memory_temperature(k: tuple[str, tuple[tuple[str, str], ...]]) -> bool:
+        return k[0] == "gpu_memory_temperature_celsius" or ("field", "memory_temperature") in k[1]
+
+    # Memory temperature is a field value only: present batched, unsupported one by one.
+    assert [v for k, v in ex_b.items() if memory_temperature(k)] == [35, 35, 35]
+    assert [v for k, v in ex_s.items() if memory_temperature(k)] == [0, 0, 0]
+    assert {k: v for k, v in ex_b.items() if not memory_temperature(k)} == {
+        k: v for k, v in ex_s.items() if not memory_temperature(k)
+    }
+    assert len(ex_b) > 3 * 50
+    # The values that moved into the batch, for the record.
+    ids = (("gpu", "1"), ("uuid", _uuid(1)))
+    assert (
+        ex_b[("gpu_ecc_errors_total", (("counter", "aggregate"), ("error", "uncorrected"), *ids))]
+        == 1
+    )
+    assert ex_b[("gpu_energy_joules_total", ids)] == 123_456.789
+    assert ex_b[("gpu_retired_pages_total", (("cause", "double_bit"), *ids))] == 1
+    assert ex_b[("gpu_power_draw_watts", (("gpu", "2"), ("uuid", _uuid(2))))] == 250.5
+    # Neither run counted an error: NOT_SUPPORTED is an answer, not a failure.
+    assert not [k for k in batched.samples() if k[0] == "gpu_exporter_nvml_errors_total"]
+
+
+def test_one_failing_entry_fails_its_field_on_that_gpu_alone(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    gpus = [
+        FakeGpu(errors={"field:82": "UNKNOWN"}, health={"memory_temperature_c": 46}),
+        FakeGpu(errors={"field:82": "NOT_SUPPORTED"}),
+        FakeGpu(health={"memory_temperature_c": 38}),
+    ]
+    ex = start_exporter(gpus)
+    s = ex.samples()
+
+    def v(name: str, gpu: int, **extra: str) -> float | None:
+        return s.get((name, tuple(sorted({"gpu": str(gpu), "uuid": _uuid(gpu), **extra}.items()))))
+
+    assert v("gpu_memory_temperature_celsius", 0) is None  # failed: absent, not 0
+    assert v("gpu_memory_temperature_celsius", 1) is None  # not supported: absent
+    assert v("gpu_memory_temperature_celsius", 2) == 38
+    # The same batch's other entries are there; the GPU is up.
+    assert (
+        v("gpu_up", 0) == 1
+        and v("gpu_power_draw_watts", 0) == 60
+        and v("gpu_temperature_celsius", 0) == 30
+    )
+    # A failure is counted under the call and the field; NOT_SUPPORTED is remembered.
+    function = "nvmlDeviceGetFieldValues(NVML_FI_DEV_MEMORY_TEMP)"
+    errors = {k: n for k, n in s.items() if k[0] == "gpu_exporter_nvml_errors_total"}
+    assert set(errors) == {
+        ("gpu_exporter_nvml_errors_total", (("error", "UNKNOWN"), ("function", function)))
+    }
+    assert v("gpu_exporter_field_supported", 1, field="memory_temperature") == 0
+    assert v("gpu_exporter_field_supported", 0, field="memory_temperature") is None
+    # Fixed: the field is back at the next sample.
+    ex.write([FakeGpu(health={"memory_temperature_c": 46}), *gpus[1:]])
+    ex.wait_for(lambda: ex.value("gpu_memory_temperature_celsius", gpu="0", uuid=_uuid(0)) == 46)
+
+
+def test_a_batch_that_fails_whole_falls_back_to_the_getters_and_says_so_once(
+    start_exporter: Callable[..., Exporter], tmp_path: Path
+) -> None:
+    stats = tmp_path / "calls.stats"
+    gpus = [
+        FakeGpu(),
+        FakeGpu(errors={"nvmlDeviceGetFieldValues": "UNKNOWN"}, power_usage_mw=99_000),
+    ]
+    ex = start_exporter(gpus, stats=stats)
+    first = fakenvml.read_stats(stats)
+    ex.wait_for(
+        lambda: (
+            fakenvml.read_stats(stats)["nvmlDeviceGetCount_v2"]
+            >= first["nvmlDeviceGetCount_v2"] + 5
+        )
+    )
+    s = ex.samples()
+    ids1 = (("gpu", "1"), ("uuid", _uuid(1)))
+    assert s[("gpu_up", ids1)] == 1
+    assert s[("gpu_power_draw_watts", ids1)] == 99  # from nvmlDeviceGetPowerUsage
+    assert s[("gpu_energy_joules_total", ids1)] == 1000  # from its getter too
+    assert ("gpu_memory_temperature_celsius", ids1) not in s  # no getter: absent
+    assert s[("gpu_memory_temperature_celsius", (("gpu", "0"), ("uuid", _uuid(0))))] == 35
+    # Counted once: the call is not made again for that GPU until NVML is re-initialised.
+    key = (
+        "gpu_exporter_nvml_errors_total",
+        (("error", "UNKNOWN"), ("function", "nvmlDeviceGetFieldValues")),
+    )
+    assert s[key] == 1
+    calls = fakenvml.read_stats(stats)
+    samples = calls["nvmlDeviceGetCount_v2"]
+    assert calls["nvmlDeviceGetPowerUsage"] >= samples - 1  # GPU 1 only, every sample
+    assert (
+        calls["nvmlDeviceGetFieldValues"] <= 2 * samples + 1
+    )  # GPU 0's two batches, GPU 1's one try
+    log = ex.log.read_text()
+    assert log.count("reading its fields one call each") == 1, log
+
+
+def test_nvlink_per_link_on_a_card_with_links_and_none_without(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    links = {0: (1, 100, 200, 1, 2, 3, 4), 1: (0, 0, 0, 0, 0, 0, 0)}
+    gpus = [FakeGpu(health={"nvlink_links": 2}, nvlinks=links), FakeGpu()]
+    ex = start_exporter(gpus, args=("--collect.nvlink",))
+    s = ex.samples()
+    nvlink = {k: v for k, v in s.items() if k[0].startswith("gpu_nvlink_")}
+
+    def link(n: int) -> tuple[tuple[str, str], ...]:
+        return (("gpu", "0"), ("link", str(n)), ("uuid", _uuid(0)))
+
+    assert nvlink[("gpu_nvlink_up", link(0))] == 1
+    assert nvlink[("gpu_nvlink_up", link(1))] == 0
+    assert nvlink[("gpu_nvlink_transmit_bytes_total", link(0))] == 100 * 1024
+    assert nvlink[("gpu_nvlink_receive_bytes_total", link(0))] == 200 * 1024
+    errors = {
+        dict(k[1])["error"]: v
+        for k, v in nvlink.items()
+        if k[0] == "gpu_nvlink_errors_total" and dict(k[1])["link"] == "0"
+    }
+    assert errors == {"crc_flit": 1, "crc_data": 2, "replay": 3, "recovery": 4}
+    assert len(nvlink) == 2 * 7  # two links of GPU 0, nothing for GPU 1
+    assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]
+    # Off by default: no NVLink series, no NVLink entries asked.
+    plain = start_exporter(gpus)
+    assert not [k for k in plain.samples() if k[0].startswith("gpu_nvlink_")]
+
+
+def test_nvlink_counters_never_go_backwards_across_a_driver_reset(
+    start_exporter: Callable[..., Exporter], tmp_path: Path
+) -> None:
+    def card(tx: int, replays: int) -> list[FakeGpu]:
+        return [FakeGpu(health={"nvlink_links": 1}, nvlinks={0: (1, tx, 10, 0, 0, replays, 0)})]
+
+    stats = tmp_path / "calls.stats"
+    args = ("--collect.nvlink", "--slow-interval", "0.1")
+    ex = start_exporter(card(1000, 5), args=args, stats=stats)
+    ids = {"gpu": "0", "uuid": _uuid(0), "link": "0"}
+    tx, replay = "gpu_nvlink_transmit_bytes_total", {"error": "replay", **ids}
+
+    def read_twice_more() -> None:  # a few slow reads (batches) after the change
+        batches = fakenvml.read_stats(stats)["nvmlDeviceGetFieldValues"]
+        ex.wait_for(lambda: fakenvml.read_stats(stats)["nvmlDeviceGetFieldValues"] >= batches + 6)
+
+    assert ex.value(tx, **ids) == 1000 * 1024
+    ex.write(card(40, 1))  # a GPU reset: the driver's counters start again, lower
+    read_twice_more()
+    assert ex.value(tx, **ids) == 1000 * 1024  # restarted from the new base: no drop
+    assert ex.value("gpu_nvlink_errors_total", **replay) == 5
+    ex.write(card(100, 3))  # and counts on from there
+    ex.wait_for(lambda: ex.value(tx, **ids) == (1000 + 60) * 1024)
+    assert ex.value("gpu_nvlink_errors_total", **replay) == 7
+
+
+def test_the_handle_is_asked_once_and_again_after_a_loss_or_reinitialisation(
+    start_exporter: Callable[..., Exporter], tmp_path: Path
+) -> None:
+    stats = tmp_path / "calls.stats"
+    ex = start_exporter([FakeGpu(), FakeGpu()], stats=stats)
+
+    def calls(function: str) -> int:
+        return fakenvml.read_stats(stats).get(function, 0)
+
+    def samples_later(n: int) -> None:
+        count = calls("nvmlDeviceGetCount_v2")
+        ex.wait_for(lambda: calls("nvmlDeviceGetCount_v2") >= count + n)
+
+    samples_later(3)
+    # Once per GPU by the sampler (and once by the Xid listener), not once per sample.
+    base = calls("nvmlDeviceGetHandleByIndex_v2")
+    assert base <= 2 * 2
+    samples_later(10)
+    assert calls("nvmlDeviceGetHandleByIndex_v2") == base
+    # GPU 1 is lost, then answers again: its handle is asked again (while lost, every sample).
+    uuid1 = _uuid(1)
+    ex.write([FakeGpu(), FakeGpu(errors={"*": "GPU_IS_LOST"})])
+    ex.wait_for(lambda: ex.value("gpu_up", gpu="1", uuid=uuid1) == 0)
+    ex.write([FakeGpu(), FakeGpu()])
+    ex.wait_for(lambda: ex.value("gpu_up", gpu="1", uuid=uuid1) == 1)
+    after_loss = calls("nvmlDeviceGetHandleByIndex_v2")
+    assert after_loss > base
+    samples_later(5)
+    assert calls("nvmlDeviceGetHandleByIndex_v2") == after_loss  # kept again
+    # NVML stops working and is initialised again: every handle is asked again, once.
+    ex.write([FakeGpu(), FakeGpu()], errors={"nvmlDeviceGetCount_v2": "UNINITIALIZED"})
+    ex.wait_for(lambda: ex.value("gpu_exporter_nvml_up") == 0)
+    ex.write([FakeGpu(), FakeGpu()])
+    ex.wait_for(lambda: ex.value("gpu_exporter_nvml_up") == 1)
+    samples_later(3)
+    after_init = calls("nvmlDeviceGetHandleByIndex_v2")
+    assert after_init >= after_loss + 2
+    samples_later(5)
+    assert calls("nvmlDeviceGetHandleByIndex_v2") == after_init
+
+
+def test_a_process_list_takes_one_call_not_two(
+    start_exporter: Callable[..., Exporter], tmp_path: Path
+) -> None:
+    """pynvml asks for the count, then the list; the exporter passes a buffer big enough for
+    the longest list so far, and asks again only when a list outgrows it."""
+    stats = tmp_path / "calls.stats"
+    gpus = [FakeGpu(synthetic_processes=(3, 2**30)), FakeGpu(synthetic_processes=(40, 2**20))]
+    ex = start_exporter(gpus, stats=stats)
+    assert ex.value("gpu_compute_processes", gpu="1", uuid=_uuid(1)) == 40
+    before = fakenvml.read_stats(stats)
+    ex.wait_for(
+        lambda: (
+            fakenvml.read_stats(stats)["nvmlDeviceGetCount_v2"]
+            >= before["nvmlDeviceGetCount_v2"] + 5
+        )
+    )
+    after = fakenvml.read_stats(stats)
+    samples = after["nvmlDeviceGetCount_v2"] - before["nvmlDeviceGetCount_v2"]
+    lists = (
+        after["nvmlDeviceGetComputeRunningProcesses_v3"]
+        - before["nvmlDeviceGetComputeRunningProcesses_v3"]
+    )
+    assert samples * 2 <= lists <= (samples + 1) * 2  # one call per GPU and sample
+
+
+def test_an_entry_the_driver_does_not_know_is_read_by_its_getter(
+    start_exporter: Callable[..., Exporter], tmp_path: Path
+) -> None:
+    """A driver before 580 has no NVML_FI_DEV_GPU_TEMP (308): that entry answers alone
+    (INVALID_ARGUMENT or NOT_SUPPORTED), and the temperature comes from its getter from then
+    on, every sample — present, equal, and no error counted."""
+    stats = tmp_path / "calls.stats"
+    old_driver = {"field:308": "INVALID_ARGUMENT", "field:185": "NOT_SUPPORTED"}  # + no average
+    gpus = [FakeGpu(temperature_c=64, power_usage_mw=70_000, errors=old_driver), FakeGpu()]
+    ex = start_exporter(gpus, stats=stats)
+    s = ex.samples()
+    ids0 = (("gpu", "0"), ("uuid", _uuid(0)))
+    assert s[("gpu_temperature_celsius", ids0)] == 64
+    assert s[("gpu_power_draw_watts", ids0)] == 70  # the instant value: no getter needed
+    assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]
+    unsupported = {dict(k[1])["field"] for k in s if k[0] == "gpu_exporter_field_supported"}
+    assert not unsupported & {"temperature", "power_draw"}
+    before = fakenvml.read_stats(stats)
+    ex.wait_for(
+        lambda: (
+            fakenvml.read_stats(stats)["nvmlDeviceGetCount_v2"]
+            >= before["nvmlDeviceGetCount_v2"] + 4
+        )
+    )
+    after = fakenvml.read_stats(stats)
+    samples = after["nvmlDeviceGetCount_v2"] - before["nvmlDeviceGetCount_v2"]
+    getter = after["nvmlDeviceGetTemperature"] - before["nvmlDeviceGetTemperature"]
+    assert samples <= getter <= samples + 1  # GPU 0 only; GPU 1's comes from the batch
+    assert "nvmlDeviceGetPowerUsage" not in after

@@ -38,13 +38,13 @@ def wait_until(predicate: object, timeout: float = 10.0) -> None:
 
 @pytest.fixture
 def hung_gpu1() -> Iterator[Stack]:
-    """Three idle GPUs; GPU 1's power reading hangs during simulated seconds 5–6."""
+    """Three idle GPUs; GPU 1's utilization reading hangs during simulated seconds 5–6."""
     s = build_stack(
         sim_of(
             *(SimGpu(i, A100, Load("idle")) for i in range(3)),
             faults=[
                 Fault(
-                    "nvmlDeviceGetPowerUsage",
+                    "nvmlDeviceGetUtilizationRates",
                     HANG,
                     gpu=1,
                     after_seconds=5,
@@ -74,30 +74,30 @@ def test_a_hung_gpu_is_down_and_the_others_keep_being_sampled(hung_gpu1: Stack) 
     gpu = snap.gpus[1]
     assert not gpu.up and gpu.down_reason == "timeout"
     assert gpu.uuid == s.sim.gpus[1].uuid  # the right card is named
-    assert gpu.error == "nvmlDeviceGetPowerUsage has not returned for 0 s"
+    assert gpu.error == "nvmlDeviceGetUtilizationRates has not returned for 0 s"
     assert gpu.memory_used_bytes is None  # no stale values that look fresh
     assert gpu.last_seen_seconds == seen_before
     assert [g.up for g in snap.gpus] == [True, False, True]
     assert DEADLINE <= first_pass < DEADLINE + 5  # waited once, for the deadline only
 
     # The call is still stuck: GPU 1 is skipped without a second call or a second wait.
-    power_calls = s.sim.calls["nvmlDeviceGetPowerUsage"]
+    power_calls = s.sim.calls["nvmlDeviceGetUtilizationRates"]
     s.clock.advance(1)
     snap = s.sample()
-    assert s.sim.calls["nvmlDeviceGetPowerUsage"] == power_calls + 2  # GPUs 0 and 2 only
+    assert s.sim.calls["nvmlDeviceGetUtilizationRates"] == power_calls + 2  # GPUs 0 and 2
     assert [g.down_reason for g in snap.gpus] == [None, "timeout", None]
-    assert snap.gpus[1].error == "nvmlDeviceGetPowerUsage has not returned for 1 s"
+    assert snap.gpus[1].error == "nvmlDeviceGetUtilizationRates has not returned for 1 s"
     assert snap.gpus[0].last_seen_seconds == s.clock.time()
     assert snap.nvml_up  # one GPU's trouble is not NVML's
     # Counted once per stuck call, not once per sample.
-    assert ("nvmlDeviceGetPowerUsage", "TIMEOUT", 1) in snap.nvml_errors
+    assert ("nvmlDeviceGetUtilizationRates", "TIMEOUT", 1) in snap.nvml_errors
 
     # Metrics and /choose agree: down with a reason, never chosen.
     assert s.value("gpu_up", 1) == 0
     assert s.value("gpu_down_reason", 1, reason="timeout") == 1
-    assert s.value("gpu_power_draw_watts", 1) is None
+    assert s.value("gpu_utilization_ratio", 1) is None
     assert s.value("gpu_last_seen_timestamp_seconds", 1) == seen_before
-    errors = {"function": "nvmlDeviceGetPowerUsage", "error": "TIMEOUT"}
+    errors = {"function": "nvmlDeviceGetUtilizationRates", "error": "TIMEOUT"}
     assert s.registry.get_sample_value("gpu_exporter_nvml_errors_total", errors) == 1
     resp = s.client.get("/choose?n=3&lease=0")
     assert resp.status_code == 503

@@ -199,9 +199,13 @@ def test_unsupported_and_static_fields_are_not_called_again() -> None:
         s.sample()
     calls = s.sim.calls
     # NOT_SUPPORTED: asked once per GPU that lacks it, never again. Health fields are slow:
-    # read in the first sample, not again within --slow-interval (30 s).
-    assert calls["nvmlDeviceGetEccMode"] == 1 + 1 + 1  # GTX once, unsupported; A100, V100
-    assert calls["nvmlDeviceGetRetiredPages"] == 2 * 1 + 2 * 1 + 2 * 1  # A100, GTX; V100
+    # read in the first sample, not again within --slow-interval (30 s). ECC and retired
+    # pages are field values (issue 31): one batch per GPU and cadence, no getter call.
+    # An entry NOT_SUPPORTED asks its getter once (an older driver lacks field ids the
+    # getter answers): the GTX's ECC mode, the A100's and the GTX's retired pages.
+    assert calls["nvmlDeviceGetEccMode"] == 1
+    assert calls["nvmlDeviceGetRetiredPages"] == 2 + 2
+    assert calls["nvmlDeviceGetFieldValues"] == 3 * (1 + 5)  # slow once, fast every sample
     assert calls["nvmlDeviceGetMigMode"] == 1 + 1 + 1  # only the A100 supports MIG
     # FUNCTION_NOT_FOUND once, then the older name for every GPU (a fast field).
     assert calls["nvmlDeviceGetCurrentClocksEventReasons"] == 2
@@ -210,12 +214,12 @@ def test_unsupported_and_static_fields_are_not_called_again() -> None:
     assert calls["nvmlDeviceGetMaxClockInfo"] == 3 * 4
     assert calls["nvmlDeviceGetPowerManagementLimitConstraints"] == 3  # GTX: once, unsupported
     assert calls["nvmlDeviceGetMaxPcieLinkWidth"] == 3
-    assert calls["nvmlDeviceGetTotalEccErrors"] == 4 * 1 * 2 + 4
+    assert calls["nvmlDeviceGetTotalEccErrors"] == 4  # the GTX: each entry unsupported, once
     # 30 s after the first: the slow fields are read again, the static ones are not.
     s.clock.advance(26)
     s.sample()
-    assert calls["nvmlDeviceGetTotalEccErrors"] == 4 * 2 * 2 + 4
-    assert calls["nvmlDeviceGetEccMode"] == 1 + 2 + 2
+    assert calls["nvmlDeviceGetFieldValues"] == 3 * (2 + 6)
+    assert calls["nvmlDeviceGetPersistenceMode"] == 3 * 2
     assert calls["nvmlDeviceGetMaxClockInfo"] == 3 * 4
 
 
@@ -228,7 +232,8 @@ def test_reinitialising_asks_unsupported_and_static_fields_again() -> None:
     s.clock.advance(1)  # the first backoff step; the fault is over
     assert s.sample().nvml_up
     assert s.sim.calls["nvmlDeviceGetMaxClockInfo"] == 3 * 4 * 2
-    assert s.sim.calls["nvmlDeviceGetEccMode"] == 2 + 2 * 2
+    assert s.sim.calls["nvmlDeviceGetPersistenceMode"] == 3 * 2
+    assert s.sim.calls["nvmlDeviceGetHandleByIndex"] == 3 * 2  # asked again after re-init
 
 
 POD_CGROUP = "0::/kubepods.slice/kubepods-pod0a1b2c3d_0000_4000_8000_000000000001.slice\n"
@@ -291,6 +296,7 @@ def test_full_output_has_every_metric(tmp_path: Path) -> None:
     # remaps rows), nothing is down, and no NVML call has failed.
     empty = {"gpu_retired_pages_total", "gpu_retired_pages_pending", "gpu_down_reason"}
     empty.add("gpu_exporter_nvml_errors_total")
+    empty |= {m.name for m in METRICS if m.name.startswith("gpu_nvlink_")}  # --collect.nvlink
     assert emitted == {m.name for m in METRICS if "web_config" not in m.name} - empty
     samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
     # The request, lease and rejection counters have their known label values at 0 already.

@@ -72,6 +72,11 @@ def test_the_self_test_runs_every_step_and_passes(tmp_path: Path) -> None:
         "gpu-exporter stops on SIGTERM",
         "no process left running",
     } <= ok
+    # the probe counts the exporter's own NVML calls per GPU and sample (issue 31): its fast
+    # calls (7 on the fake card) and a 30th of its slow ones, the handle not among them
+    calls = report["measurements"]["probe_idle"]["calls"]
+    assert 7 <= calls["per_gpu_per_sample"] <= 8, calls
+    assert "nvmlDeviceGetHandleByIndex" not in calls["by_function"]
     summary = (out / "summary.md").read_text()
     assert (
         "| Step | Check | Result | Detail |" in summary and "(self-test: fake library)" in summary

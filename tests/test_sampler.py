@@ -88,8 +88,10 @@ def test_a_failing_field_is_absent_and_the_gpu_stays_up() -> None:
     assert g.up
     assert g.power_draw_watts is None
     assert g.power_limit_watts == 400.0
-    assert "nvmlDeviceGetPowerUsage" in (g.error or "")
-    assert ("nvmlDeviceGetPowerUsage", "UNKNOWN", 2) in s.cache.get().nvml_errors
+    # Power is an entry of the fast field-value batch: the error names the field.
+    function = "nvmlDeviceGetFieldValues(NVML_FI_DEV_POWER_INSTANT)"
+    assert function in (g.error or "")
+    assert (function, "UNKNOWN", 2) in s.cache.get().nvml_errors
 
 
 def test_unsupported_fields_are_not_asked_again() -> None:
@@ -98,9 +100,10 @@ def test_unsupported_fields_are_not_asked_again() -> None:
         s.sample()
     # A100: no fan. Asked once per GPU in the first sample, never again.
     assert s.sim.calls["nvmlDeviceGetFanSpeed"] == 3
-    assert s.sim.calls["nvmlDeviceGetPowerUsage"] == 15
-    # Identity is read once per GPU, not on every sample.
+    assert s.sim.calls["nvmlDeviceGetUtilizationRates"] == 15
+    # Identity and the handle are read once per GPU, not on every sample.
     assert s.sim.calls["nvmlDeviceGetUUID"] == 3
+    assert s.sim.calls["nvmlDeviceGetHandleByIndex"] == 3
 
 
 def test_unsupported_fields_are_logged_once_per_gpu_in_one_line(
@@ -125,11 +128,12 @@ def test_nvml_calls_per_sample_are_exactly_the_supported_fields() -> None:
     before = sum(s.sim.calls.values())
     s.sample()
     per_sample = sum(s.sim.calls.values()) - before
-    # count + per GPU its handle and the fast fields: memory, utilization, power,
-    # temperature, 4 clocks, processes, clocks event reasons, encoder, decoder = 12 (fan is
-    # unsupported and not retried). Not again within --slow-interval: the slow health
-    # fields and the energy counter; not again at all: identity and the static values.
-    assert per_sample == 1 + 3 * (1 + 12)
+    # count + per GPU the fast calls: memory, utilization, the fast field-value batch
+    # (power, temperature, memory temperature), graphics and SM clocks, processes, clocks
+    # event reasons = 7 (issue 31: 13 before). Not again within --slow-interval: the slow
+    # batch and getters; not again at all: the handle, identity and the static values.
+    assert per_sample == 1 + 3 * 7
+    assert s.sim.calls["nvmlDeviceGetFieldValues"] == 3 * (2 + 1)  # fast and slow, then fast
 
 
 def test_nvml_missing_at_start_then_appearing() -> None:

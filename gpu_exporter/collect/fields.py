@@ -9,8 +9,18 @@ A disabled group makes no call; :data:`CORE` fields (what ``/choose`` ranks on) 
 :class:`FieldReader` isolates every field, so one unsupported or failing call leaves the
 others in place, and remembers (device, field) pairs that answered ``NOT_SUPPORTED`` so they
 are not asked again until NVML is re-initialised. :func:`read_values` is the list of fields,
-for a whole GPU or a MIG device. Only :class:`~gpu_exporter.nvml.GpuLost` and
-:class:`~gpu_exporter.nvml.NvmlUnavailable` escape; :mod:`gpu_exporter.collect.read` handles them.
+for a whole GPU or a MIG device.
+
+Fields NVML also offers as field values (:class:`Batched`: power, temperatures, energy, ECC,
+remapped rows, retired pages, PCIe replays, NVLink) are read with one
+``nvmlDeviceGetFieldValues`` call per GPU and cadence (issue 31): the fast batch never holds
+a slow field (one slow entry makes the whole call as slow: energy costs ~3 ms on an H100).
+An entry that fails fails its field alone; an entry the driver does not know sends that
+field back to its single getter; a batch that fails as a whole sends every field of that GPU
+back to its getter (logged once), until NVML is re-initialised.
+
+Only :class:`~gpu_exporter.nvml.GpuLost` and :class:`~gpu_exporter.nvml.NvmlUnavailable`
+escape; :mod:`gpu_exporter.collect.read` handles them.
 """
 
 from __future__ import annotations
@@ -27,12 +37,14 @@ from gpu_exporter.model import (
     CLOCKS_EVENT_REASONS,
     ECC_COUNTERS,
     ECC_ERRORS,
+    NVLINK_ERRORS,
     RETIREMENT_CAUSES,
     TEMPERATURE_THRESHOLDS,
+    NvLinkSample,
     ProcessSample,
     process_visibility,
 )
-from gpu_exporter.nvml import GpuLost, Nvml, NvmlError, NvmlUnavailable, Unsupported
+from gpu_exporter.nvml import FIELD_IDS, GpuLost, Nvml, NvmlError, NvmlUnavailable, Unsupported
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -42,8 +54,12 @@ SLOW = "every --slow-interval"
 ONCE = "once"
 CORE = ""  # no group: always read
 
-# (device uuid, field) pairs that answered NOT_SUPPORTED: not asked again until re-init
+# (device uuid, field) pairs that answered NOT_SUPPORTED: not asked again until re-init;
+# also (uuid, BY_GETTER + field): a batched field read by its getter (the driver does not
+# know its field id), and (uuid, NO_BATCH): that GPU's batches failed, every field by getter.
 UnsupportedFields = set[tuple[str, str]]
+BY_GETTER = "getter:"
+NO_BATCH = "nvmlDeviceGetFieldValues"
 
 
 class FieldReader:
@@ -78,6 +94,9 @@ class FieldReader:
         self.asked: dict[str, bool] = {}  # field → supported
         self.last_error: str | None = None
         self.newly_unsupported: list[str] = []  # logged together, one line per device
+        # This read's field-value batches: the cadences fetched, each field's answers.
+        self.fetched: set[str] = set()
+        self.batched: dict[str, list[Any]] = {}
 
     def read(self, f: Field, nvml: Nvml, procinfo: ProcInfoCache | None) -> bool:
         """Store what ``f`` reads under ``f.names`` (a tuple result fills several), or the
@@ -98,7 +117,7 @@ class FieldReader:
                 self._store(names, memo[field])
                 return True
         try:
-            value = f.read(nvml, procinfo, self.handle)
+            value = self._value(f, nvml, procinfo)
         except Unsupported:
             self._unsupported(field)
             return False
@@ -119,12 +138,12 @@ class FieldReader:
     def read_fast(self, nvml: Nvml, procinfo: ProcInfoCache | None) -> None:
         """The fast fields of :attr:`carry`, on top of its carried values. A field that
         turns out unsupported ends the carry (the next sample walks every field again)."""
-        carry, handle = self.carry, self.handle
+        carry = self.carry
         assert carry is not None
         self.values = dict(carry.values)
         for f in carry.fast:
             try:
-                value = f.read(nvml, procinfo, handle)
+                value = self._value(f, nvml, procinfo)
             except Unsupported:
                 self.asked = self.asked or dict(carry.asked)
                 self._unsupported(f.field)
@@ -135,6 +154,62 @@ class FieldReader:
                 self.last_error = str(exc)
                 continue
             self._store(f.names, value)
+
+    def _value(self, f: Field, nvml: Nvml, procinfo: ProcInfoCache | None) -> Any:
+        """``f``'s value now: from its cadence's batch (fetched at the first batched field of
+        that cadence), else from its getter. Raises what the entry or the getter raised."""
+        if f.batch is not None and (self.uuid, BY_GETTER + f.field) not in self.unsupported:
+            if f.when not in self.fetched:
+                self._fetch(f.when, nvml)
+            answers = self.batched.pop(f.field, None)
+            if answers is not None:
+                try:
+                    return f.batch.convert(answers)
+                except Unsupported:
+                    if f.read is None:
+                        raise
+                    # The driver does not know this field id: its getter from now on.
+                    self.unsupported.add((self.uuid, BY_GETTER + f.field))
+        if f.read is None:  # a field value only, and this GPU's batch failed
+            raise Unsupported(NO_BATCH, _NOT_SUPPORTED, "only a field value")
+        return f.read(nvml, procinfo, self.handle)
+
+    def _fetch(self, when: str, nvml: Nvml) -> None:
+        """One ``nvmlDeviceGetFieldValues`` call for every batched field of cadence ``when``
+        still to read on this device; their answers into :attr:`batched`."""
+        self.fetched.add(when)
+        if (self.uuid, NO_BATCH) in self.unsupported:
+            return
+        due = [
+            (f, f.batch.entries(self))
+            for f in BATCHED
+            if f.batch is not None
+            and f.when == when
+            and f.group not in self.disabled
+            and (self.uuid, f.field) not in self.unsupported
+            and (self.uuid, BY_GETTER + f.field) not in self.unsupported
+            and not (when == ONCE and f.field in self.static)
+        ]
+        entries = [e for _, fe in due for e in fe]
+        if not entries:
+            self.batched.update((f.field, []) for f, _ in due)
+            return
+        try:
+            answers = nvml.field_values(self.handle, entries)
+        except (GpuLost, NvmlUnavailable):
+            raise
+        except NvmlError as exc:
+            self.unsupported.add((self.uuid, NO_BATCH))
+            log.warning(
+                "GPU %s: %s; reading its fields one call each until NVML is re-initialised",
+                self.uuid,
+                exc,
+            )
+            return
+        start = 0
+        for f, fe in due:
+            self.batched[f.field] = answers[start : start + len(fe)]
+            start += len(fe)
 
     def fields_supported(self) -> tuple[tuple[str, bool], ...]:
         """(field, supported) for every field asked of this device, in reading order."""
@@ -240,23 +315,121 @@ def _processes(
 
 
 Reader = Callable[[Nvml, "ProcInfoCache | None", Any], Any]  # read(nvml, procinfo, handle)
+_NOT_SUPPORTED = nvml_mod.error_code("NOT_SUPPORTED")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Batched:
+    """How a field is read from ``nvmlDeviceGetFieldValues``: its ``(field id, scope id)``
+    entries on one device, and its value from their answers (each a value or the entry's
+    :class:`~gpu_exporter.nvml.NvmlError`; ``convert`` raises one to fail the field)."""
+
+    entries: Callable[[FieldReader], tuple[tuple[int, int], ...]]
+    convert: Callable[[list[Any]], Any]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Field:
     """One row of the field table: its name (``/gpus``' ``fields_updated``, the
     ``field`` label), the GpuSample attributes its value fills (a tuple value fills several),
-    how it is read, its cadence and its ``--collect.<group>``. One NVML call per read."""
+    how it is read, its cadence and its ``--collect.<group>``. One NVML call per read, or
+    one entry of its cadence's field-value batch (``batch``; ``read`` is then the getter it
+    falls back to, None where there is none)."""
 
     field: str
     names: tuple[str, ...]
-    read: Reader
+    read: Reader | None
     when: str = FAST
     group: str = CORE
+    batch: Batched | None = None
 
 
-def _f(field: str, names: tuple[str, ...] | str, read: Reader, when: str, group: str) -> Field:
-    return Field(field, (names,) if isinstance(names, str) else names, read, when, group)
+def _f(
+    field: str,
+    names: tuple[str, ...] | str,
+    read: Reader | None,
+    when: str,
+    group: str,
+    batch: Batched | None = None,
+) -> Field:
+    return Field(field, (names,) if isinstance(names, str) else names, read, when, group, batch)
+
+
+def _entries(*ids: str) -> Callable[[FieldReader], tuple[tuple[int, int], ...]]:
+    entries = tuple((FIELD_IDS[name], 0) for name in ids)
+    return lambda _r: entries
+
+
+def _every(convert: Callable[..., Any], *ids: str) -> Batched:
+    """Fields whose value needs every one of its entries: the first failing entry fails it."""
+
+    def values(answers: list[Any]) -> Any:
+        for a in answers:
+            if isinstance(a, NvmlError):
+                raise a
+        return convert(*answers)
+
+    return Batched(_entries(*ids), values)
+
+
+def _fv(field: str, name: str, read: Reader | None, when: str, group: str, *ids: str,
+        convert: Callable[..., Any] = lambda v: v) -> Field:  # fmt: skip
+    """A field read as field values ``ids`` (``convert`` to base units), else by ``read``."""
+    return _f(field, name, read, when, group, _every(convert, *ids))
+
+
+def _power_draw(average: Any, instant: Any) -> float:
+    """What nvmlDeviceGetPowerUsage reports (its header): the 1 s average on Ampere and
+    later except GA100, the instant value on the others."""
+    for answer in (average, instant):
+        if not isinstance(answer, NvmlError):
+            return float(answer) / 1000.0
+    raise instant
+
+
+def _link_count(n: int) -> int:
+    if n <= 0:
+        raise Unsupported(nvml_mod.FIELD_VALUES, _NOT_SUPPORTED, "no NVLink")
+    return n
+
+
+# Per NVLink, in this order: state, data transmitted and received (KiB), then the error
+# counters of model.NVLINK_ERRORS, each summed over the link's lanes.
+_NVLINK_IDS = (
+    "NVML_FI_DEV_NVLINK_GET_STATE",
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX",
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
+    "NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+    "NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+    "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
+    "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+)
+assert len(_NVLINK_IDS) == 3 + len(NVLINK_ERRORS)
+
+
+def _nvlink_entries(r: FieldReader) -> tuple[tuple[int, int], ...]:
+    links = int(r.static.get("nvlink_link_count") or 0)
+    return tuple((FIELD_IDS[name], link) for link in range(links) for name in _NVLINK_IDS)
+
+
+def _nvlinks(answers: list[Any]) -> tuple[NvLinkSample, ...]:
+    """Each link that answers anything, with what it answers: one failing link or counter
+    never hides the others; unsupported only when no entry of any link answers."""
+    got = [None if isinstance(a, NvmlError) else int(a) for a in answers]
+    if not any(v is not None for v in got):
+        errors = [a for a in answers if isinstance(a, NvmlError)]
+        failed = next((e for e in errors if not isinstance(e, Unsupported)), None)
+        raise failed or Unsupported(nvml_mod.FIELD_VALUES, _NOT_SUPPORTED, "no NVLink answers")
+    n = len(_NVLINK_IDS)
+    links = []
+    for link in range(len(got) // n):
+        state, tx, rx, flit, data, replay, recovery = got[link * n : (link + 1) * n]
+        if all(v is None for v in got[link * n : (link + 1) * n]):
+            continue
+        active = None if state is None else state == 1
+        sent, received = (None if v is None else v * 1024 for v in (tx, rx))
+        links.append(NvLinkSample(link, active, sent, received, flit, data, replay, recovery))
+    return tuple(links)
 
 
 def _m(field: str, name: str, when: str, group: str) -> Field:
@@ -281,12 +454,26 @@ def _clock(clock: str, maximum: bool = False) -> Field:
         (f"clock_max_{clock}", "max_clock_hz") if maximum else (f"clock_{clock}", "clock_hz")
     )
     read: Reader = lambda n, _, h: getattr(n, method)(h, clock)  # noqa: E731
-    return _f(name, f"{name}_hz", read, ONCE if maximum else FAST, "clocks")
+    return _f(name, f"{name}_hz", read, ONCE if maximum else _CLOCK_CADENCE[clock], "clocks")
+
+
+# The SM (and graphics, the same domain) clock shows throttling and boost from one second to
+# the next; the memory and video clocks move with the P-state, itself a slow field.
+_CLOCK_CADENCE = {"graphics": FAST, "sm": FAST, "memory": SLOW, "video": SLOW}
+
+
+_ECC_IDS = {  # corrected = single-bit, uncorrected = double-bit
+    ("corrected", "volatile"): "NVML_FI_DEV_ECC_SBE_VOL_TOTAL",
+    ("uncorrected", "volatile"): "NVML_FI_DEV_ECC_DBE_VOL_TOTAL",
+    ("corrected", "aggregate"): "NVML_FI_DEV_ECC_SBE_AGG_TOTAL",
+    ("uncorrected", "aggregate"): "NVML_FI_DEV_ECC_DBE_AGG_TOTAL",
+}
 
 
 def _ecc(error: str, counter: str) -> Field:
     name = f"ecc_errors_{error}_{counter}"
-    return _f(name, name, lambda n, _, h: n.ecc_errors(h, error, counter), SLOW, "health")
+    read: Reader = lambda n, _, h: n.ecc_errors(h, error, counter)  # noqa: E731
+    return _fv(name, name, read, SLOW, "health", _ECC_IDS[error, counter])
 
 
 def _threshold(t: str) -> Field:
@@ -302,7 +489,8 @@ def _link(what: str, link: str) -> Field:
 
 def _retired(cause: str) -> Field:
     name = f"retired_pages_{cause}"
-    return _f(name, name, lambda n, _, h: n.retired_pages(h, cause), SLOW, "health")
+    fid = "NVML_FI_DEV_RETIRED_SBE" if cause == "multiple_single_bit" else "NVML_FI_DEV_RETIRED_DBE"
+    return _fv(name, name, lambda n, _, h: n.retired_pages(h, cause), SLOW, "health", fid)
 
 
 _MEMORY_FIELDS = tuple(f"memory_{x}_bytes" for x in ("total", "used", "free", "reserved"))
@@ -316,19 +504,38 @@ MIG_FIELDS = (_f("memory", _MEMORY_FIELDS, _memory(False), FAST, CORE), _UTILIZA
 MIG_DEVICE_COUNT = _f(
     "mig_device_count", "mig_device_count", lambda n, _, h: n.max_mig_device_count(h), ONCE, CORE
 )
+# Field values in base units.
+_WATTS: Callable[[int], float] = lambda mw: mw / 1000.0  # noqa: E731
+_REMAPPED = (
+    "NVML_FI_DEV_REMAPPED_COR",
+    "NVML_FI_DEV_REMAPPED_UNC",
+    "NVML_FI_DEV_REMAPPED_PENDING",
+    "NVML_FI_DEV_REMAPPED_FAILURE",
+)
 # A whole GPU, in the order read (MIG mode before processes: in MIG mode, processes are
 # read per MIG device instead), then the once-fields. Kept as a table, not in ruff's layout.
 GPU_FIELDS = (
+    # First: the SLOW batch's NVLink entries need the link count (--collect.nvlink).
+    _f("nvlink_link_count", (), None, ONCE, "nvlink",
+       _every(_link_count, "NVML_FI_DEV_NVLINK_LINK_COUNT")),
     _f("memory", _MEMORY_FIELDS, _memory(True), FAST, CORE),
     _UTILIZATION,
     _m("mig_mode", "mig_mode_enabled", SLOW, CORE),
-    _m("power_draw", "power_draw_watts", FAST, "power"),
-    _m("power_limit", "power_limit_watts", SLOW, "power"),
+    _f("power_draw", "power_draw_watts", lambda n, _, h: n.power_draw_watts(h), FAST, "power",
+       Batched(_entries("NVML_FI_DEV_POWER_AVERAGE", "NVML_FI_DEV_POWER_INSTANT"),
+               lambda a: _power_draw(*a))),
+    _fv("power_limit", "power_limit_watts", lambda n, _, h: n.power_limit_watts(h), SLOW,
+        "power", "NVML_FI_DEV_POWER_CURRENT_LIMIT", convert=_WATTS),
     # Read as a health counter: one call takes ~3 ms on an H100 (docs/real-gpu.md), the
-    # other getters 2-10 µs; a counter loses nothing but resolution between two reads.
-    _m("energy", "energy_joules", SLOW, "power"),
-    _m("temperature", "temperature_celsius", FAST, "temperature"),
-    _m("fan_speed", "fan_speed_ratio", FAST, "temperature"),
+    # other getters 2-10 µs; a counter loses nothing but resolution between two reads. In
+    # the slow batch only: a batch costs what its slowest field costs.
+    _fv("energy", "energy_joules", lambda n, _, h: n.energy_joules(h), SLOW, "power",
+        "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", convert=lambda mj: mj / 1000.0),
+    _fv("temperature", "temperature_celsius", lambda n, _, h: n.temperature_celsius(h), FAST,
+        "temperature", "NVML_FI_DEV_GPU_TEMP", convert=float),
+    _fv("memory_temperature", "memory_temperature_celsius", None, FAST, "temperature",
+        "NVML_FI_DEV_MEMORY_TEMP", convert=float),
+    _m("fan_speed", "fan_speed_ratio", SLOW, "temperature"),
     *(_clock(clock) for clock in CLOCKS),
     _PROCESSES,
     _f("clocks_event_reasons", "clocks_event_reasons",
@@ -336,18 +543,24 @@ GPU_FIELDS = (
     _m("performance_state", "performance_state", SLOW, "clocks"),
     _m("persistence_mode", "persistence_mode_enabled", SLOW, "health"),
     _m("compute_mode", "compute_mode", SLOW, "health"),
-    _m("ecc_mode", "ecc_mode_enabled", SLOW, "health"),
+    _fv("ecc_mode", "ecc_mode_enabled", lambda n, _, h: n.ecc_mode_enabled(h), SLOW, "health",
+        "NVML_FI_DEV_ECC_CURRENT", convert=lambda v: v == 1),
     *(_ecc(error, counter) for error in ECC_ERRORS for counter in ECC_COUNTERS),
     _f("remapped_rows",
        tuple(f"remapped_rows_{x}" for x in ("correctable", "uncorrectable", "pending", "failed")),
-       lambda n, _, h: dataclasses.astuple(n.remapped_rows(h)), SLOW, "health"),
+       lambda n, _, h: dataclasses.astuple(n.remapped_rows(h)), SLOW, "health",
+       _every(lambda c, u, p, f: (c, u, p == 1, f == 1), *_REMAPPED)),
     *(_retired(cause) for cause in RETIREMENT_CAUSES),
-    _m("retired_pages_pending", "retired_pages_pending", SLOW, "health"),
+    _fv("retired_pages_pending", "retired_pages_pending",
+        lambda n, _, h: n.retired_pages_pending(h), SLOW, "health",
+        "NVML_FI_DEV_RETIRED_PENDING", convert=lambda v: v == 1),
     _link("generation", "current"),
     _link("width", "current"),
-    _m("pcie_replay_errors", "pcie_replay_errors", SLOW, "pcie"),
-    _m("encoder_utilization", "encoder_utilization_ratio", FAST, "media"),
-    _m("decoder_utilization", "decoder_utilization_ratio", FAST, "media"),
+    _fv("pcie_replay_errors", "pcie_replay_errors", lambda n, _, h: n.pcie_replay_errors(h),
+        SLOW, "pcie", "NVML_FI_DEV_PCIE_REPLAY_COUNTER"),
+    _f("nvlink", "nvlink", None, SLOW, "nvlink", Batched(_nvlink_entries, _nvlinks)),
+    _m("encoder_utilization", "encoder_utilization_ratio", SLOW, "media"),
+    _m("decoder_utilization", "decoder_utilization_ratio", SLOW, "media"),
     *(_clock(clock, maximum=True) for clock in CLOCKS),
     *(_threshold(t) for t in TEMPERATURE_THRESHOLDS),
     _m("power_limit_default", "power_limit_default_watts", ONCE, "power"),
@@ -356,6 +569,8 @@ GPU_FIELDS = (
     _link("generation", "max"),
     _link("width", "max"),
 )  # fmt: skip
+# The fields read from field-value batches (one nvmlDeviceGetFieldValues call per cadence).
+BATCHED = tuple(f for f in GPU_FIELDS if f.batch is not None)
 # Every field by name, whole GPU or MIG device.
 FIELDS: dict[str, Field] = {f.field: f for f in (*GPU_FIELDS, MIG_DEVICE_COUNT)}
 

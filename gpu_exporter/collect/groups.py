@@ -14,14 +14,19 @@ from gpu_exporter.collect.fields import FIELDS
 # node_exporter-style collector groups, in the order the flags and the README list them.
 GROUPS: dict[str, str] = {
     "power": "power draw, energy, power limits",
-    "temperature": "temperature, thresholds, fan speed",
+    "temperature": "temperature, memory temperature, thresholds, fan speed",
     "clocks": "clocks, max clocks, clocks event reasons, P-state",
     "health": "ECC mode and errors, remapped rows, retired pages, persistence and compute mode",
     "pcie": "PCIe link generation and width, replay errors",
     "media": "encoder and decoder utilization",
+    "nvlink": "NVLink state, data and error counters per link",
     "processes": "compute processes (process series, lease attribution by arrival)",
     "xid": "the Xid event listener (one thread, not per sample)",
 }
+
+# Groups off unless asked for with --collect.<group>: NVLink is 7 series per link (84 on an
+# A100-SXM4, 126 on an H100 SXM), more than the rest of a GPU's series together.
+OFF_BY_DEFAULT: tuple[str, ...] = ("nvlink",)
 
 
 def parse_disabled(names: Iterable[str]) -> frozenset[str]:
@@ -38,3 +43,9 @@ def parse_disabled(names: Iterable[str]) -> frozenset[str]:
 def fields_of(group: str, when: str | None = None) -> tuple[str, ...]:
     """The fields of one group (optionally of one cadence): one NVML call each per read."""
     return tuple(name for name, f in FIELDS.items() if f.group == group and when in (None, f.when))
+
+
+def getter_fields(group: str, when: str | None = None) -> tuple[str, ...]:
+    """The fields of one group (and cadence) read by a getter of their own, one NVML call
+    each; the others are entries of their cadence's field-value batch."""
+    return tuple(f for f in fields_of(group, when) if FIELDS[f].batch is None)

@@ -24,8 +24,10 @@ from gpu_exporter.collect.fields import (
     read_values,
     with_processes,
 )
+from gpu_exporter.collect.groups import OFF_BY_DEFAULT
 from gpu_exporter.collect.procinfo import ProcInfoCache
-from gpu_exporter.model import GpuSample
+from gpu_exporter.counters import MonotonicCounters
+from gpu_exporter.model import NVLINK_ERRORS, GpuSample, NvLinkSample
 from gpu_exporter.nvml import GpuLost, Nvml, NvmlError, NvmlUnavailable
 
 _T = TypeVar("_T")
@@ -62,11 +64,15 @@ class GpuIdentity:
     slow: tuple[tuple[str, Any], ...] = ()
     # Until the next slow read: the sample less its fast fields (see fields.Carry).
     carry: Carry | None = None
+    # nvmlDeviceGetHandleByIndex's answer, asked once: valid until NVML is shut down (the
+    # sampler then drops every identity) or the GPU is lost (forget_values).
+    handle: Any = None
 
     def forget_values(self) -> GpuIdentity:
-        """The identity of a GPU that went down: its name stays, its remembered values go,
-        so they are read again once it answers (after a reset they may differ)."""
-        return dataclasses.replace(self, static=(), slow=(), mig=(), carry=None)
+        """The identity of a GPU that went down: its name stays, its remembered values and
+        its handle go, so they are asked again once it answers (after a reset they may
+        differ)."""
+        return dataclasses.replace(self, static=(), slow=(), mig=(), carry=None, handle=None)
 
 
 def _read_mig_devices(
@@ -129,8 +135,9 @@ def read_gpu(
     *,
     procinfo: ProcInfoCache | None = None,
     slow_due: bool = True,
-    disabled: frozenset[str] = frozenset(),
+    disabled: frozenset[str] = frozenset(OFF_BY_DEFAULT),
     seen_at: float | None = None,
+    counters: MonotonicCounters | None = None,
 ) -> tuple[GpuSample, GpuIdentity | None]:
     """One GPU's sample (with its MIG devices and processes), and its identity for next
     time. Never raises for GPU-level errors.
@@ -138,17 +145,24 @@ def read_gpu(
     ``procinfo`` attributes processes from /proc (``--process-labels``); None reads nothing.
     ``slow_due``: read the slow fields now (else their values of the last slow read are
     reused, and only the fast fields are called); ``disabled``: the ``--collect.<group>``
-    groups not read at all; ``seen_at``: the sample's ``last_seen_seconds`` if it answers.
+    groups not read at all; ``seen_at``: the sample's ``last_seen_seconds`` if it answers;
+    ``counters``: keeps the NVLink counters from going backwards across driver resets (the
+    sampler's, for the process's life; None exports NVML's own counts).
     """
     known_uuid = identity.uuid if identity else ""
     try:
-        # Asked every sample (one call), although valid until shutdown: a lost GPU is
-        # reported as lost by this call, and the error counted under it.
-        handle = nvml.handle(index)
-        if identity is None:
-            identity = GpuIdentity(
-                nvml.uuid(handle), optional(nvml.name, handle), optional(nvml.pci_bus_id, handle)
-            )
+        handle = identity.handle if identity is not None else None
+        if handle is None:  # once per GPU, NVML initialisation and loss (issue 31)
+            handle = nvml.handle(index)
+            if identity is None:
+                identity = GpuIdentity(
+                    nvml.uuid(handle),
+                    optional(nvml.name, handle),
+                    optional(nvml.pci_bus_id, handle),
+                    handle=handle,
+                )
+            else:
+                identity = dataclasses.replace(identity, handle=handle)
     except NvmlUnavailable:
         raise
     except NvmlError as exc:
@@ -157,6 +171,7 @@ def read_gpu(
             index=index, uuid=known_uuid, up=False, error=str(exc), down_reason=reason
         )
         return sample, identity.forget_values() if identity is not None else None
+    assert identity is not None
 
     r = FieldReader(
         handle,
@@ -189,6 +204,9 @@ def read_gpu(
             mig=tuple(mig_seen.items()),
             carry=carry,
         )
+    values = with_processes(r.values)
+    if counters is not None and values.get("nvlink"):
+        values = {**values, "nvlink": monotonic_nvlinks(counters, identity.uuid, values["nvlink"])}
     sample = GpuSample(
         index=index,
         uuid=identity.uuid,
@@ -199,9 +217,30 @@ def read_gpu(
         last_seen_seconds=seen_at,
         mig_devices=mig_devices,
         fields_supported=r.fields_supported(),
-        **with_processes(r.values),
+        **values,
     )
     return sample, identity
+
+
+def monotonic_nvlinks(
+    counters: MonotonicCounters, uuid: str, links: tuple[NvLinkSample, ...]
+) -> tuple[NvLinkSample, ...]:
+    """``links`` with each counter as :class:`MonotonicCounters` keeps it (the carried raw
+    readings are passed again between slow reads: an unchanged reading is unchanged)."""
+
+    def kept(link: int, kind: str, reading: int | None) -> int | None:
+        return None if reading is None else counters.value((uuid, link, kind), reading)
+
+    return tuple(
+        NvLinkSample(
+            n.link,
+            n.active,
+            kept(n.link, "transmit", n.transmit_bytes),
+            kept(n.link, "receive", n.receive_bytes),
+            *(kept(n.link, e, v) for e, v in zip(NVLINK_ERRORS, n.errors(), strict=True)),
+        )
+        for n in links
+    )
 
 
 def optional(fn: Callable[[Any], _T], handle: Any) -> _T | None:

@@ -21,9 +21,11 @@ from typing import cast
 from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.collect.fields import FIELDS, UnsupportedFields
+from gpu_exporter.collect.groups import OFF_BY_DEFAULT
 from gpu_exporter.collect.nvmlsession import NvmlSession
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.collect.read import DOWN_TIMEOUT, GpuIdentity, down_sample, read_gpu
+from gpu_exporter.counters import MonotonicCounters
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.nvml import Nvml, NvmlUnavailable
 
@@ -91,7 +93,7 @@ class Sampler:
         clock: Clock | None = None,
         procinfo: ProcInfoCache | None = None,
         slow_interval_seconds: float = DEFAULT_SLOW_INTERVAL_SECONDS,
-        disabled: frozenset[str] = frozenset(),
+        disabled: frozenset[str] = frozenset(OFF_BY_DEFAULT),
     ) -> None:
         self.nvml = nvml
         self.cache = cache
@@ -112,6 +114,8 @@ class Sampler:
         self._unsupported: UnsupportedFields = set()
         self._slow_read_at: dict[int, float] = {}  # GPU index → sampler clock of its slow read
         self._last_seen: dict[int, float] = {}  # GPU index → wall clock it last answered
+        # NVLink counters as exported: never backwards, for the process's life.
+        self._counters = MonotonicCounters()
         # The threads: the reader making calls now, those stuck in one by GPU (or LIBRARY).
         self._reader: _Reader | None = None
         self._stuck: dict[int, _Reader] = {}
@@ -325,6 +329,7 @@ class Sampler:
             slow_due=slow_due,
             disabled=self.disabled,
             seen_at=work.wall,
+            counters=self._counters,
         )
         return sample, identity, slow_due
 

@@ -8,18 +8,25 @@ equal to both; ``python -m gpu_exporter.export.readme`` prints them.
 from __future__ import annotations
 
 from gpu_exporter.collect.fields import CORE, FAST, ONCE, SLOW
-from gpu_exporter.collect.groups import GROUPS, fields_of
+from gpu_exporter.collect.groups import GROUPS, OFF_BY_DEFAULT, getter_fields
 from gpu_exporter.export.spec import METRICS, PROCESS_MEMORY
 from gpu_exporter.model import CLOCKS_EVENT_REASONS, PROCESS_LABELS
 
 # Series one A100-like GPU has per group (process series: one per process, not counted).
 _SERIES: dict[str, int] = {
     "power": 6,  # draw, energy, limit, default, min, max
-    "temperature": 1 + 4 + 1,  # temperature, 4 thresholds, fan (absent on passive cards)
+    # temperature, memory temperature, 4 thresholds, fan (absent on passive cards)
+    "temperature": 1 + 1 + 4 + 1,
     "clocks": 4 + 4 + len(CLOCKS_EVENT_REASONS) + 1,  # clocks, max clocks, reasons, P-state
     "health": 3 + 4 + 2 + 2 + 2 + 1,  # modes, ECC, remapped rows (2 + 2), retired pages (2 + 1)
     "pcie": 2 + 2 + 1,
     "media": 2,
+}
+_SERIES_TEXT = {
+    "": "7",
+    "processes": "1, + 1 per process",
+    "xid": "1 per Xid code seen, + 1",
+    "nvlink": "7 per link (84 on an A100-SXM4)",
 }
 
 
@@ -56,15 +63,21 @@ def groups_table(interval_seconds: float = 1.0, slow_interval_seconds: float = 3
         "per --slow-interval | once | per minute | Series per GPU |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    core = "the handle, memory, utilization, MIG mode, identity"
+    core = (
+        "memory, utilization, MIG mode, identity and the handle (once), one field-value "
+        "batch per cadence (the fields of the other groups NVML offers as field values)"
+    )
     for name, what in {CORE: core, **GROUPS}.items():
-        fast, slow, once = (len(fields_of(name, when)) for when in (FAST, SLOW, ONCE))
-        if not name:  # and the handle every sample, the identity (UUID, name, bus id) once
-            fast, once = fast + 1, once + 3
+        # One call per field read by its own getter; batched fields are in the core row's
+        # batch calls (one per cadence that has any).
+        fast, slow, once = (len(getter_fields(name, when)) for when in (FAST, SLOW, ONCE))
+        if not name:  # the batches, and the identity (UUID, name, bus id) and handle once
+            fast, slow, once = fast + 1, slow + 1, once + 4
         per_minute = fast * 60 / interval_seconds + slow * 60 / slow_interval_seconds
         flag = f"`--no-collect.{name}`" if name else "— (always)"
-        series = {"": "7", "processes": "1, + 1 per process", "xid": "1 per Xid code seen, + 1"}
-        series_text = series.get(name) or str(_SERIES[name])
+        if name in OFF_BY_DEFAULT:
+            flag = f"`--collect.{name}` (off by default)"
+        series_text = _SERIES_TEXT.get(name) or str(_SERIES[name])
         rows.append(
             f"| {name or 'core'} | {flag} | {what} | {fast} | {slow} | {once} "
             f"| {per_minute:g} | {series_text} |"

@@ -28,6 +28,7 @@ from gpu_exporter.model import (
     CLOCKS_EVENT_REASONS,
     ECC_COUNTERS,
     ECC_ERRORS,
+    NVLINK_ERRORS,
     PCIE_LINKS,
     PROCESS_LABELS,
     RETIREMENT_CAUSES,
@@ -137,6 +138,28 @@ def _compute_mode(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
         yield (gpu.compute_mode,), 1.0
 
 
+def _via(fields: str, getter: str) -> str:
+    """The source of a value read as a field value, else by its getter (issue 31)."""
+    return f"nvmlDeviceGetFieldValues (NVML_FI_DEV_{fields}), else {getter}"
+
+
+def _nvlink(attribute: str) -> Values:
+    def values(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+        for link in gpu.nvlink or ():
+            value = getattr(link, attribute)
+            if value is not None:
+                yield (str(link.link),), float(value)
+
+    return values
+
+
+def _nvlink_errors(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+    for link in gpu.nvlink or ():
+        for error, value in zip(NVLINK_ERRORS, link.errors(), strict=True):
+            if value is not None:
+                yield (str(link.link), error), float(value)
+
+
 def _ecc_errors(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
     for error in ECC_ERRORS:
         for counter in ECC_COUNTERS:
@@ -205,15 +228,20 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
          "Fraction of the last sample period (0-1) in which device memory was read or written.",
          "nvmlDeviceGetUtilizationRates", "memory_utilization_ratio", "ratio", mig=True),
     _gpu("gpu_power_draw_watts", "Power draw of the whole board.",
-         "nvmlDeviceGetPowerUsage", "power_draw_watts", "watts"),
+         _via("POWER_AVERAGE/INSTANT", "nvmlDeviceGetPowerUsage"), "power_draw_watts", "watts"),
     _gpu("gpu_power_limit_watts", "Power limit the driver enforces.",
-         "nvmlDeviceGetEnforcedPowerLimit", "power_limit_watts", "watts"),
+         _via("POWER_CURRENT_LIMIT", "nvmlDeviceGetEnforcedPowerLimit"),
+         "power_limit_watts", "watts"),
     _gpu("gpu_power_limit_default_watts", "Power limit the board ships with.",
          "nvmlDeviceGetPowerManagementDefaultLimit", "power_limit_default_watts", "watts"),
     _gpu("gpu_energy_joules_total", "Energy consumed since the driver was loaded.",
-         "nvmlDeviceGetTotalEnergyConsumption", "energy_joules", "joules", type="counter"),
+         _via("TOTAL_ENERGY_CONSUMPTION", "nvmlDeviceGetTotalEnergyConsumption"),
+         "energy_joules", "joules", type="counter"),
     _gpu("gpu_temperature_celsius", "GPU core temperature.",
-         "nvmlDeviceGetTemperature", "temperature_celsius", "celsius"),
+         _via("GPU_TEMP", "nvmlDeviceGetTemperature"), "temperature_celsius", "celsius"),
+    _gpu("gpu_memory_temperature_celsius", "Memory (HBM) temperature.",
+         "nvmlDeviceGetFieldValues (NVML_FI_DEV_MEMORY_TEMP)", "memory_temperature_celsius",
+         "celsius"),
     _labelled("gpu_temperature_threshold_celsius",
               "Temperatures at which the GPU slows down, shuts down, and the highest GPU and "
               "memory temperatures for normal operation.",
@@ -245,31 +273,33 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
                (*GPU_LABELS, "mode"), "nvmlDeviceGetComputeMode",
                unit="1 (info)", values=_compute_mode, **_read_as("compute_mode")),
     _gpu("gpu_ecc_mode_enabled", "1 if ECC is on for the frame-buffer memory.",
-         "nvmlDeviceGetEccMode", "ecc_mode_enabled", "0/1"),
+         _via("ECC_CURRENT", "nvmlDeviceGetEccMode"), "ecc_mode_enabled", "0/1"),
     MetricSpec("gpu_ecc_errors_total", "counter",
                "Memory ECC errors: corrected or uncorrected, since the driver loaded (volatile) or "
                "over the card's life (aggregate)." + SAMPLED,
-               (*GPU_LABELS, "error", "counter"), "nvmlDeviceGetTotalEccErrors",
+               (*GPU_LABELS, "error", "counter"),
+               _via("ECC_*_TOTAL", "nvmlDeviceGetTotalEccErrors"),
                unit="errors", values=_ecc_errors, **_read_as("ecc_errors_corrected_volatile")),
     _labelled("gpu_remapped_rows_total",
               "Memory rows remapped because of correctable or uncorrectable errors (Ampere and "
               "later).",
-              "cause", "nvmlDeviceGetRemappedRows", "rows",
+              "cause", _via("REMAPPED_*", "nvmlDeviceGetRemappedRows"), "rows",
               (("correctable", "remapped_rows_correctable"),
                ("uncorrectable", "remapped_rows_uncorrectable")), type="counter"),
     _gpu("gpu_remapped_rows_pending",
          "1 if a row remapping is pending: reset the GPU to apply it.",
-         "nvmlDeviceGetRemappedRows", "remapped_rows_pending", "0/1"),
+         _via("REMAPPED_PENDING", "nvmlDeviceGetRemappedRows"), "remapped_rows_pending", "0/1"),
     _gpu("gpu_remapped_rows_failed", "1 if a row remapping failed: the GPU needs service.",
-         "nvmlDeviceGetRemappedRows", "remapped_rows_failed", "0/1"),
+         _via("REMAPPED_FAILURE", "nvmlDeviceGetRemappedRows"), "remapped_rows_failed", "0/1"),
     _labelled("gpu_retired_pages_total",
               "Memory pages retired for multiple single-bit or for double-bit ECC errors "
               "(before Ampere).",
-              "cause", "nvmlDeviceGetRetiredPages", "pages",
+              "cause", _via("RETIRED_SBE/DBE", "nvmlDeviceGetRetiredPages"), "pages",
               tuple((c, f"retired_pages_{c}") for c in RETIREMENT_CAUSES), type="counter"),
     _gpu("gpu_retired_pages_pending",
          "1 if a page retirement is pending: reboot or reset to apply it.",
-         "nvmlDeviceGetRetiredPagesPendingStatus", "retired_pages_pending", "0/1"),
+         _via("RETIRED_PENDING", "nvmlDeviceGetRetiredPagesPendingStatus"),
+         "retired_pages_pending", "0/1"),
     _labelled("gpu_pcie_link_generation",
               "PCIe link generation: current (idle links drop to a lower one) and max.",
               "link", "nvmlDeviceGetCurrPcieLinkGeneration, nvmlDeviceGetMaxPcieLinkGeneration",
@@ -281,7 +311,37 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
               tuple((link, f"pcie_link_width_{link}") for link in PCIE_LINKS)),
     _gpu("gpu_pcie_replay_errors_total",
          "PCIe replays (retransmissions after link errors) since the driver loaded.",
-         "nvmlDeviceGetPcieReplayCounter", "pcie_replay_errors", "replays", type="counter"),
+         _via("PCIE_REPLAY_COUNTER", "nvmlDeviceGetPcieReplayCounter"),
+         "pcie_replay_errors", "replays", type="counter"),
+    MetricSpec("gpu_nvlink_up", "gauge",
+               "1 for each NVLink that is active, 0 for one that is not." + SAMPLED,
+               (*GPU_LABELS, "link"), "nvmlDeviceGetFieldValues (NVML_FI_DEV_NVLINK_GET_STATE)",
+               unit="0/1", values=_nvlink("active"), default="no: --collect.nvlink",
+               **_read_as("nvlink"),
+               details="Absent on cards without NVLink."),
+    MetricSpec("gpu_nvlink_transmit_bytes_total", "counter",
+               "Data sent over each NVLink (payload, without protocol overhead)." + SAMPLED,
+               (*GPU_LABELS, "link"),
+               "nvmlDeviceGetFieldValues (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX)",
+               unit="bytes", values=_nvlink("transmit_bytes"), default="no: --collect.nvlink",
+               **_read_as("nvlink"),
+               details="Never goes backwards: a driver reset of the counter restarts it from "
+               "the exported value. rate() gives bytes/second."),
+    MetricSpec("gpu_nvlink_receive_bytes_total", "counter",
+               "Data received over each NVLink (payload, without protocol overhead)." + SAMPLED,
+               (*GPU_LABELS, "link"),
+               "nvmlDeviceGetFieldValues (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)",
+               unit="bytes", values=_nvlink("receive_bytes"), default="no: --collect.nvlink",
+               **_read_as("nvlink")),
+    MetricSpec("gpu_nvlink_errors_total", "counter",
+               "NVLink errors per link: crc_flit (flow-control CRC), crc_data, replay, "
+               "recovery." + SAMPLED,
+               (*GPU_LABELS, "link", "error"),
+               "nvmlDeviceGetFieldValues (NVML_FI_DEV_NVLINK_*_ERROR_COUNT_TOTAL)",
+               unit="errors", values=_nvlink_errors, default="no: --collect.nvlink",
+               **_read_as("nvlink"),
+               details="Summed over the link's lanes; never goes backwards (as the byte "
+               "counters)."),
     _gpu("gpu_encoder_utilization_ratio", "Fraction of time (0-1) the video encoder was busy.",
          "nvmlDeviceGetEncoderUtilization", "encoder_utilization_ratio", "ratio"),
     _gpu("gpu_decoder_utilization_ratio", "Fraction of time (0-1) the video decoder was busy.",

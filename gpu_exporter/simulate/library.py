@@ -133,15 +133,8 @@ class SimulatedMachine:
         any call before nvmlInit, and what this card (or a MIG handle) does not answer."""
         with self._lock:
             self.calls[function] = self.calls.get(function, 0) + 1
-        t = self.elapsed()
         parent = gpu.parent if isinstance(gpu, SimMig) else gpu
-        index = parent.index if parent is not None else None
-        for fault in self.faults:
-            if fault.active(t) and fault.matches(function, index):
-                if fault.error == HANG:
-                    self._release.wait(fault.hang_seconds)
-                    continue
-                raise nvml.make_error(nvml.error_code(fault.error))
+        self._faults(function, parent.index if parent is not None else None)
         if function != "nvmlInit" and not self.initialised:
             raise nvml.make_error(nvml.error_code("UNINITIALIZED"))
         if parent is None:
@@ -152,6 +145,16 @@ class SimulatedMachine:
             raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
         if isinstance(gpu, SimMig) and function not in MIG_FUNCTIONS:
             raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+
+    def _faults(self, function: str, index: int | None) -> None:
+        """Apply the faults due now to ``function`` on GPU ``index``: hang, or raise."""
+        t = self.elapsed()
+        for fault in self.faults:
+            if fault.active(t) and fault.matches(function, index):
+                if fault.error == HANG:
+                    self._release.wait(fault.hang_seconds)
+                    continue
+                raise nvml.make_error(nvml.error_code(fault.error))
 
     def _gpu(self, function: str, handle: SimGpu | SimMig) -> SimGpu:
         """Check a call that only a whole GPU answers, and return that GPU."""
@@ -331,6 +334,62 @@ class SimulatedNvml(SimulatedMachine):
             return s.pcie_tx_kb_per_second
         return s.pcie_rx_kb_per_second
 
+    # -- field values (issue 31) -------------------------------------------------------------
+    def nvmlDeviceGetFieldValues(
+        self, handle: SimGpu | SimMig, field_ids: list[tuple[int, int]]
+    ) -> list[SimpleNamespace]:
+        """Each (field id, scope id) entry answered alone, as the driver does: its value, or
+        the error of the getter the model refuses for the same value."""
+        gpu = self._gpu("nvmlDeviceGetFieldValues", handle)
+        out = []
+        for field_id, scope in field_ids:
+            try:
+                value_type, value = self._field_value(gpu, field_id, scope)
+                code = 0
+            except Exception as exc:  # a pynvml error: that entry's nvmlReturn
+                if not hasattr(exc, "value"):
+                    raise
+                value_type, value, code = 3, 0, int(exc.value)
+            member = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")[value_type]
+            out.append(
+                SimpleNamespace(
+                    fieldId=field_id,
+                    scopeId=scope,
+                    nvmlReturn=code,
+                    valueType=value_type,
+                    value=SimpleNamespace(**{member: value}),
+                )
+            )
+        return out
+
+    def _field_value(self, gpu: SimGpu, field_id: int, scope: int) -> tuple[int, float]:
+        """(nvmlValueType_t, value) of one field of ``gpu``; raises a pynvml error."""
+        name = nvml.FIELD_NAMES.get(field_id, "")
+        getter = _FIELD_GETTERS.get(name)
+        if getter is not None:  # the same value: the getter's faults and refusals apply
+            self._faults(getter, gpu.index)
+            if getter in gpu.model.unsupported or getter in gpu.unsupported:
+                raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+        if name in _FIELD_READINGS:
+            return 3, _FIELD_READINGS[name](self, gpu)
+        if name == "NVML_FI_DEV_GPU_TEMP":
+            return 0, float(self.state(gpu.index).temperature_c)
+        if name == "NVML_FI_DEV_MEMORY_TEMP" and gpu.model.memory_temperature:
+            return 1, self.state(gpu.index).temperature_c + 6
+        links = gpu.model.nvlinks
+        if name == "NVML_FI_DEV_NVLINK_LINK_COUNT" and links:
+            return 1, links
+        if name.startswith("NVML_FI_DEV_NVLINK_") and links:
+            if scope >= links:
+                raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+            if name == "NVML_FI_DEV_NVLINK_GET_STATE":
+                return 1, 1
+            if "THROUGHPUT" in name:  # KiB since the start: ~0.2 GB/s a link, rx a bit more
+                rate = 200_000 + 1_000 * scope + (50_000 if name.endswith("RX") else 0)
+                return 3, int(self.elapsed() * rate)
+            return 3, 0  # error counters: a healthy link
+        raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+
     # -- MIG -------------------------------------------------------------------------------------
     def nvmlDeviceGetMigDeviceHandleByIndex(self, gpu: SimGpu, index: int) -> SimMig:
         gpu = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", gpu)
@@ -449,3 +508,45 @@ _READINGS: dict[str, Callable[[SimulatedNvml, SimGpu], Any]] = {
 }
 for _name, _read in _READINGS.items():
     setattr(SimulatedNvml, _name, _reading(_name, _read))
+
+# Field values that are a getter's value in another unit or shape: the getter whose refusal
+# (the model's unsupported set) refuses the field too, and the value in the field's unit.
+_FIELD_GETTERS: dict[str, str] = {
+    "NVML_FI_DEV_POWER_AVERAGE": "nvmlDeviceGetPowerUsage",
+    "NVML_FI_DEV_POWER_INSTANT": "nvmlDeviceGetPowerUsage",
+    "NVML_FI_DEV_POWER_CURRENT_LIMIT": "nvmlDeviceGetEnforcedPowerLimit",
+    "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": "nvmlDeviceGetTotalEnergyConsumption",
+    "NVML_FI_DEV_GPU_TEMP": "nvmlDeviceGetTemperature",
+    "NVML_FI_DEV_ECC_CURRENT": "nvmlDeviceGetEccMode",
+    **dict.fromkeys(
+        (f"NVML_FI_DEV_ECC_{b}_{c}_TOTAL" for b in ("SBE", "DBE") for c in ("VOL", "AGG")),
+        "nvmlDeviceGetTotalEccErrors",
+    ),
+    "NVML_FI_DEV_RETIRED_SBE": "nvmlDeviceGetRetiredPages",
+    "NVML_FI_DEV_RETIRED_DBE": "nvmlDeviceGetRetiredPages",
+    "NVML_FI_DEV_RETIRED_PENDING": "nvmlDeviceGetRetiredPagesPendingStatus",
+    **dict.fromkeys(
+        (f"NVML_FI_DEV_REMAPPED_{x}" for x in ("COR", "UNC", "PENDING", "FAILURE")),
+        "nvmlDeviceGetRemappedRows",
+    ),
+    "NVML_FI_DEV_PCIE_REPLAY_COUNTER": "nvmlDeviceGetPcieReplayCounter",
+}
+_FIELD_READINGS: dict[str, Callable[[SimulatedNvml, SimGpu], Any]] = {
+    "NVML_FI_DEV_POWER_AVERAGE": lambda m, g: m.state(g.index).power_usage_mw,
+    "NVML_FI_DEV_POWER_INSTANT": lambda m, g: m.state(g.index).power_usage_mw,
+    "NVML_FI_DEV_POWER_CURRENT_LIMIT": lambda m, g: m.state(g.index).power_limit_mw,
+    "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": lambda m, g: m.energy_mj(g.index),
+    "NVML_FI_DEV_ECC_CURRENT": lambda m, g: 1,
+    "NVML_FI_DEV_ECC_SBE_VOL_TOTAL": lambda m, g: g.health.ecc_corrected_volatile,
+    "NVML_FI_DEV_ECC_DBE_VOL_TOTAL": lambda m, g: g.health.ecc_uncorrected_volatile,
+    "NVML_FI_DEV_ECC_SBE_AGG_TOTAL": lambda m, g: g.health.ecc_corrected_aggregate,
+    "NVML_FI_DEV_ECC_DBE_AGG_TOTAL": lambda m, g: g.health.ecc_uncorrected_aggregate,
+    "NVML_FI_DEV_RETIRED_SBE": lambda m, g: g.health.retired_pages_multiple_single_bit,
+    "NVML_FI_DEV_RETIRED_DBE": lambda m, g: g.health.retired_pages_double_bit,
+    "NVML_FI_DEV_RETIRED_PENDING": lambda m, g: int(g.health.retired_pages_pending),
+    "NVML_FI_DEV_REMAPPED_COR": lambda m, g: g.health.remapped_rows_correctable,
+    "NVML_FI_DEV_REMAPPED_UNC": lambda m, g: g.health.remapped_rows_uncorrectable,
+    "NVML_FI_DEV_REMAPPED_PENDING": lambda m, g: int(g.health.remapped_rows_pending),
+    "NVML_FI_DEV_REMAPPED_FAILURE": lambda m, g: int(g.health.remapped_rows_failed),
+    "NVML_FI_DEV_PCIE_REPLAY_COUNTER": lambda m, g: g.health.pcie_replays,
+}

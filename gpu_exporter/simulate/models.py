@@ -42,6 +42,10 @@ class Model:
     # (shutdown, slowdown, memory max, GPU max) in °C
     temperature_thresholds: tuple[int, int, int, int] = (92, 89, 95, 87)
     supported_events: int = _EVENTS_ALL
+    # NVLinks (issue 25): an SXM board's; PCIe cards have none (NVML: NOT_SUPPORTED).
+    nvlinks: int = 0
+    # The memory's own sensor (NVML_FI_DEV_MEMORY_TEMP): HBM cards report it.
+    memory_temperature: bool = False
 
 
 # nvmlDeviceGetRetiredPages*: Ampere and later retire rows instead (RemappedRows); before
@@ -67,22 +71,23 @@ _A100_40_MIG = {
 MODELS: dict[str, Model] = {
     "NVIDIA A100-SXM4-80GB": Model(
         80 * GIB, 534 * MIB, 400.0, 55.0, 1410, 1593, _NO_FAN | _NO_PAGES,
-        mig_profiles=_A100_80_MIG,
+        mig_profiles=_A100_80_MIG, nvlinks=12, memory_temperature=True,
     ),
     "NVIDIA A100-PCIE-40GB": Model(
         40 * GIB, 446 * MIB, 250.0, 35.0, 1410, 1215, _NO_FAN | _NO_PAGES,
-        mig_profiles=_A100_40_MIG,
+        mig_profiles=_A100_40_MIG, memory_temperature=True,
     ),
     "NVIDIA H100 80GB HBM3": Model(
         80 * GIB, 567 * MIB, 700.0, 70.0, 1980, 2619, _NO_FAN | _NO_PAGES,
-        mig_profiles=_A100_80_MIG, pcie_generation=5,
+        mig_profiles=_A100_80_MIG, pcie_generation=5, nvlinks=18, memory_temperature=True,
     ),
     "NVIDIA L4": Model(
         23034 * MIB, 374 * MIB, 72.0, 16.0, 2040, 6251, _NO_FAN | _NO_PAGES | _NO_MIG
     ),
     "Tesla V100-SXM2-16GB": Model(
         16 * GIB, 305 * MIB, 300.0, 40.0, 1530, 877,
-        _NO_FAN | _NO_MIG | {"nvmlDeviceGetRemappedRows"}, pcie_generation=3,
+        _NO_FAN | _NO_MIG | {"nvmlDeviceGetRemappedRows"}, pcie_generation=3, nvlinks=6,
+        memory_temperature=True,
     ),
     "NVIDIA GeForce RTX 4090": Model(
         24 * GIB, 400 * MIB, 450.0, 20.0, 2520, 10501,

@@ -130,6 +130,9 @@ class FakeGpu:
     # library's defaults are a healthy A100-SXM4-80GB.
     health: dict[str, int | str] = field(default_factory=dict)
     xids: tuple[int, ...] = ()  # Xid events, each delivered once to a waiting event set
+    # NVLinks (field values only): link → (state, tx KiB, rx KiB, CRC flit, CRC data, replay,
+    # recovery); with ``health={"nvlink_links": N}``, links not listed are active and at 0.
+    nvlinks: dict[int, tuple[int, int, int, int, int, int, int]] = field(default_factory=dict)
 
     def lines(self, index: int | str) -> list[str]:
         out = []
@@ -158,6 +161,7 @@ class FakeGpu:
             out.append(f"{index} synthetic_processes {n} {used}")
         out += [f"{index} {key} {value}" for key, value in self.health.items()]
         out += [f"{index} xid {xid}" for xid in self.xids]
+        out += [f"{index} nvlink {k} {' '.join(map(str, v))}" for k, v in self.nvlinks.items()]
         out += [f"{index} error {fn} {err}" for fn, err in self.errors.items()]
         out += [f"{index} hang {fn} {seconds:g}" for fn, seconds in self.hangs.items()]
         return out

@@ -49,6 +49,18 @@
  *   xid CODE                                    one more Xid event for nvmlEventSetWait_v2: a
  *                                               waiting set gets each configured event once
  *
+ * ... and what nvmlDeviceGetFieldValues answers besides the getters' values (issue 31):
+ *   memory_temperature_c                        NVML_FI_DEV_MEMORY_TEMP (default 35)
+ *   nvlink_links N                              NVLinks (default 0: NOT_SUPPORTED, a PCIe card)
+ *   nvlink LINK STATE TX_KIB RX_KIB CRC_FLIT CRC_DATA REPLAY RECOVERY
+ *                                               one link's state and counters (default:
+ *                                               active, all 0)
+ *   error field:ID ERROR                        that entry alone answers ERROR (the call
+ *                                               succeeds); "error nvmlDeviceGetFieldValues
+ *                                               ERROR" fails the whole call
+ * A field that is a getter's value in another shape answers as that getter would: its
+ * error rule fails the entry, its hang rule holds the whole call.
+ *
  * If $FAKENVML_STATS names a file, it is created (or truncated) at load time and holds one
  * 64-byte record per exported function, {char name[56]; uint64_t calls;}, counted with
  * atomic increments through a shared mapping, so another process can read the counts at
@@ -78,6 +90,7 @@
 #define SYNTHETIC_PID_BASE 4000000u
 #define MAX_XIDS 64
 #define MAX_EVENT_SETS 16
+#define MAX_NVLINKS NVML_NVLINK_MAX_LINKS
 
 struct rule {
     char function[64]; /* "*" matches every per-GPU function */
@@ -112,6 +125,10 @@ struct gpu {
     unsigned long long xids[MAX_XIDS];
     unsigned int process_count;
     nvmlProcessInfo_t *processes;
+    /* Field values only (issue 31): memory temperature, NVLinks. */
+    unsigned int memory_temperature_c;
+    unsigned int nvlink_links;
+    unsigned long long nvlink[MAX_NVLINKS][7]; /* state, tx KiB, rx KiB, 4 error counters */
     struct rule rules[MAX_RULES];
     int rule_count;
 };
@@ -192,7 +209,8 @@ static int loaded;
     X(nvmlDeviceRegisterEvents)                                                                 \
     X(nvmlEventSetCreate)                                                                       \
     X(nvmlEventSetWait_v2)                                                                      \
-    X(nvmlEventSetFree)
+    X(nvmlEventSetFree)                                                                         \
+    X(nvmlDeviceGetFieldValues)
 
 #define AS_ID(name) F_##name,
 #define AS_NAME(name) #name,
@@ -311,6 +329,9 @@ static void default_gpu(unsigned int index, struct gpu *g)
     g->pcie_width = 16;
     g->pcie_width_max = 16;
     g->max_mig_devices = 7;
+    g->memory_temperature_c = 35;
+    for (int link = 0; link < MAX_NVLINKS; link++)
+        g->nvlink[link][0] = NVML_NVLINK_STATE_ACTIVE;
     /* Xid, single- and double-bit ECC, P-state and clock events, as an A100 on 550 */
     g->supported_events = nvmlEventTypeXidCriticalError | nvmlEventTypeSingleBitEccError |
                           nvmlEventTypeDoubleBitEccError | nvmlEventTypePState |
@@ -400,6 +421,8 @@ static int apply_health(struct gpu *g, const char *key, const char *rest)
         U("pcie_replays", pcie_replays),
         U("mig_mode", mig_mode),
         U("max_mig_devices", max_mig_devices),
+        U("memory_temperature_c", memory_temperature_c),
+        U("nvlink_links", nvlink_links),
 #undef U
     };
     static const struct {
@@ -429,6 +452,15 @@ static int apply_health(struct gpu *g, const char *key, const char *rest)
         g->retired_pages_supported = 1;
         sscanf(rest, "%u %u %u", &g->retired_pages_sbe, &g->retired_pages_dbe,
                &g->retired_pages_pending);
+        return 1;
+    }
+    if (strcmp(key, "nvlink") == 0) {
+        unsigned int link;
+        unsigned long long v[7];
+        if (sscanf(rest, "%u %llu %llu %llu %llu %llu %llu %llu", &link, &v[0], &v[1], &v[2],
+                   &v[3], &v[4], &v[5], &v[6]) == 8 &&
+            link < MAX_NVLINKS)
+            memcpy(g->nvlink[link], v, sizeof(v));
         return 1;
     }
     if (strcmp(key, "xid") == 0) {
@@ -1297,5 +1329,169 @@ EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
     if (!valid_set(set))
         return end(NVML_ERROR_INVALID_ARGUMENT);
     set->used = 0;
+    return end(NVML_SUCCESS);
+}
+
+/* -- field values (issue 31) ------------------------------------------------------------------ */
+
+/* The getter whose rules a field follows (it is the same value), or NULL. */
+static const char *field_getter(unsigned int id)
+{
+    switch (id) {
+    case NVML_FI_DEV_POWER_AVERAGE:
+    case NVML_FI_DEV_POWER_INSTANT:
+        return "nvmlDeviceGetPowerUsage";
+    case NVML_FI_DEV_POWER_CURRENT_LIMIT:
+        return "nvmlDeviceGetEnforcedPowerLimit";
+    case NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
+        return "nvmlDeviceGetTotalEnergyConsumption";
+    case NVML_FI_DEV_GPU_TEMP:
+        return "nvmlDeviceGetTemperature";
+    case NVML_FI_DEV_ECC_CURRENT:
+        return "nvmlDeviceGetEccMode";
+    case NVML_FI_DEV_ECC_SBE_VOL_TOTAL:
+    case NVML_FI_DEV_ECC_DBE_VOL_TOTAL:
+    case NVML_FI_DEV_ECC_SBE_AGG_TOTAL:
+    case NVML_FI_DEV_ECC_DBE_AGG_TOTAL:
+        return "nvmlDeviceGetTotalEccErrors";
+    case NVML_FI_DEV_RETIRED_SBE:
+    case NVML_FI_DEV_RETIRED_DBE:
+        return "nvmlDeviceGetRetiredPages";
+    case NVML_FI_DEV_RETIRED_PENDING:
+        return "nvmlDeviceGetRetiredPagesPendingStatus";
+    case NVML_FI_DEV_REMAPPED_COR:
+    case NVML_FI_DEV_REMAPPED_UNC:
+    case NVML_FI_DEV_REMAPPED_PENDING:
+    case NVML_FI_DEV_REMAPPED_FAILURE:
+        return "nvmlDeviceGetRemappedRows";
+    case NVML_FI_DEV_PCIE_REPLAY_COUNTER:
+        return "nvmlDeviceGetPcieReplayCounter";
+    default:
+        return NULL;
+    }
+}
+
+/* Which of a link's seven counters a per-link field is, or -1. */
+static int nvlink_counter(unsigned int id)
+{
+    switch (id) {
+    case NVML_FI_DEV_NVLINK_GET_STATE:
+        return 0;
+    case NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX:
+        return 1;
+    case NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX:
+        return 2;
+    case NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL:
+        return 3;
+    case NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL:
+        return 4;
+    case NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL:
+        return 5;
+    case NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL:
+        return 6;
+    default:
+        return -1;
+    }
+}
+
+#define ANSWER(type, member, v)                                                                  \
+    do {                                                                                        \
+        f->valueType = (type);                                                                  \
+        f->value.member = (v);                                                                  \
+        return NVML_SUCCESS;                                                                    \
+    } while (0)
+
+/* One entry, as the driver answers it. */
+static nvmlReturn_t field_value(const struct gpu *g, nvmlFieldValue_t *f)
+{
+    int counter = nvlink_counter(f->fieldId);
+    if (counter >= 0) {
+        if (g->nvlink_links == 0)
+            return NVML_ERROR_NOT_SUPPORTED;
+        if (f->scopeId >= g->nvlink_links)
+            return NVML_ERROR_INVALID_ARGUMENT;
+        if (counter == 0)
+            ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, (unsigned int)g->nvlink[f->scopeId][0]);
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, ullVal, g->nvlink[f->scopeId][counter]);
+    }
+    switch (f->fieldId) {
+    case NVML_FI_DEV_POWER_AVERAGE:
+    case NVML_FI_DEV_POWER_INSTANT:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->power_usage_mw);
+    case NVML_FI_DEV_POWER_CURRENT_LIMIT:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->power_limit_mw);
+    case NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, ullVal, g->energy_mj);
+    case NVML_FI_DEV_GPU_TEMP:
+        ANSWER(NVML_VALUE_TYPE_DOUBLE, dVal, (double)g->temperature_c);
+    case NVML_FI_DEV_MEMORY_TEMP:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->memory_temperature_c);
+    case NVML_FI_DEV_ECC_CURRENT:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->ecc_mode ? 1u : 0u);
+    case NVML_FI_DEV_ECC_SBE_VOL_TOTAL:
+    case NVML_FI_DEV_ECC_DBE_VOL_TOTAL:
+    case NVML_FI_DEV_ECC_SBE_AGG_TOTAL:
+    case NVML_FI_DEV_ECC_DBE_AGG_TOTAL: {
+        if (!g->ecc_mode)
+            return NVML_ERROR_NOT_SUPPORTED;
+        unsigned int k = f->fieldId - NVML_FI_DEV_ECC_SBE_VOL_TOTAL; /* SBE VOL, DBE VOL, ... */
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, ullVal, g->ecc[k % 2][k / 2]);
+    }
+    case NVML_FI_DEV_RETIRED_SBE:
+    case NVML_FI_DEV_RETIRED_DBE:
+    case NVML_FI_DEV_RETIRED_PENDING:
+        if (!g->retired_pages_supported)
+            return NVML_ERROR_NOT_SUPPORTED;
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal,
+               f->fieldId == NVML_FI_DEV_RETIRED_SBE   ? g->retired_pages_sbe
+               : f->fieldId == NVML_FI_DEV_RETIRED_DBE ? g->retired_pages_dbe
+                                                       : g->retired_pages_pending);
+    case NVML_FI_DEV_REMAPPED_COR:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->remapped_correctable);
+    case NVML_FI_DEV_REMAPPED_UNC:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->remapped_uncorrectable);
+    case NVML_FI_DEV_REMAPPED_PENDING:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->remapped_pending);
+    case NVML_FI_DEV_REMAPPED_FAILURE:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->remapped_failed);
+    case NVML_FI_DEV_PCIE_REPLAY_COUNTER:
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->pcie_replays);
+    case NVML_FI_DEV_NVLINK_LINK_COUNT:
+        if (g->nvlink_links == 0)
+            return NVML_ERROR_NOT_SUPPORTED;
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_INT, uiVal, g->nvlink_links);
+    default:
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+}
+
+/* Each entry answered alone: its own nvmlReturn; the call fails only as a whole (its rules,
+ * a bad handle or array). The rules of the getter behind an entry apply to that entry. */
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int count,
+                                             nvmlFieldValue_t *values)
+{
+    DEVICE_CALL(F_nvmlDeviceGetFieldValues, device)
+    if (values == NULL || count < 0)
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    double hang = 0;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    for (int i = 0; i < count; i++) {
+        nvmlFieldValue_t *f = &values[i];
+        char own[32];
+        snprintf(own, sizeof(own), "field:%u", f->fieldId);
+        const char *getter = field_getter(f->fieldId);
+        nvmlReturn_t r = match_rules(g->rules, g->rule_count, own, 0, &hang);
+        if (r == NVML_SUCCESS && getter != NULL)
+            r = match_rules(g->rules, g->rule_count, getter, 0, &hang);
+        f->timestamp = (long long)now.tv_sec * 1000000 + now.tv_nsec / 1000;
+        f->latencyUsec = 0;
+        f->nvmlReturn = r == NVML_SUCCESS ? field_value(g, f) : r;
+    }
+    if (hang > 0) {
+        pthread_mutex_unlock(&lock);
+        sleep_seconds(hang);
+        pthread_mutex_lock(&lock);
+    }
     return end(NVML_SUCCESS);
 }
