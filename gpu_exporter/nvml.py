@@ -113,6 +113,32 @@ EVENT_TYPE_XID: int = pynvml.nvmlEventTypeXidCriticalError
 # gpuInstanceId / computeInstanceId when a process or event is not inside a MIG instance.
 NO_INSTANCE = 0xFFFFFFFF
 
+# -- GPM --------------------------------------------------------------------------------------
+# The GPM metrics read, by GpuSample attribute: (NVML_GPM_METRIC_* id, NVML's unit divided
+# by the base unit). Percentages (0-100) become ratios; NVML's MiB/s become bytes/s. GPM
+# answers rates over the interval between two samples, not counters: exported as such.
+_PERCENT = 100.0
+_MIB = 1.0 / (1024 * 1024)
+GPM_METRICS: dict[str, tuple[int, float]] = {
+    "graphics_active_ratio": (pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL, _PERCENT),
+    "sm_active_ratio": (pynvml.NVML_GPM_METRIC_SM_UTIL, _PERCENT),
+    "sm_occupancy_ratio": (pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, _PERCENT),
+    "tensor_active_ratio": (pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, _PERCENT),
+    "tensor_hmma_active_ratio": (pynvml.NVML_GPM_METRIC_HMMA_TENSOR_UTIL, _PERCENT),
+    "tensor_imma_active_ratio": (pynvml.NVML_GPM_METRIC_IMMA_TENSOR_UTIL, _PERCENT),
+    "tensor_dfma_active_ratio": (pynvml.NVML_GPM_METRIC_DFMA_TENSOR_UTIL, _PERCENT),
+    "fp64_active_ratio": (pynvml.NVML_GPM_METRIC_FP64_UTIL, _PERCENT),
+    "fp32_active_ratio": (pynvml.NVML_GPM_METRIC_FP32_UTIL, _PERCENT),
+    "fp16_active_ratio": (pynvml.NVML_GPM_METRIC_FP16_UTIL, _PERCENT),
+    "dram_active_ratio": (pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, _PERCENT),
+    "pcie_transmit_bytes_per_second": (pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC, _MIB),
+    "pcie_receive_bytes_per_second": (pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC, _MIB),
+    "nvlink_transmit_bytes_per_second": (pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC, _MIB),
+    "nvlink_receive_bytes_per_second": (pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC, _MIB),
+}
+GPM_METRICS_GET_VERSION: int = pynvml.NVML_GPM_METRICS_GET_VERSION
+GPM_SUPPORT_VERSION: int = pynvml.NVML_GPM_SUPPORT_VERSION
+
 
 def error_code(name: str) -> int:
     """The NVML return code for a name such as ``"GPU_IS_LOST"`` (``NVML_ERROR_`` optional).
@@ -503,3 +529,56 @@ class Nvml:
             _instance(getattr(data, "gpuInstanceId", None)),
             _instance(getattr(data, "computeInstanceId", None)),
         )
+
+    # -- GPM (GPU Performance Monitoring, Hopper and later) --------------------------------
+    # Kept in one block: GPM is read by collect/gpm.py at its own cadence, two samples apart.
+    def gpm_supported(self, handle: Any) -> bool:
+        """Whether this GPU answers GPM (``nvmlGpmQueryDeviceSupport``); older cards say no."""
+        support = self._call("nvmlGpmQueryDeviceSupport", handle)
+        return bool(support.isSupportedDevice)
+
+    def gpm_sample_alloc(self) -> Any:
+        """One GPM sample buffer, owned by the caller until :meth:`gpm_sample_free`."""
+        return self._call("nvmlGpmSampleAlloc")
+
+    def gpm_sample_free(self, sample: Any) -> None:
+        self._call("nvmlGpmSampleFree", sample)
+
+    def gpm_sample_get(self, handle: Any, sample: Any, gpu_instance_id: int | None = None) -> None:
+        """Fill ``sample`` with the counters of a whole GPU now, or (``gpu_instance_id``) of
+        one of its MIG GPU instances, read through the parent's handle."""
+        if gpu_instance_id is None:
+            self._call("nvmlGpmSampleGet", handle, sample)
+        else:
+            self._call("nvmlGpmMigSampleGet", handle, gpu_instance_id, sample)
+
+    def gpm_metrics(self, older: Any, newer: Any) -> dict[str, float]:
+        """The :data:`GPM_METRICS` between two samples of one device, in base units, by
+        GpuSample attribute: a metric the device does not report (its own return code) is
+        left out, never 0."""
+        request = getattr(self._lib, "c_nvmlGpmMetricsGet_t", pynvml.c_nvmlGpmMetricsGet_t)()
+        request.version = GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = older, newer
+        for i, (metric_id, _scale) in enumerate(GPM_METRICS.values()):
+            request.metrics[i].metricId = metric_id
+        self._call("nvmlGpmMetricsGet", request)
+        out: dict[str, float] = {}
+        for i, (name, (_metric_id, scale)) in enumerate(GPM_METRICS.items()):
+            metric = request.metrics[i]
+            if int(metric.nvmlReturn) == 0:
+                out[name] = float(metric.value) / scale
+        return out
+
+    # -- per-process utilization -----------------------------------------------------------
+    def process_utilization(self, handle: Any, since_us: int) -> dict[int, tuple[float, float]]:
+        """pid → (SM, memory-controller) utilization ratios of its latest sample after
+        ``since_us`` (Unix time in µs). NVML lists only processes with some utilization, and
+        answers ``NOT_FOUND`` when none had any: an empty answer, not a failure."""
+        samples = self._call("nvmlDeviceGetProcessUtilization", handle, since_us, answer=_NOT_FOUND)
+        latest: dict[int, tuple[int, float, float]] = {}
+        for s in samples or ():
+            pid, stamp = int(s.pid), int(s.timeStamp)
+            if pid not in latest or stamp >= latest[pid][0]:
+                latest[pid] = (stamp, int(s.smUtil) / 100.0, int(s.memUtil) / 100.0)
+        return {pid: (sm, mem) for pid, (_stamp, sm, mem) in latest.items()}

@@ -43,7 +43,7 @@ def test_nvml_calls_per_minute_are_fast_per_interval_plus_slow_per_slow_interval
     s = a100s(gpus, interval_seconds=interval, slow_interval_seconds=slow_interval)
     s.sample()  # identity, static values, the first slow read
     fast, slow = supported(s, fields.FAST), supported(s, fields.SLOW)
-    assert len(fast) == 12 and len(slow) == 15, (fast, slow)
+    assert len(fast) == 13 and len(slow) == 15, (fast, slow)
     before = Counter(s.sim.calls)
     samples = 0
     for _ in range(60):  # one minute, nobody scrapes
@@ -58,7 +58,7 @@ def test_nvml_calls_per_minute_are_fast_per_interval_plus_slow_per_slow_interval
         + len(slow) * gpus * 60 / slow_interval
         + samples * (1 + gpus)  # nvmlDeviceGetCount, and each GPU's handle, per sample
     )
-    assert per_minute == expected == 12 * 3 * 60 + 15 * 3 * 2 + 60 * 4
+    assert per_minute == expected == 13 * 3 * 60 + 15 * 3 * 2 + 60 * 4
     assert calls["nvmlDeviceGetTotalEnergyConsumption"] == gpus * 2  # a counter: slow
     # Per function: identity and static values not at all; a slow one twice.
     for once in ("nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMaxClockInfo"):
@@ -119,7 +119,8 @@ def test_a_gpu_that_answers_again_reads_its_slow_and_static_values_again() -> No
     assert s.sim.calls["nvmlDeviceGetMaxClockInfo"] == 2 * max_clocks
 
 
-@pytest.mark.parametrize("group", [g for g in groups.GROUPS if g != "xid"])
+# (xid: below; gpm: an A100 has none, test_gpm.py turns it off on H100s)
+@pytest.mark.parametrize("group", [g for g in groups.GROUPS if g not in ("xid", "gpm")])
 def test_a_disabled_group_makes_no_nvml_call_and_exports_no_series(group: str) -> None:
     s = a100s(2, collect_disabled=(group,))
     for _ in range(3):

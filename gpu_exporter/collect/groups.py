@@ -19,8 +19,11 @@ GROUPS: dict[str, str] = {
     "health": "ECC mode and errors, remapped rows, retired pages, persistence and compute mode",
     "pcie": "PCIe link generation and width, replay errors",
     "media": "encoder and decoder utilization",
-    "processes": "compute processes (process series, lease attribution by arrival)",
+    "processes": "compute processes and their SM and memory utilization (process series, "
+    "lease attribution by arrival)",
     "xid": "the Xid event listener (one thread, not per sample)",
+    "gpm": "GPM activity (Hopper and later): SM, tensor and FP pipes, DRAM, PCIe and NVLink "
+    "traffic, every --gpm-interval",
 }
 
 

@@ -130,6 +130,10 @@ class FakeGpu:
     # library's defaults are a healthy A100-SXM4-80GB.
     health: dict[str, int | str] = field(default_factory=dict)
     xids: tuple[int, ...] = ()  # Xid events, each delivered once to a waiting event set
+    # GPM: None = not supported (an A100); else NVML_GPM_METRIC_* id → value (percent, MiB/s)
+    gpm: dict[int, float] | None = None
+    gpm_instances: dict[int, int] = field(default_factory=dict)  # MIG GPU instance → SM %
+    process_utilization: tuple[tuple[int, int, int], ...] = ()  # (pid, SM %, memory %)
 
     def lines(self, index: int | str) -> list[str]:
         out = []
@@ -158,6 +162,15 @@ class FakeGpu:
             out.append(f"{index} synthetic_processes {n} {used}")
         out += [f"{index} {key} {value}" for key, value in self.health.items()]
         out += [f"{index} xid {xid}" for xid in self.xids]
+        if self.gpm is not None:
+            out.append(f"{index} gpm_supported 1")
+            out += [f"{index} gpm {metric} {value:g}" for metric, value in self.gpm.items()]
+        if self.gpm_instances:
+            listed = " ".join(f"{gi}:{sm}" for gi, sm in self.gpm_instances.items())
+            out.append(f"{index} gpm_instances {listed}")
+        if self.process_utilization:
+            listed = " ".join(f"{p}:{sm}:{mem}" for p, sm, mem in self.process_utilization)
+            out.append(f"{index} process_utilization {listed}")
         out += [f"{index} error {fn} {err}" for fn, err in self.errors.items()]
         out += [f"{index} hang {fn} {seconds:g}" for fn, seconds in self.hangs.items()]
         return out
