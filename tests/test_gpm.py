@@ -6,12 +6,16 @@ The same paths through the real pynvml and a fake libnvidia-ml.so.1: tests/test_
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from conftest import Stack, build_stack, sim_of
 from gpu_exporter.nvml import GPM_METRICS
 from gpu_exporter.simulate import HANG, Fault, Load, SimGpu
 from gpu_exporter.simulate.state import gpm_values
+from harness import exporter, get
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -219,3 +223,57 @@ def test_process_utilization_follows_the_process_series_cap() -> None:
     assert text.count("gpu_process_memory_used_bytes{") == 2
     assert text.count("gpu_process_sm_utilization_ratio{") == 2
     assert text.count("gpu_process_memory_utilization_ratio{") == 2
+
+
+# -- choosing by SM activity, through a real socket ---------------------------------------------
+
+
+def test_sort_sm_active_and_max_sm_active_over_http_and_bad_values_are_400() -> None:
+    """The lab scenario: GPU 0 an H100 at work, GPU 1 an H100 whose notebook polls a tiny
+    kernel (10 % utilized, SMs at about 1 %), GPU 7 an A100 at 12 % (no GPM)."""
+    with exporter("--simulate", "lab", "--interval", "0.1", "--gpm-interval", "0.2") as ex:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            gpus = json.loads(get(ex.base + "/gpus")[1])["gpus"]
+            if gpus[1]["sm_active_ratio"] is not None:
+                break
+            time.sleep(0.05)
+        assert gpus[1]["sm_active_ratio"] < 0.05 < gpus[1]["utilization_ratio"]
+        assert gpus[7]["sm_active_ratio"] is None  # an A100: no GPM
+        anything = "max_util=100%25&max_mem_used=100%25&lease=0&format=json&include=0,1,7"
+        status, body = get(f"{ex.base}/choose?n=1&sort=sm_active&max_sm_active=5%25&{anything}")
+        assert status == 200, body
+        answer = json.loads(body)
+        assert [g["index"] for g in answer["chosen"]] == [1]
+        assert answer["chosen"][0]["score"] == answer["chosen"][0]["sm_active_ratio"]
+        assert answer["filters"]["max_sm_active"]["value"] == 0.05
+        reasons = {r["index"]: r["reasons"] for r in answer["rejected"]}
+        assert (
+            reasons[0][0].startswith("SM activity 0.8") and "> max_sm_active 0.05" in reasons[0][0]
+        )
+        assert reasons[7] == ["utilization (no GPM) 0.12 > max_sm_active 0.05"]
+        # By utilization at the same limit, the notebook's card is busy.
+        status, body = get(f"{ex.base}/choose?n=1&lease=0&include=1&max_util=5%25&max_mem_used=1")
+        assert status == 503 and "utilization 0.10 > max_util 0.05" in body, body
+        # Bad values: a clear 400 naming the parameter, never a traceback.
+        for query, param in (("max_sm_active=lots", "max_sm_active"), ("sort=sm", "sort")):
+            status, body = get(f"{ex.base}/choose?n=1&lease=0&format=json&{query}")
+            assert status == 400, body
+            error = json.loads(body)["error"]
+            assert error["code"] == "invalid_parameter" and error["param"] == param, body
+            assert "Traceback" not in body
+        # Described where a client looks: /openapi.json and the CLI.
+        spec = json.loads(get(ex.base + "/openapi.json")[1])
+        params = {p["name"]: p for p in spec["paths"]["/choose"]["get"]["parameters"]}
+        assert "max_sm_active" in params and "sm_active" in params["sort"]["schema"]["enum"]
+        cluster = {p["name"] for p in spec["paths"]["/cluster/choose"]["get"]["parameters"]}
+        assert "max_sm_active" not in cluster
+
+
+def test_the_choose_command_has_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpu_exporter.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["choose", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-sm-active RATIO" in text and "sm_active" in text
