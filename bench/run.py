@@ -149,8 +149,14 @@ def _log(message: str) -> None:
 # a fan and retired pages (an H100 PCIe / older Tesla reports both), so nothing is skipped
 # as NOT_SUPPORTED and each sample makes every call there is. "a100-sxm" is the card before
 # issue 29: no fan, no retired pages (each answered NOT_SUPPORTED once, then never asked).
-FAKES = ("rich", "a100-sxm")
+# "h100" is "rich" with GPM (issue 25), answering what a real H100 gave under bf16 matmuls,
+# and per-process utilization for its processes: GPM's two calls per GPU every
+# --gpm-interval come on top of every sample's calls.
+FAKES = ("rich", "a100-sxm", "h100")
 FAKE = FAKES[0]
+H100_GPM = {1: 97.0, 2: 96.0, 3: 14.0, 5: 93.0, 6: 0.0, 7: 93.0, 9: 0.0, 10: 25.0, 11: 0.0}
+H100_GPM |= {12: 0.0, 13: 0.0, 20: 12.5, 21: 300.0, 60: 0.0, 61: 0.0}
+GPM_INTERVAL_SECONDS = 5.0  # the exporter's default --gpm-interval
 
 
 def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
@@ -159,9 +165,13 @@ def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
     out = []
     for i in range(gpus):
         share = processes // gpus + (1 if i < processes % gpus else 0)
-        rich = FAKE == "rich"
+        rich = FAKE in ("rich", "h100")
+        gpm = FAKE == "h100"
+        first = fakenvml.SYNTHETIC_PID_BASE + i * 10000  # as fakenvml.c numbers them
+        pids = range(first, first + share)
         out.append(
             FakeGpu(
+                name="NVIDIA H100 80GB HBM3" if gpm else None,
                 memory_used=(i % 5) * 8 * GiB,
                 utilization_gpu=(i * 37) % 100,
                 utilization_memory=(i * 11) % 100,
@@ -171,6 +181,8 @@ def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
                 synthetic_processes=(share, 2**30) if share else None,
                 errors={} if rich else dict(fakenvml.A100_SXM_ERRORS),
                 health={"retired_pages": "2 1 0"} if rich else {},
+                gpm=H100_GPM if gpm else None,
+                process_utilization=tuple((pid, 40, 10) for pid in pids) if gpm else (),
             )
         )
     return out
@@ -665,7 +677,8 @@ def markdown(report: dict[str, Any]) -> str:
         peer_s and peer_s["nvml_calls_per_sample"],
         f"fast fields × devices + 1 = {expected}, + health fields every 30 s",
         # + 0.05: the figure is rounded to one decimal
-        expected is not None and expected <= calls <= expected + slow_calls_per_sample() + 0.05,
+        expected is not None
+        and expected <= calls <= expected + slow_calls_per_sample() + gpm_calls_per_sample() + 0.05,
     )
     cpu = ours_s["cpu_percent_of_one_core"]
     peer_cpu = peer_s and peer_s["cpu_percent_of_one_core"]
@@ -859,12 +872,20 @@ def slow_calls_per_sample() -> float:
     return GPUS * (slow - 3 if FAKE == "a100-sxm" else slow + 2) / 30
 
 
+def gpm_calls_per_sample() -> float:
+    """GPM's nvmlGpmSampleGet and nvmlGpmMetricsGet for 8 GPUs every --gpm-interval, on
+    average per sample, on the "h100" card (none on the others: they have no GPM)."""
+    return GPUS * 2 * INTERVAL_SECONDS / GPM_INTERVAL_SECONDS if FAKE == "h100" else 0.0
+
+
 def per_sample_fields() -> int:
     """The fields read every (fast) sample from a GPU of :func:`lab` (MIG off): every fast
     field; the "a100-sxm" card has no fan (asked once, then never again)."""
     from gpu_exporter.collect.fields import FAST, FIELDS
 
-    return sum(1 for f in FIELDS.values() if f.when == FAST) - (FAKE == "a100-sxm")
+    # (not those read only when another is non-empty: the processes' utilization, with none)
+    fast = sum(1 for f in FIELDS.values() if f.when == FAST and f.needs is None)
+    return fast - (FAKE == "a100-sxm")
 
 
 def with_idle(report: dict[str, Any], idle_run: dict[str, Any], file: str) -> dict[str, Any]:

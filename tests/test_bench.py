@@ -46,8 +46,9 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     assert k8s["pod_info_series"] == 8 + 2 and k8s["kubelet_calls"] > 0
     assert k8s["without"]["p99_ms"] > 0 and k8s["with"]["p99_ms"] > 0
     # 2. sampling: exactly the supported fast fields of every device, and nothing else. The
-    # fake GPUs report every field there is: 13 fast ones (fan too), the 18 health fields and
-    # the energy counter every --slow-interval (30 s: at most 8 x 18 / 30 more per sample).
+    # fake GPUs report every field there is: 13 fast ones (fan too; no process, so no process
+    # utilization), the 18 health fields and the energy counter every --slow-interval (30 s:
+    # at most 8 x 18 / 30 more per sample); no GPM (the "h100" fake has it).
     sampling = report["sampling"]["gpu-exporter"]
     assert sampling["expected_calls_per_sample"] == 1 + 8 * (1 + 13)
     assert 113 <= sampling["nvml_calls_per_sample"] <= 113 + 8 * 18 / 30 + 0.01
@@ -58,10 +59,11 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
         assert report["choose"][route]["requests"] > 0, route
         assert report["choose"][route]["errors"] == 0, route
     # 4. scaling: calls grow linearly with devices (1 + 14 per GPU), 2 calls for a process list
+    # and 1 for its utilization (NOT_FOUND: none of them did anything)
     points = {(p["devices"], p["processes"]): p for p in report["scaling"]}
     assert points[(1, 0)]["nvml_calls_per_sample"] == 1 + 14
     assert points[(64, 0)]["nvml_calls_per_sample"] == 1 + 64 * 14
-    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 15
+    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 16
     # 6. steady-state idle CPU (--quick: 16 processes on 8 GPUs, and 64 GPUs), nobody scraping
     cases = {(c["gpus"], c["processes"]): c["gpu-exporter"] for c in report["idle"]}
     assert set(cases) == {(8, 16), (64, 0)}

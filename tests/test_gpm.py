@@ -277,3 +277,15 @@ def test_the_choose_command_has_the_flag(capsys: pytest.CaptureFixture[str]) -> 
         main(["choose", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--max-sm-active RATIO" in text and "sm_active" in text
+
+
+def test_process_utilization_is_asked_only_of_a_gpu_with_processes() -> None:
+    s = host(
+        SimGpu(0, A100, Load("idle")),
+        SimGpu(1, A100, Load("constant", utilization=0.5, memory_used_ratio=0.6, processes=1)),
+    )
+    for _ in range(3):
+        s.sample()
+        s.clock.advance(1)
+    assert s.sim.calls["nvmlDeviceGetProcessUtilization"] == 3  # GPU 1's, every sample
+    assert s.cache.get().gpus[0].processes == ()

@@ -126,11 +126,12 @@ def test_nvml_calls_per_sample_are_exactly_the_supported_fields() -> None:
     s.sample()
     per_sample = sum(s.sim.calls.values()) - before
     # count + per GPU its handle and the fast fields: memory, utilization, power,
-    # temperature, 4 clocks, processes and their utilization, clocks event reasons, encoder,
-    # decoder = 13 (fan is unsupported and not retried). Not again within --slow-interval:
-    # the slow health fields and the energy counter; not again at all: identity, the static
-    # values, and whether the card has GPM (an A100 has not: no GPM call after that).
-    assert per_sample == 1 + 3 * (1 + 13)
+    # temperature, 4 clocks, processes, clocks event reasons, encoder, decoder = 12 (fan is
+    # unsupported and not retried), and the processes' utilization where there are any (GPUs
+    # 0 and 2). Not again within --slow-interval: the slow health fields and the energy
+    # counter; not again at all: identity, the static values, and whether the card has GPM
+    # (an A100 has not: no GPM call after that).
+    assert per_sample == 1 + 3 * (1 + 12) + 2
 
 
 def test_nvml_missing_at_start_then_appearing() -> None:

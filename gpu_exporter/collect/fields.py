@@ -90,6 +90,8 @@ class FieldReader:
         if (self.uuid, field) in self.unsupported:
             self.asked[field] = False
             return False
+        if f.needs is not None and not self.values.get(f.needs):
+            return False
         memo = self.static if when == ONCE else self.slow if when == SLOW else None
         if memo is not None and (when == ONCE or not self.slow_due):
             self.asked[field] = True
@@ -125,6 +127,8 @@ class FieldReader:
         assert carry is not None
         self.values = dict(carry.values)
         for f in carry.fast:
+            if f.needs is not None and not self.values.get(f.needs):
+                continue
             try:
                 value = f.read(nvml, procinfo, handle)
             except Unsupported:
@@ -255,6 +259,8 @@ class Field:
     read: Reader
     when: str = FAST
     group: str = CORE
+    # Read only when this attribute, read before it, is non-empty (nothing to ask about else).
+    needs: str | None = None
 
 
 def _f(field: str, names: tuple[str, ...] | str, read: Reader, when: str, group: str) -> Field:
@@ -322,8 +328,10 @@ def _process_utilization(n: Nvml, _: ProcInfoCache | None, h: Any) -> dict[int, 
     return n.process_utilization(h, int(since * 1e6))
 
 
-_PROCESS_UTILIZATION = _f(
-    "process_utilization", "process_utilization", _process_utilization, FAST, "processes"
+# Asked only of a device with compute processes: with none, there is nobody to attribute to.
+_PROCESS_UTILIZATION = dataclasses.replace(
+    _f("process_utilization", "process_utilization", _process_utilization, FAST, "processes"),
+    needs="processes",
 )
 # Whole-GPU fields that a GPU in MIG mode reads per MIG device (or, NVML, not at all).
 PER_MIG_DEVICE = ("processes", "process_utilization")
