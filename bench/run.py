@@ -7,6 +7,7 @@ Run from the repository root::
     .venv/bin/python bench/run.py --report    # only regenerate docs/performance.md's table
     .venv/bin/python bench/run.py --idle-only # group 6 alone → bench/results/idle.json
     .venv/bin/python bench/run.py --report --idle bench/results/idle.json  # its rows in the table
+    .venv/bin/python bench/run.py --latency-only --fake h100  # groups 2 and 1 → latency.json
 
 Both exporters run as subprocesses on 127.0.0.1 with ``LD_LIBRARY_PATH`` pointing at the fake
 ``libnvidia-ml.so.1`` (``tests/fakenvml``, compiled here with the system C compiler), so
@@ -923,6 +924,33 @@ def _idle_only(
     return 0
 
 
+def _latency_only(
+    size: Size, peer: bool, note: str, work: Path, lib: Path, out: Path | None
+) -> int:
+    """``--latency-only``: groups 2 (sampling cost, nobody scraping) and 1 (``/metrics``
+    latency) alone, both exporters side by side, into ``latency.json``."""
+    report: dict[str, Any] = {"meta": {"peer": note, "fake": FAKE, "cpu": servers.cpu_model()}}
+    kinds = ["gpu-exporter"] + (["nvitop-exporter"] if peer else [])
+    with contextlib.ExitStack() as stack:
+        exporters = {k: stack.enter_context(running(k, lib, lab(), work)) for k in kinds}
+        report["sampling"] = group_sampling(exporters, size)
+        report["latency"] = group_latency(exporters, size)
+    report["meta"]["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    path = out or RESULTS_DIR / "latency.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    for kind in kinds:
+        seq, cpu = report["latency"][kind]["sequential"], report["sampling"][kind]
+        print(
+            f"{kind}: /metrics p50 {seq['p50_ms']} ms, p99 {seq['p99_ms']} ms; idle CPU "
+            f"{cpu['cpu_percent_of_one_core']} % of a core; {cpu['nvml_calls_per_sample']} calls"
+        )
+    for key in ("ratio_p50", "ratio_p99"):
+        print(f"{key}: {report['latency'].get(key)}")
+    print(f"ratio_cpu: {report['sampling'].get('ratio_cpu')}")
+    print(f"JSON: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
@@ -960,6 +988,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only group 6 (steady-state idle CPU), into bench/results/idle.json",
     )
+    parser.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="only groups 2 and 1 (sampling cost, /metrics latency), into "
+        "bench/results/latency.json",
+    )
     args = parser.parse_args(argv)
     if args.report is not None:
         report = json.loads(args.report.read_text())
@@ -990,6 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
         lib = fakenvml.build(work / "lib")
         if args.idle_only:
             return _idle_only(size, peer, peer_note, work, lib, args.out, started)
+        if args.latency_only:
+            return _latency_only(size, peer, peer_note, work, lib, args.out)
         report = measure(size, peer, work, lib)
     report = {
         "meta": {

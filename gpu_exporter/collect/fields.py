@@ -419,7 +419,8 @@ def read_values(
 
 
 def with_processes(values: dict[str, Any]) -> dict[str, Any]:
-    """Fill compute_processes and process_visibility from the process list."""
+    """Fill compute_processes and process_visibility from the process list, and each listed
+    process's utilization from process_utilization (which goes: it is no GpuSample field)."""
     procs = values.get("processes")
     busy = values.pop("process_utilization", None)
     if procs is not None and busy is not None:  # NVML lists only processes that did something

@@ -40,6 +40,7 @@ class _Device:
     older: Any
     spare: Any
     taken_at: float | None = None
+    due_at: float = 0.0  # when the next read is due (taken_at + the interval, less tolerance)
     values: dict[str, float] = field(default_factory=dict)
 
 
@@ -55,6 +56,7 @@ class GpmReader:
         self._supported: dict[tuple[int, str], bool] = {}  # (index, GPU uuid) → GPM answers
         self._devices: dict[Key, _Device] = {}
         self._failed: set[Key] = set()  # MIG instances whose GPM said NOT_SUPPORTED
+        self._split: set[int] = set()  # GPUs with MIG instances read last time
 
     def read(
         self,
@@ -85,29 +87,40 @@ class GpmReader:
         if not known:
             return False, {}
         wanted: list[int | None] = [None, *instances]
-        for key in [k for k in self._devices if k[0] == index and k[1] not in wanted]:
-            self._free(nvml, key)  # a MIG instance that is gone
+        if len(wanted) > 1 or index in self._split:  # MIG: instances may come and go
+            for key in [k for k in self._devices if k[0] == index and k[1] not in wanted]:
+                self._free(nvml, key)  # a MIG instance that is gone
+            if len(wanted) > 1:
+                self._split.add(index)
+            else:
+                self._split.discard(index)
         out: dict[int | None, dict[str, float]] = {}
         for instance in wanted:
-            if (index, instance) not in self._failed:
-                out[instance] = self._read_device(nvml, (index, instance), handle, now)
+            key = (index, instance)
+            if key in self._failed:
+                continue
+            device = self._devices.get(key)  # not due: its last metrics, nothing called
+            if device is not None and device.taken_at is not None and now < device.due_at:
+                out[instance] = device.values
+            else:
+                out[instance] = self._read_device(nvml, key, handle, now)
         return True, out
 
     def _read_device(self, nvml: Nvml, key: Key, handle: Any, now: float) -> dict[str, float]:
         device = self._devices.get(key)
         due = self.interval_seconds - self.tolerance_seconds
-        if device is not None and device.taken_at is not None and now - device.taken_at < due:
+        if device is not None and device.taken_at is not None and now < device.due_at:
             return device.values
         try:
             if device is None:
                 device = self._devices[key] = _Device(*self._alloc_pair(nvml))
             if device.taken_at is None:  # the first sample: no metrics until the next
                 nvml.gpm_sample_get(handle, device.older, key[1])
-                device.taken_at, device.values = now, {}
+                device.taken_at, device.due_at, device.values = now, now + due, {}
                 return device.values
             nvml.gpm_sample_get(handle, device.spare, key[1])
             device.older, device.spare = device.spare, device.older
-            device.taken_at = now
+            device.taken_at, device.due_at = now, now + due
             device.values = nvml.gpm_metrics(device.spare, device.older)
         except (GpuLost, NvmlUnavailable):
             raise
@@ -138,6 +151,7 @@ class GpmReader:
         for key in [k for k in self._devices if k[0] == index]:
             self._free(nvml, key)
         self._failed = {k for k in self._failed if k[0] != index}
+        self._split.discard(index)
         self._supported = {k: v for k, v in self._supported.items() if k[0] != index}
 
     def close(self, nvml: Nvml, keep: Iterable[int] = ()) -> None:
@@ -148,6 +162,7 @@ class GpmReader:
         for key in [k for k in self._devices if k[0] not in kept]:
             self._free(nvml, key)
         self._failed.clear()
+        self._split.clear()
         self._supported.clear()
 
     def buffers(self) -> int:
