@@ -20,6 +20,7 @@ from gpu_exporter.simulate import Fault, Health, Load, SimGpu
 
 A100 = "NVIDIA A100-SXM4-80GB"
 GTX = "NVIDIA GeForce GTX 1080"
+H100 = "NVIDIA H100 80GB HBM3"
 V100 = "Tesla V100-SXM2-16GB"
 
 SICK = Health(
@@ -256,7 +257,8 @@ def full_host(tmp_path: Path) -> Stack:
                     0, A100, Load("constant", utilization=0.5, memory_used_ratio=0.5, processes=3)
                 ),
                 SimGpu(1, GTX, Load("busy")),
-                SimGpu(2, A100, Load("busy"), mig=("3g.40gb", "2g.20gb", "1g.10gb")),
+                # an H100: GPM, for the card and each MIG device
+                SimGpu(2, H100, Load("busy"), mig=("3g.40gb", "2g.20gb", "1g.10gb")),
                 SimGpu(3, A100, Load("hidden", memory_used_ratio=0.3), health=SICK),
             ),
             process_labels=procinfo.fields,
@@ -266,6 +268,8 @@ def full_host(tmp_path: Path) -> Stack:
         )
         (poller,) = [t for t in s.daemon.background if isinstance(t, PodResourcesPoller)]
         assert poller.poll_once()  # asked once, by hand: no thread runs here
+    s.sample()
+    s.clock.advance(s.daemon.config.gpm_interval_seconds)  # GPM's second sample: its figures
     s.sample()
     # A memory lease (issue 16): gpu_memory_leased_bytes and the overrun have a series.
     # GPU 1: GPU 0 is the pod's (/choose passes over a card the kubelet allocated). GPU 1 is
