@@ -289,3 +289,18 @@ def test_process_utilization_is_asked_only_of_a_gpu_with_processes() -> None:
         s.clock.advance(1)
     assert s.sim.calls["nvmlDeviceGetProcessUtilization"] == 3  # GPU 1's, every sample
     assert s.cache.get().gpus[0].processes == ()
+
+
+def test_nvml_going_away_frees_the_gpm_buffers_before_it_is_initialised_again() -> None:
+    gone = Fault("nvmlDeviceGetCount", "DRIVER_NOT_LOADED", after_seconds=7, for_seconds=3)
+    s = host(SimGpu(0, H100, Load("busy")), faults=(gone,))
+    two_gpm_reads(s)
+    assert len(s.sim.gpm_samples) == 2
+    s.clock.advance(3)
+    assert not s.sample().nvml_up
+    assert s.sim.gpm_samples == set()  # freed at once, not left for the next initialisation
+    s.clock.advance(600)  # past the fault, and past the initialisation backoff
+    s.sample()
+    s.clock.advance(GPM_INTERVAL)
+    gpu = s.sample().gpus[0]
+    assert gpu.sm_active_ratio is not None and len(s.sim.gpm_samples) == 2

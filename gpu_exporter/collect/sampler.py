@@ -286,6 +286,8 @@ class Sampler:
             if me.abandoned:
                 return
             if unavailable is not None:
+                if self.gpm is not None:  # freed before NVML is shut down and initialised again
+                    self.gpm.close(self.nvml, keep=self._stuck_gpus())
                 self.session.unavailable(unavailable, work.start)
                 work.count = None
                 break
@@ -308,12 +310,15 @@ class Sampler:
         """What a step returned, into ``work`` and what is kept for next time."""
         if step == LIBRARY:
             work.library_done, work.count = True, result  # type: ignore[assignment]
+            if self.gpm is not None and not self.session.initialised:
+                # NVML is down: GPM's buffers go before it is shut down and initialised again
+                self.gpm.close(self.nvml, keep=self._stuck_gpus())
             if self.session.generation != self._generation:  # (re)initialised: read afresh
                 self._generation = self.session.generation
                 self._identities.clear()
                 self._slow_read_at.clear()
                 self._unsupported.clear()
-                if self.gpm is not None:  # buffers of the last initialisation
+                if self.gpm is not None:  # what GPM knew of the last initialisation
                     self.gpm.close(self.nvml, keep=self._stuck_gpus())
             return
         work.next_index = step + 1
