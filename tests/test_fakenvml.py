@@ -439,6 +439,7 @@ def test_an_a100_reports_every_health_field_and_xid_events(
     }
     assert unsupported == {
         "fan_speed",
+        "gpm",  # Hopper and later
         "retired_pages_multiple_single_bit",
         "retired_pages_double_bit",
         "retired_pages_pending",
