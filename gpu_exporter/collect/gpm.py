@@ -28,6 +28,8 @@ from gpu_exporter.nvml import GpuLost, Nvml, NvmlError, NvmlUnavailable, Unsuppo
 log = logging.getLogger(__name__)
 
 DEFAULT_GPM_INTERVAL_SECONDS = 5.0
+# nvml.h: two samples of a device should be over 100 ms apart (the counters' refresh rate).
+MIN_GPM_INTERVAL_SECONDS = 0.1
 # A device: (GPU index, MIG GPU instance id or None for the whole GPU).
 Key = tuple[int, "int | None"]
 

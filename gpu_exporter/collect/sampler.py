@@ -21,7 +21,11 @@ from typing import cast
 from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.collect.fields import FIELDS, GPM_FIELD, UnsupportedFields
-from gpu_exporter.collect.gpm import DEFAULT_GPM_INTERVAL_SECONDS, GpmReader
+from gpu_exporter.collect.gpm import (
+    DEFAULT_GPM_INTERVAL_SECONDS,
+    MIN_GPM_INTERVAL_SECONDS,
+    GpmReader,
+)
 from gpu_exporter.collect.nvmlsession import NvmlSession
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.collect.read import DOWN_TIMEOUT, GpuIdentity, down_sample, read_gpu
@@ -102,10 +106,11 @@ class Sampler:
         self.nvml_timeout_seconds = nvml_timeout_seconds
         self.slow_interval_seconds = slow_interval_seconds
         self.disabled = disabled  # --no-collect.<group>
-        # GPM's two samples per device (None: --no-collect.gpm), never closer than a sample.
+        # GPM's two samples per device (None: --no-collect.gpm), never closer than a sample
+        # (nor than NVML's 100 ms).
         self.gpm: GpmReader | None = None
         if GPM_FIELD.group not in disabled:
-            gpm_interval = max(gpm_interval_seconds, interval_seconds)
+            gpm_interval = max(gpm_interval_seconds, interval_seconds, MIN_GPM_INTERVAL_SECONDS)
             self.gpm = GpmReader(gpm_interval, tolerance_seconds=interval_seconds / 2)
         self.clock: Clock = clock or SystemClock()
         self.session = NvmlSession(nvml)
