@@ -10,6 +10,7 @@ Run from the repository root::
     .venv/bin/python bench/run.py --metric-names gpu-exporter dcgm both  # group 1 per mode
     .venv/bin/python bench/run.py --calls-only # NVML calls per GPU per sample → calls.json
     .venv/bin/python bench/run.py --report --calls bench/results/calls.json  # ... in the table
+    .venv/bin/python bench/run.py --latency-only --fake h100  # groups 2 and 1 → latency.json
 
 Both exporters run as subprocesses on 127.0.0.1 with ``LD_LIBRARY_PATH`` pointing at the fake
 ``libnvidia-ml.so.1`` (``tests/fakenvml``, compiled here with the system C compiler), so
@@ -162,8 +163,14 @@ def _log(message: str) -> None:
 # a fan and retired pages (an H100 PCIe / older Tesla reports both), so nothing is skipped
 # as NOT_SUPPORTED and each sample makes every call there is. "a100-sxm" is the card before
 # issue 29: no fan, no retired pages (each answered NOT_SUPPORTED once, then never asked).
-FAKES = ("rich", "a100-sxm")
+# "h100" is "rich" with GPM (issue 25), answering what a real H100 gave under bf16 matmuls,
+# and per-process utilization for its processes: GPM's two calls per GPU every
+# --gpm-interval come on top of every sample's calls.
+FAKES = ("rich", "a100-sxm", "h100")
 FAKE = FAKES[0]
+H100_GPM = {1: 97.0, 2: 96.0, 3: 14.0, 5: 93.0, 6: 0.0, 7: 93.0, 9: 0.0, 10: 25.0, 11: 0.0}
+H100_GPM |= {12: 0.0, 13: 0.0, 20: 12.5, 21: 300.0, 60: 0.0, 61: 0.0}
+GPM_INTERVAL_SECONDS = 5.0  # the exporter's default --gpm-interval
 
 
 def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
@@ -172,9 +179,13 @@ def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
     out = []
     for i in range(gpus):
         share = processes // gpus + (1 if i < processes % gpus else 0)
-        rich = FAKE == "rich"
+        rich = FAKE in ("rich", "h100")
+        gpm = FAKE == "h100"
+        first = fakenvml.SYNTHETIC_PID_BASE + i * 10000  # as fakenvml.c numbers them
+        pids = range(first, first + share)
         out.append(
             FakeGpu(
+                name="NVIDIA H100 80GB HBM3" if gpm else None,
                 memory_used=(i % 5) * 8 * GiB,
                 utilization_gpu=(i * 37) % 100,
                 utilization_memory=(i * 11) % 100,
@@ -184,6 +195,8 @@ def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
                 synthetic_processes=(share, 2**30) if share else None,
                 errors={} if rich else dict(fakenvml.A100_SXM_ERRORS),
                 health={"retired_pages": "2 1 0"} if rich else {},
+                gpm=H100_GPM if gpm else None,
+                process_utilization=tuple((pid, 40, 10) for pid in pids) if gpm else (),
             )
         )
     return out
@@ -740,7 +753,8 @@ def markdown(report: dict[str, Any]) -> str:
         peer_s and peer_s["nvml_calls_per_sample"],
         f"fast calls × devices + 1 = {expected}, + slow calls every 30 s",
         # + 0.05: the figure is rounded to one decimal
-        expected is not None and expected <= calls <= expected + slow + 0.05,
+        expected is not None
+        and expected <= calls <= expected + slow + gpm_calls_per_sample() + 0.05,
     )
     cpu = ours_s["cpu_percent_of_one_core"]
     peer_cpu = peer_s and peer_s["cpu_percent_of_one_core"]
@@ -933,7 +947,12 @@ def _calls(when: str) -> int:
     from gpu_exporter.collect.fields import FIELDS
     from gpu_exporter.collect.groups import OFF_BY_DEFAULT
 
-    read = [f for f in FIELDS.values() if f.when == when and f.group not in OFF_BY_DEFAULT]
+    # (not those read only when another is non-empty: the processes' utilization, with none)
+    read = [
+        f
+        for f in FIELDS.values()
+        if f.when == when and f.group not in OFF_BY_DEFAULT and f.needs is None
+    ]
     getters = sum(1 for f in read if f.batch is None and f.field != "mig_device_count")
     return getters + any(f.batch is not None for f in read)
 
@@ -945,6 +964,12 @@ def slow_calls_per_sample() -> float:
     from gpu_exporter.collect.fields import SLOW
 
     return GPUS * (_calls(SLOW) - (FAKE == "a100-sxm")) / 30
+
+
+def gpm_calls_per_sample() -> float:
+    """GPM's nvmlGpmSampleGet and nvmlGpmMetricsGet for 8 GPUs every --gpm-interval, on
+    average per sample, on the "h100" card (none on the others: they have no GPM)."""
+    return GPUS * 2 * INTERVAL_SECONDS / GPM_INTERVAL_SECONDS if FAKE == "h100" else 0.0
 
 
 def per_sample_calls() -> int:
@@ -1057,6 +1082,33 @@ def _calls_only(
     return 0
 
 
+def _latency_only(
+    size: Size, peer: bool, note: str, work: Path, lib: Path, out: Path | None
+) -> int:
+    """``--latency-only``: groups 2 (sampling cost, nobody scraping) and 1 (``/metrics``
+    latency) alone, both exporters side by side, into ``latency.json``."""
+    report: dict[str, Any] = {"meta": {"peer": note, "fake": FAKE, "cpu": servers.cpu_model()}}
+    kinds = ["gpu-exporter"] + (["nvitop-exporter"] if peer else [])
+    with contextlib.ExitStack() as stack:
+        exporters = {k: stack.enter_context(running(k, lib, lab(), work)) for k in kinds}
+        report["sampling"] = group_sampling(exporters, size)
+        report["latency"] = group_latency(exporters, size)
+    report["meta"]["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    path = out or RESULTS_DIR / "latency.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    for kind in kinds:
+        seq, cpu = report["latency"][kind]["sequential"], report["sampling"][kind]
+        print(
+            f"{kind}: /metrics p50 {seq['p50_ms']} ms, p99 {seq['p99_ms']} ms; idle CPU "
+            f"{cpu['cpu_percent_of_one_core']} % of a core; {cpu['nvml_calls_per_sample']} calls"
+        )
+    for key in ("ratio_p50", "ratio_p99"):
+        print(f"{key}: {report['latency'].get(key)}")
+    print(f"ratio_cpu: {report['sampling'].get('ratio_cpu')}")
+    print(f"JSON: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
@@ -1113,6 +1165,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="CALLS.json",
         help="with --report: the calls-per-GPU rows from this --calls-only results file",
     )
+    parser.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="only groups 2 and 1 (sampling cost, /metrics latency), into "
+        "bench/results/latency.json",
+    )
     args = parser.parse_args(argv)
     if args.report is not None:
         report = json.loads(args.report.read_text())
@@ -1154,6 +1212,8 @@ def main(argv: list[str] | None = None) -> int:
             return _metric_names_only(size, args.metric_names, work, lib, args.out, started)
         if args.calls_only:
             return _calls_only(size, peer, peer_note, work, lib, args.out, started)
+        if args.latency_only:
+            return _latency_only(size, peer, peer_note, work, lib, args.out)
         report = measure(size, peer, work, lib)
     report = {
         "meta": {

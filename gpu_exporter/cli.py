@@ -254,6 +254,16 @@ def build_parser(env: FlagEnvironment | None = None) -> argparse.ArgumentParser:
         "P-state, modes, power limit); their last values stay exported in between "
         "(default %(default)s)",
     )
+    serve.add_argument(
+        "--gpm-interval",
+        dest="gpm_interval_seconds",  # never below --interval: the sampler sees to it
+        type=_positive_seconds,
+        default=env("gpm-interval", "5"),
+        metavar="SECONDS",
+        help="how often to read GPM on cards that have it (Hopper and later): two samples "
+        "this far apart give SM, tensor, DRAM, PCIe and NVLink activity over the interval "
+        "(about 6 ms of driver time per GPU per read; default %(default)s)",
+    )
     for group, what in GROUPS.items():
         off = group in OFF_BY_DEFAULT
         serve.add_argument(

@@ -61,6 +61,8 @@ class ServeConfig:
     log_format: str = "logfmt"  # or "json" (gpu_exporter.logs)
     # Health fields (collect.groups.SLOW) are read this often; the fast ones every interval.
     slow_interval_seconds: float = 30.0
+    # GPM (collect/gpm.py) is read this often per device, its metrics over that interval.
+    gpm_interval_seconds: float = 5.0
     # --no-collect.<group>: not read, not exported (collect.groups.OFF_BY_DEFAULT unless asked)
     collect_disabled: tuple[str, ...] = ("nvlink",)
     # --kubernetes: the kubelet's PodResources socket (None: off), asked every poll interval

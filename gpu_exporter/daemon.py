@@ -340,6 +340,7 @@ def build(
         procinfo=procinfo,
         slow_interval_seconds=max(config.slow_interval_seconds, config.interval_seconds),
         disabled=disabled,
+        gpm_interval_seconds=config.gpm_interval_seconds,
     )
     # Off the main sampling path: each on its own thread, holding its own NVML reference.
     background: list[BackgroundThread] = [kubelet] if kubelet else []

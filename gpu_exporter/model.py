@@ -34,7 +34,13 @@ VISIBILITIES = ("full", "partial", "none")  # process_visibility's answers
 NVLINK_ERRORS = ("crc_flit", "crc_data", "replay", "recovery")
 
 
-_SHOWN = ("pid", "used_memory_bytes", *PROCESS_LABELS)
+_SHOWN = (
+    "pid",
+    "used_memory_bytes",
+    *PROCESS_LABELS,
+    "sm_utilization_ratio",
+    "memory_utilization_ratio",
+)
 
 
 # -- NVML's answers, in base units (gpu_exporter.nvml returns these) ------------------------
@@ -123,6 +129,11 @@ class ProcessSample:
     # does not show this process), and its cgroup identity (procinfo.cgroup_key).
     ancestors: tuple[int, ...] | None = None
     cgroup: str | None = None
+    # nvmlDeviceGetProcessUtilization: this process's share of the last sample period with
+    # its kernels on the SMs, and with its memory reads or writes (0 when NVML lists it not:
+    # it lists only processes that did something); None where NVML cannot say (MIG).
+    sm_utilization_ratio: float | None = None
+    memory_utilization_ratio: float | None = None
 
     def label(self, name: str) -> str:
         value: str | None = getattr(self, name)
@@ -200,6 +211,24 @@ class GpuSample:
     decoder_utilization_ratio: float | None = None
     # Each NVLink that answers (--collect.nvlink); None where the card has none.
     nvlink: tuple[NvLinkSample, ...] | None = None
+
+    # GPM (Hopper and later; None on cards without it): what the SMs, pipes and links did
+    # over the GPM interval (--gpm-interval), as ratios 0-1 and byte rates. Per MIG device too.
+    graphics_active_ratio: float | None = None  # any graphics or compute engine active
+    sm_active_ratio: float | None = None  # share of SMs busy: the real "is it working"
+    sm_occupancy_ratio: float | None = None  # resident warps ÷ the maximum
+    tensor_active_ratio: float | None = None  # any tensor pipe
+    tensor_hmma_active_ratio: float | None = None
+    tensor_imma_active_ratio: float | None = None
+    tensor_dfma_active_ratio: float | None = None
+    fp64_active_ratio: float | None = None  # non-tensor FP64 pipe
+    fp32_active_ratio: float | None = None
+    fp16_active_ratio: float | None = None
+    dram_active_ratio: float | None = None  # DRAM bandwidth used ÷ the maximum
+    pcie_transmit_bytes_per_second: float | None = None
+    pcie_receive_bytes_per_second: float | None = None
+    nvlink_transmit_bytes_per_second: float | None = None  # all links together
+    nvlink_receive_bytes_per_second: float | None = None
 
     # MIG. On a parent GPU: its mode and its MIG devices. A MIG device is a GpuSample too,
     # with the parent's index, its own "MIG-…" uuid, and parent_uuid set.

@@ -916,6 +916,42 @@ def host_dashboard():  # type: ignore[no-untyped-def]
             span=24,
         )
     )
+    # GPM (issue 25): what the cards really do, and the memory idle processes hold.
+    dash = dash.with_panel(
+        _timeseries(
+            "SM and tensor activity (GPM)",
+            [
+                Q(f"gpu_sm_active_ratio{{{sel}}}", g + " SM"),
+                Q(f"gpu_tensor_active_ratio{{{sel}}}", g + " tensor"),
+            ],
+            "percentunit",
+            "Share of the SMs busy, and of the time tensor cores ran, over each --gpm-interval "
+            "(Hopper and later; cards without GPM have no series). Low SM activity under high "
+            "utilization: small kernels, a job not using the card well.",
+            span=12,
+            max_=1,
+        )
+    )
+    dash = dash.with_panel(
+        _table(
+            "Memory held on idle cards",
+            [
+                (
+                    Q(
+                        f"gpu_process_memory_used_bytes{{{sel}}} and on(job, instance, gpu, uuid) "
+                        "gpu:gpu_memory_held_idle:ratio"
+                    ),
+                    "Memory",
+                    "bytes",
+                ),
+            ],
+            "The processes holding memory on cards over half full whose SMs (their "
+            "utilization, without GPM) are under 5 % active: forgotten notebooks. "
+            "GpuMemoryHeldIdle fires after an hour. user and command labels need "
+            "--process-labels.",
+            span=12,
+        )
+    )
     # Memory leases (issue 16): kept last, so other panels can be added above without churn.
     dash = dash.with_panel(
         _timeseries(

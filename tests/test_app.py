@@ -100,7 +100,8 @@ def test_unknown_parameters_are_rejected(stack: Stack) -> None:
         "error": {
             "code": "unknown_parameter",
             "message": "unknown parameter 'gpus'; /choose takes n, format, lease, owner, wait, "
-            "idle_for, sort, min_free, min_total, max_util, max_mem_used, max_mem_util, max_procs, model, "
+            "idle_for, sort, min_free, min_total, max_util, max_mem_used, max_mem_util, "
+            "max_sm_active, max_procs, model, "
             "include, exclude, mig, mem, pid",
             "param": "gpus",
         }

@@ -48,8 +48,9 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     # 2. sampling: exactly the fast calls of every device, and nothing else (issue 31: the
     # handle kept; power and temperatures in one field-value batch; memory and video clocks,
     # fan, encoder and decoder every --slow-interval): memory, utilization, the batch, two
-    # clocks, clocks event reasons, processes = 7 per GPU; the 12 slow calls (11 getters and
-    # the slow batch) every 30 s: at most 8 x 12 / 30 more per sample.
+    # clocks, clocks event reasons, processes = 7 per GPU (no process, so no process
+    # utilization; no GPM: the "h100" fake has it); the 12 slow calls (11 getters and the
+    # slow batch) every 30 s: at most 8 x 12 / 30 more per sample.
     sampling = report["sampling"]["gpu-exporter"]
     assert sampling["expected_calls_per_sample"] == 1 + 8 * 7
     assert 57 <= sampling["nvml_calls_per_sample"] <= 57 + 8 * 12 / 30 + 0.01
@@ -66,10 +67,11 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
         assert report["choose"][route]["requests"] > 0, route
         assert report["choose"][route]["errors"] == 0, route
     # 4. scaling: calls grow linearly with devices (1 + 7 per GPU), 1 call for a process list
+    # and 1 for its utilization (NOT_FOUND: none of them did anything)
     points = {(p["devices"], p["processes"]): p for p in report["scaling"]}
     assert points[(1, 0)]["nvml_calls_per_sample"] == 1 + 7
     assert points[(64, 0)]["nvml_calls_per_sample"] == 1 + 64 * 7
-    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 7
+    assert points[(8, 1000)]["nvml_calls_per_sample"] == 1 + 8 * 8
     # 6. steady-state idle CPU (--quick: 16 processes on 8 GPUs, and 64 GPUs), nobody scraping
     cases = {(c["gpus"], c["processes"]): c["gpu-exporter"] for c in report["idle"]}
     assert set(cases) == {(8, 16), (64, 0)}

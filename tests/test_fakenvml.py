@@ -88,6 +88,14 @@ NEEDED_BY_THE_EXPORTER = {
     # Issue 31: power, temperatures, energy, ECC, remapped rows, retired pages, PCIe replays
     # and NVLink in one call per GPU and cadence.
     "nvmlDeviceGetFieldValues",
+    # GPM and per-process utilization (issue 25)
+    "nvmlGpmQueryDeviceSupport",
+    "nvmlGpmSampleAlloc",
+    "nvmlGpmSampleFree",
+    "nvmlGpmSampleGet",
+    "nvmlGpmMigSampleGet",
+    "nvmlGpmMetricsGet",
+    "nvmlDeviceGetProcessUtilization",
 }
 
 
@@ -434,6 +442,7 @@ def test_an_a100_reports_every_health_field_and_xid_events(
     }
     assert unsupported == {
         "fan_speed",
+        "gpm",  # Hopper and later
         "retired_pages_multiple_single_bit",
         "retired_pages_double_bit",
         "retired_pages_pending",
@@ -827,3 +836,118 @@ def test_an_entry_the_driver_does_not_know_is_read_by_its_getter(
     getter = after["nvmlDeviceGetTemperature"] - before["nvmlDeviceGetTemperature"]
     assert samples <= getter <= samples + 1  # GPU 0 only; GPU 1's comes from the batch
     assert "nvmlDeviceGetPowerUsage" not in after
+
+
+# -- GPM and per-process utilization (issue 25) -------------------------------------------------
+# What a real H100 answered under bf16 matmuls (docs/real-gpu.md): SM activity 96 %, tensor
+# 93 %, occupancy 14 %, DRAM 25 %, the non-tensor pipes 0; PCIe in MiB/s.
+H100_BUSY = {1: 97.0, 2: 96.0, 3: 14.0, 5: 93.0, 7: 93.0, 9: 0.0, 6: 0.0, 10: 25.0}
+H100_BUSY |= {11: 0.0, 12: 0.0, 13: 0.0, 20: 12.5, 21: 300.0, 60: 0.0, 61: 0.0}
+GPM = ("--gpm-interval", "0.2")
+
+
+def test_gpm_through_the_real_bindings_in_base_units_and_absent_without_it(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    gpus = [
+        FakeGpu(name="NVIDIA H100 80GB HBM3", gpm=H100_BUSY, process_utilization=((77, 91, 30),),
+                processes=((77, GiB),)),
+        FakeGpu(processes=((88, GiB),)),  # an A100: no GPM, and NVML saw no process working
+    ]  # fmt: skip
+    ex = start_exporter(gpus, args=GPM)
+    ids0 = {"gpu": "0", "uuid": _uuid(0)}
+    ex.wait_for(lambda: ex.value("gpu_sm_active_ratio", **ids0) is not None)
+    s = ex.samples()
+
+    def v(name: str, gpu: int = 0, **extra: str) -> float | None:
+        labels = {"gpu": str(gpu), "uuid": _uuid(gpu), **extra}
+        return s.get((name, tuple(sorted(labels.items()))))
+
+    assert v("gpu_sm_active_ratio") == 0.96
+    assert v("gpu_graphics_active_ratio") == 0.97
+    assert v("gpu_sm_occupancy_ratio") == 0.14
+    assert v("gpu_tensor_active_ratio") == 0.93
+    assert v("gpu_tensor_pipe_active_ratio", pipe="hmma") == 0.93
+    assert v("gpu_tensor_pipe_active_ratio", pipe="imma") == 0.0
+    assert v("gpu_fp_pipe_active_ratio", precision="fp64") == 0.0
+    assert v("gpu_dram_active_ratio") == 0.25
+    assert v("gpu_pcie_traffic_bytes_per_second", direction="tx") == 12.5 * 2**20
+    assert v("gpu_pcie_traffic_bytes_per_second", direction="rx") == 300 * 2**20
+    assert v("gpu_nvlink_traffic_bytes_per_second", direction="tx") == 0.0
+    # GPU 1 (an A100) has no GPM: no series at all, and "gpm" among its unsupported fields.
+    assert not [k for k in s if k[0].startswith(("gpu_sm_", "gpu_tensor", "gpu_dram")) and
+                dict(k[1])["gpu"] == "1"]  # fmt: skip
+    assert v("gpu_exporter_field_supported", 1, field="gpm") == 0
+    assert v("gpu_exporter_field_supported", 0, field="gpm") is None
+    # Per process: the job's sample; NOT_FOUND on GPU 1 (nobody worked) is 0, not an error.
+    assert v("gpu_process_sm_utilization_ratio", pid="77") == 0.91
+    assert v("gpu_process_memory_utilization_ratio", pid="77") == 0.30
+    assert v("gpu_process_sm_utilization_ratio", 1, pid="88") == 0.0
+    assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]
+
+
+def test_a_failing_gpm_call_on_one_gpu_and_a_lost_gpu_frees_its_gpm_samples(
+    start_exporter: Callable[..., Exporter], tmp_path: Path
+) -> None:
+    stats = tmp_path / "gpm.stats"
+    h100 = {"name": "NVIDIA H100 80GB HBM3", "gpm": H100_BUSY}
+    gpus = [
+        FakeGpu(**h100),  # type: ignore[arg-type]
+        FakeGpu(**h100, errors={"nvmlGpmMetricsGet": "UNKNOWN"}),  # type: ignore[arg-type]
+        FakeGpu(**h100),  # type: ignore[arg-type]
+    ]
+    ex = start_exporter(gpus, args=GPM, stats=stats)
+    ids = [{"gpu": str(i), "uuid": _uuid(i)} for i in range(3)]
+    ex.wait_for(lambda: ex.value("gpu_sm_active_ratio", **ids[2]) is not None)
+    assert ex.value("gpu_sm_active_ratio", **ids[0]) == 0.96
+    assert ex.value("gpu_sm_active_ratio", **ids[1]) is None  # absent, not 0 …
+    assert ex.value("gpu_up", **ids[1]) == 1  # … and the GPU is still up
+    errors = {"function": "nvmlGpmMetricsGet", "error": "UNKNOWN"}
+    assert (ex.value("gpu_exporter_nvml_errors_total", **errors) or 0) >= 1
+    calls = fakenvml.read_stats(stats)
+    assert calls["nvmlGpmSampleAlloc"] == 6 and calls.get("nvmlGpmSampleFree", 0) == 0
+    # GPU 2 falls off the bus: its two buffers are freed, the others keep theirs.
+    ex.write([gpus[0], gpus[1], FakeGpu(**h100, errors={"*": "GPU_IS_LOST"})])  # type: ignore[arg-type]
+    ex.wait_for(lambda: ex.value("gpu_up", **ids[2]) == 0)
+    ex.wait_for(lambda: fakenvml.read_stats(stats).get("nvmlGpmSampleFree", 0) == 2)
+    assert ex.value("gpu_sm_active_ratio", **ids[0]) == 0.96
+    # It comes back: new buffers, and GPM again.
+    ex.write(gpus)
+    ex.wait_for(lambda: ex.value("gpu_sm_active_ratio", **ids[2]) == 0.96)
+    assert fakenvml.read_stats(stats)["nvmlGpmSampleAlloc"] == 8
+    # On shutdown every buffer still held is freed.
+    ex.proc.terminate()
+    ex.proc.wait(10)
+    calls = fakenvml.read_stats(stats)
+    assert calls["nvmlGpmSampleFree"] == calls["nvmlGpmSampleAlloc"] == 8
+
+
+def test_mig_gpu_instance_gpm_and_the_structs_versions_through_the_bindings(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    """nvmlGpmMigSampleGet through the parent's handle, per-metric return codes, and the
+    version fields nvml.h asks for (the fake refuses a wrong one, as the driver does)."""
+    config = tmp_path / "mig.conf"
+    fakenvml.write_config(config, [FakeGpu(gpm=H100_BUSY, gpm_instances={1: 40, 2: 7})])
+    out = _run_python(
+        fake_lib,
+        config,
+        "from gpu_exporter.nvml import Nvml\n"
+        "n = Nvml(); n.init(); h = n.handle(0)\n"
+        "a, b = n.gpm_sample_alloc(), n.gpm_sample_alloc()\n"
+        "for gi in (1, 2, None):\n"
+        "    n.gpm_sample_get(h, a, gi); n.gpm_sample_get(h, b, gi)\n"
+        "    m = n.gpm_metrics(a, b)\n"
+        "    print(gi, m['sm_active_ratio'], len(m))\n"
+        "try:\n"
+        "    n.gpm_sample_get(h, a, 5)\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc.error)\n"
+        "n.gpm_sample_free(a); n.gpm_sample_free(b)\n",
+    )
+    assert out.splitlines() == [
+        "1 0.4 1",  # an instance answers SM activity only: the rest are left out, not 0
+        "2 0.07 1",
+        f"None 0.96 {len(H100_BUSY)}",
+        "NvmlError NOT_FOUND",
+    ]

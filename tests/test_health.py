@@ -20,6 +20,7 @@ from gpu_exporter.simulate import Fault, Health, Load, SimGpu
 
 A100 = "NVIDIA A100-SXM4-80GB"
 GTX = "NVIDIA GeForce GTX 1080"
+H100 = "NVIDIA H100 80GB HBM3"
 V100 = "Tesla V100-SXM2-16GB"
 
 SICK = Health(
@@ -261,7 +262,8 @@ def full_host(tmp_path: Path) -> Stack:
                     0, A100, Load("constant", utilization=0.5, memory_used_ratio=0.5, processes=3)
                 ),
                 SimGpu(1, GTX, Load("busy")),
-                SimGpu(2, A100, Load("busy"), mig=("3g.40gb", "2g.20gb", "1g.10gb")),
+                # an H100: GPM, for the card and each MIG device
+                SimGpu(2, H100, Load("busy"), mig=("3g.40gb", "2g.20gb", "1g.10gb")),
                 SimGpu(3, A100, Load("hidden", memory_used_ratio=0.3), health=SICK),
             ),
             process_labels=procinfo.fields,
@@ -271,6 +273,8 @@ def full_host(tmp_path: Path) -> Stack:
         )
         (poller,) = [t for t in s.daemon.background if isinstance(t, PodResourcesPoller)]
         assert poller.poll_once()  # asked once, by hand: no thread runs here
+    s.sample()
+    s.clock.advance(s.daemon.config.gpm_interval_seconds)  # GPM's second sample: its figures
     s.sample()
     # A memory lease (issue 16): gpu_memory_leased_bytes and the overrun have a series.
     # GPU 1: GPU 0 is the pod's (/choose passes over a card the kubelet allocated). GPU 1 is
@@ -296,7 +300,9 @@ def test_full_output_has_every_metric(tmp_path: Path) -> None:
     # remaps rows), nothing is down, and no NVML call has failed.
     empty = {"gpu_retired_pages_total", "gpu_retired_pages_pending", "gpu_down_reason"}
     empty.add("gpu_exporter_nvml_errors_total")
-    empty |= {m.name for m in METRICS if m.name.startswith("gpu_nvlink_")}  # --collect.nvlink
+    per_link = {"gpu_nvlink_up", "gpu_nvlink_transmit_bytes_total"}
+    per_link |= {"gpu_nvlink_receive_bytes_total", "gpu_nvlink_errors_total"}
+    empty |= per_link  # --collect.nvlink (GPM's gpu_nvlink_traffic_bytes_per_second is on)
     assert emitted == {m.name for m in METRICS if "web_config" not in m.name} - empty
     samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
     # The request, lease and rejection counters have their known label values at 0 already.

@@ -157,6 +157,9 @@ def test_opt_in_labels_from_proc(tmp_path: Path) -> None:
         "container": CID,
         "slurm_job": None,  # not enabled: not read, not shown
         "pod": None,
+        # its share of the card's (the simulator splits utilization among the processes)
+        "sm_utilization_ratio": s.sim.state(0).utilization_gpu // 3 / 100,
+        "memory_utilization_ratio": s.sim.state(0).utilization_memory // 3 / 100,
     }
     assert s.client.get("/gpus").get_json()["process_labels"] == ["user", "command", "container"]
 

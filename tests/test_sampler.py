@@ -130,9 +130,11 @@ def test_nvml_calls_per_sample_are_exactly_the_supported_fields() -> None:
     per_sample = sum(s.sim.calls.values()) - before
     # count + per GPU the fast calls: memory, utilization, the fast field-value batch
     # (power, temperature, memory temperature), graphics and SM clocks, processes, clocks
-    # event reasons = 7 (issue 31: 13 before). Not again within --slow-interval: the slow
-    # batch and getters; not again at all: the handle, identity and the static values.
-    assert per_sample == 1 + 3 * 7
+    # event reasons = 7 (issue 31: 13 before), and the processes' utilization where there
+    # are any (GPUs 0 and 2). Not again within --slow-interval: the slow batch and getters;
+    # not again at all: the handle, identity, the static values, and whether the card has
+    # GPM (an A100 has not: no GPM call after that).
+    assert per_sample == 1 + 3 * 7 + 2
     assert s.sim.calls["nvmlDeviceGetFieldValues"] == 3 * (2 + 1)  # fast and slow, then fast
 
 

@@ -191,7 +191,28 @@ def test_values_a_card_cannot_report_are_na_with_the_reason() -> None:
     na = '<span class="na" title="this card cannot report {}">n/a</span>'
     assert na.format("its processes (NVML: not supported)") in rows[0]
     assert na.format("temperature (NVML: not supported)") in rows[1]
-    assert rows[1].count('class="na"') == 1  # the rest is there
+    # An A100 has no GPM: SM activity (the column beside utilization) says so.
+    assert na.format("SM activity (GPM, Hopper and later) (NVML: not supported)") in rows[1]
+    assert rows[1].count('class="na"') == 2  # the rest is there
+
+
+def test_sm_activity_is_beside_utilization_where_the_card_has_gpm() -> None:
+    s = build_stack(
+        sim_of(SimGpu(0, "NVIDIA H100 80GB HBM3", Load("light"))), gpm_interval_seconds=5.0
+    )
+    s.sample()
+    rows = re.findall(r'<tr class="gpu" data-uuid="[^"]+">(.*?)</tr>', s.client.get("/").text, re.S)
+    assert "not measured over a whole --gpm-interval yet" in rows[0]  # one sample so far
+    s.clock.advance(5)
+    s.sample()
+    text = s.client.get("/").text
+    assert "<th>Utilization</th><th title=" in text and ">SM active</th>" in text
+    row = re.findall(r'<tr class="gpu" data-uuid="[^"]+">(.*?)</tr>', text, re.S)[0]
+    cells = re.findall(r'data-label="([^"]+)">(.*?)</td>', row, re.S)
+    labels = [label for label, _ in cells]
+    assert labels.index("SM active") == labels.index("Utilization") + 1
+    by = dict(cells)
+    assert "<b>12 %</b>" in by["Utilization"] and "<b>1 %</b>" in by["SM active"]
 
 
 def test_mig_devices_are_grouped_under_their_card() -> None:

@@ -46,6 +46,7 @@ class Filters:
     defaulted: tuple[str, ...] = ()  # parameters from the defaults: unknown values pass them
     max_mem_used_ratio: float | None = None  # memory in use ÷ total (occupancy)
     min_free_ratio: float | None = None  # free memory ÷ total (min_free=25%)
+    max_sm_active_ratio: float | None = None  # GPM SM activity (utilization without GPM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +152,10 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
             d,
             True,
         )
+    if filters.max_sm_active_ratio is not None:
+        what = "SM activity" if gpu.sm_active_ratio is not None else "utilization (no GPM)"
+        limit = filters.max_sm_active_ratio
+        _limit(reasons, what, sm_activity(gpu), limit, "max_sm_active", d, True)
     if filters.max_procs is not None:
         procs = gpu.compute_processes
         if procs is None:  # an unsupported process list never reads as "idle"
@@ -159,6 +164,17 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
         elif procs > filters.max_procs:
             reasons.append(f"{procs} compute processes > max_procs {filters.max_procs}")
     return tuple(reasons)
+
+
+def sm_activity(gpu: GpuSample) -> float | None:
+    """How busy the SMs were: GPM's SM activity, or, on a card without GPM (before Hopper, or
+    before its first GPM interval), NVML's utilization, which is never below it (a kernel
+    running on one SM counts as "utilized"), so a limit on it holds for both.
+
+    >>> sm_activity(GpuSample(index=0, uuid="GPU-0", up=True, utilization_ratio=0.12))
+    0.12
+    """
+    return gpu.sm_active_ratio if gpu.sm_active_ratio is not None else gpu.utilization_ratio
 
 
 def _identity_reasons(reasons: list[str], gpu: GpuSample, filters: Filters) -> None:

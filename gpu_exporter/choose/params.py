@@ -177,7 +177,7 @@ PARAMS: tuple[Param, ...] = (
         {"type": "string", "enum": list(SORTS)},
         default="free",
         filter=True,
-        flag=("ORDER", "ranking: free (default), free_ratio, util, power or pack"),
+        flag=("ORDER", "ranking: free (default), free_ratio, util, sm_active, power or pack"),
         local=True,
     ),
     Param(
@@ -235,6 +235,20 @@ PARAMS: tuple[Param, ...] = (
         local=True,
         recheck=True,
         mem_default=True,
+    ),
+    Param(
+        "max_sm_active",
+        units(parse_ratio),
+        "SM activity (GPM: the share of SMs busy, Hopper and later) at most this; on a card "
+        "without GPM, its utilization, which is never below it. Not among the shipped "
+        "--choose-defaults.",
+        _RATIO,
+        filter=True,
+        flag=("RATIO", "SM activity at most this (utilization where a card has no GPM)"),
+        local=True,
+        recheck=True,
+        mem_default=True,
+        cluster=False,  # the fleet's read has no GPM series yet
     ),
     Param(
         "max_procs",

@@ -10,8 +10,9 @@ module orders those that do and picks ``n``. The default order, best first:
    land — stays free the longest.
 
 Other orders (``sort=``): ``free_ratio`` (free share of the card), ``util`` (least busy
-first), ``power`` (lowest draw/limit first) and ``pack`` (the fullest card that still passes
-the filters, to keep whole cards free). Each falls back to the default order on ties, then to
+first), ``sm_active`` (least SM activity first, by GPM; utilization on a card without GPM),
+``power`` (lowest draw/limit first) and ``pack`` (the fullest card that still passes the
+filters, to keep whole cards free). Each falls back to the default order on ties, then to
 the index rule above, so every order is total and deterministic.
 
 MIG: a CUDA process can use only one MIG device, and no whole GPU once a MIG device is
@@ -32,6 +33,7 @@ from gpu_exporter.choose.filters import (
     candidates,
     instance_order,
     rejection_reasons,
+    sm_activity,
     window_reasons,
 )
 from gpu_exporter.model import GpuSample
@@ -40,7 +42,7 @@ from gpu_exporter.units import plural
 GIB = 2**30
 
 
-SORTS = ("free", "free_ratio", "util", "power", "pack")
+SORTS = ("free", "free_ratio", "util", "power", "pack", "sm_active")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,8 @@ def score(gpu: GpuSample, sort: str = "free") -> float | None:
         return None if free is None or not total else round(free / total, 2)
     if sort == "util":
         return gpu.utilization_ratio
+    if sort == "sm_active":
+        return sm_activity(gpu)
     if sort == "power":
         draw, limit = gpu.power_draw_watts, gpu.power_limit_watts
         return None if draw is None or not limit else round(draw / limit, 2)

@@ -199,6 +199,7 @@ def parse_choose_args(
         exclude=v["exclude"],
         min_total_bytes=v["min_total"],
         max_mem_util_ratio=v["max_mem_util"],
+        max_sm_active_ratio=v["max_sm_active"],
         max_procs=v["max_procs"],
         model=v["model"],
         include=v["include"],

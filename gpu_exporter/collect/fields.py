@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,6 +53,7 @@ _T = TypeVar("_T")
 FAST = "every sample"
 SLOW = "every --slow-interval"
 ONCE = "once"
+GPM = "every --gpm-interval"  # collect/gpm.py: two samples per device, that far apart
 CORE = ""  # no group: always read
 
 # (device uuid, field) pairs that answered NOT_SUPPORTED: not asked again until re-init;
@@ -107,6 +109,8 @@ class FieldReader:
         if (self.uuid, field) in self.unsupported:
             self.asked[field] = False
             return False
+        if f.needs is not None and not self.values.get(f.needs):
+            return False
         memo = self.static if when == ONCE else self.slow if when == SLOW else None
         if memo is not None and (when == ONCE or not self.slow_due):
             self.asked[field] = True
@@ -142,6 +146,8 @@ class FieldReader:
         assert carry is not None
         self.values = dict(carry.values)
         for f in carry.fast:
+            if f.needs is not None and not self.values.get(f.needs):
+                continue
             try:
                 value = self._value(f, nvml, procinfo)
             except Unsupported:
@@ -231,7 +237,7 @@ class FieldReader:
                 continue
             supported = (self.uuid, f.field) not in self.unsupported
             if f.when == FAST:
-                if supported and not (mig and f.field == "processes"):
+                if supported and not (mig and f.field in PER_MIG_DEVICE):
                     fast.append(f)
             elif f.when == ONCE and supported and f.field not in self.static:
                 return None  # failed: asked again next sample
@@ -342,6 +348,8 @@ class Field:
     when: str = FAST
     group: str = CORE
     batch: Batched | None = None
+    # Read only when this attribute, read before it, is non-empty (nothing to ask about else).
+    needs: str | None = None
 
 
 def _f(
@@ -495,6 +503,35 @@ def _retired(cause: str) -> Field:
 
 _MEMORY_FIELDS = tuple(f"memory_{x}_bytes" for x in ("total", "used", "free", "reserved"))
 _PROCESSES = _f("processes", "processes", lambda n, p, h: _processes(n, h, p), FAST, "processes")
+
+
+# -- per-process utilization: merged into the process list by with_processes -------------
+# NVML keeps a few seconds of per-process samples; the latest within this look-back is the
+# process's utilization now (a listed process without one did nothing: 0).
+PROCESS_UTILIZATION_LOOKBACK_SECONDS = 3.0
+
+
+def _process_utilization(n: Nvml, _: ProcInfoCache | None, h: Any) -> dict[int, Any]:
+    since = time.time() - PROCESS_UTILIZATION_LOOKBACK_SECONDS
+    return n.process_utilization(h, int(since * 1e6))
+
+
+# Asked only of a device with compute processes: with none, there is nobody to attribute to.
+_PROCESS_UTILIZATION = dataclasses.replace(
+    _f("process_utilization", "process_utilization", _process_utilization, FAST, "processes"),
+    needs="processes",
+)
+# Whole-GPU fields that a GPU in MIG mode reads per MIG device (or, NVML, not at all).
+PER_MIG_DEVICE = ("processes", "process_utilization")
+
+
+# -- GPM: read by collect/gpm.py, which keeps two samples per device; a row here for its
+# cadence, group and support, like every other field (not in GPU_FIELDS: not walked) -------
+def _read_by_gpm_module(n: Nvml, _: ProcInfoCache | None, h: Any) -> Any:
+    raise NotImplementedError("GPM is read by collect.gpm.GpmReader, two samples apart")
+
+
+GPM_FIELD = _f("gpm", tuple(nvml_mod.GPM_METRICS), _read_by_gpm_module, GPM, "gpm")
 _UTILIZATION = _f(
     "utilization", ("utilization_ratio", "memory_utilization_ratio"), _utilization, FAST, CORE
 )
@@ -538,6 +575,7 @@ GPU_FIELDS = (
     _m("fan_speed", "fan_speed_ratio", SLOW, "temperature"),
     *(_clock(clock) for clock in CLOCKS),
     _PROCESSES,
+    _PROCESS_UTILIZATION,
     _f("clocks_event_reasons", "clocks_event_reasons",
        lambda n, _, h: _reasons(n.clocks_event_reasons(h)), FAST, "clocks"),
     _m("performance_state", "performance_state", SLOW, "clocks"),
@@ -572,7 +610,7 @@ GPU_FIELDS = (
 # The fields read from field-value batches (one nvmlDeviceGetFieldValues call per cadence).
 BATCHED = tuple(f for f in GPU_FIELDS if f.batch is not None)
 # Every field by name, whole GPU or MIG device.
-FIELDS: dict[str, Field] = {f.field: f for f in (*GPU_FIELDS, MIG_DEVICE_COUNT)}
+FIELDS: dict[str, Field] = {f.field: f for f in (*GPU_FIELDS, MIG_DEVICE_COUNT, GPM_FIELD)}
 
 
 def read_values(
@@ -588,7 +626,7 @@ def read_values(
             r.read_fast(nvml, procinfo)
             return
         for f in GPU_FIELDS if whole_gpu else MIG_FIELDS:
-            if f.field == "processes" and r.values.get("mig_mode_enabled"):
+            if f.field in PER_MIG_DEVICE and r.values.get("mig_mode_enabled"):
                 continue  # in MIG mode, processes are read per MIG device
             r.read(f, nvml, procinfo)
     finally:
@@ -596,8 +634,19 @@ def read_values(
 
 
 def with_processes(values: dict[str, Any]) -> dict[str, Any]:
-    """Fill compute_processes and process_visibility from the process list."""
+    """Fill compute_processes and process_visibility from the process list, and each listed
+    process's utilization from process_utilization (which goes: it is no GpuSample field)."""
     procs = values.get("processes")
+    busy = values.pop("process_utilization", None)
+    if procs is not None and busy is not None:  # NVML lists only processes that did something
+        procs = values["processes"] = tuple(
+            dataclasses.replace(
+                p,
+                sm_utilization_ratio=busy.get(p.pid, (0.0, 0.0))[0],
+                memory_utilization_ratio=busy.get(p.pid, (0.0, 0.0))[1],
+            )
+            for p in procs
+        )
     if procs is not None:
         values["compute_processes"] = len(procs)
     values["process_visibility"] = process_visibility(values.get("memory_used_bytes"), procs)

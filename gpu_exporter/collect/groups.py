@@ -20,8 +20,11 @@ GROUPS: dict[str, str] = {
     "pcie": "PCIe link generation and width, replay errors",
     "media": "encoder and decoder utilization",
     "nvlink": "NVLink state, data and error counters per link",
-    "processes": "compute processes (process series, lease attribution by arrival)",
+    "processes": "compute processes and their SM and memory utilization (process series, "
+    "lease attribution by arrival)",
     "xid": "the Xid event listener (one thread, not per sample)",
+    "gpm": "GPM activity (Hopper and later): SM, tensor and FP pipes, DRAM, PCIe and NVLink "
+    "traffic, every --gpm-interval",
 }
 
 # Groups off unless asked for with --collect.<group>: NVLink is 7 series per link (84 on an

@@ -16,14 +16,17 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gpu_exporter.collect.fields import (
+    GPM_FIELD,
     GPU_FIELDS,
     MIG_DEVICE_COUNT,
     Carry,
     FieldReader,
     UnsupportedFields,
+    interned,
     read_values,
     with_processes,
 )
+from gpu_exporter.collect.gpm import GpmReader
 from gpu_exporter.collect.groups import OFF_BY_DEFAULT
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.counters import MonotonicCounters
@@ -138,6 +141,8 @@ def read_gpu(
     disabled: frozenset[str] = frozenset(OFF_BY_DEFAULT),
     seen_at: float | None = None,
     counters: MonotonicCounters | None = None,
+    gpm: GpmReader | None = None,
+    now: float = 0.0,
 ) -> tuple[GpuSample, GpuIdentity | None]:
     """One GPU's sample (with its MIG devices and processes), and its identity for next
     time. Never raises for GPU-level errors.
@@ -147,7 +152,8 @@ def read_gpu(
     reused, and only the fast fields are called); ``disabled``: the ``--collect.<group>``
     groups not read at all; ``seen_at``: the sample's ``last_seen_seconds`` if it answers;
     ``counters``: keeps the NVLink counters from going backwards across driver resets (the
-    sampler's, for the process's life; None exports NVML's own counts).
+    sampler's, for the process's life; None exports NVML's own counts). ``gpm``: the GPM
+    state (None: no GPM), read at ``now`` (the sampler's monotonic clock).
     """
     known_uuid = identity.uuid if identity else ""
     try:
@@ -192,6 +198,9 @@ def read_gpu(
             procs = [d.processes for d in mig_devices]
             if mig_devices and all(p is not None for p in procs):
                 r.values["processes"] = tuple(p for ps in procs if ps for p in ps)
+        gpm_supported: tuple[tuple[str, bool], ...] = ()
+        if gpm is not None and GPM_FIELD.group not in disabled:
+            mig_devices, gpm_supported = _read_gpm(gpm, nvml, index, r, mig_devices, now)
     except GpuLost as exc:
         # Whatever was read before the GPU went away is dropped: no stale values that look fresh.
         return down_sample(index, identity, DOWN_LOST, str(exc)), identity.forget_values()
@@ -216,7 +225,7 @@ def read_gpu(
         error=r.last_error,
         last_seen_seconds=seen_at,
         mig_devices=mig_devices,
-        fields_supported=r.fields_supported(),
+        fields_supported=interned((*r.fields_supported(), *gpm_supported)),
         **values,
     )
     return sample, identity
@@ -241,6 +250,27 @@ def monotonic_nvlinks(
         )
         for n in links
     )
+
+
+def _read_gpm(
+    gpm: GpmReader,
+    nvml: Nvml,
+    index: int,
+    r: FieldReader,
+    mig_devices: tuple[GpuSample, ...],
+    now: float,
+) -> tuple[tuple[GpuSample, ...], tuple[tuple[str, bool], ...]]:
+    """GPM of the GPU ``r`` reads (into ``r.values``) and of its MIG devices (returned with
+    theirs), and the GPU's ("gpm", supported) for its fields_supported."""
+    instances = [d.gpu_instance_id for d in mig_devices if d.gpu_instance_id is not None]
+    supported, found = gpm.read(nvml, index, r.handle, r.uuid, instances, now)
+    r.values.update(found.get(None, {}))
+    if found and mig_devices:
+        mig_devices = tuple(
+            dataclasses.replace(d, **found.get(d.gpu_instance_id, {}))  # type: ignore[arg-type]
+            for d in mig_devices
+        )
+    return mig_devices, () if supported is None else ((GPM_FIELD.field, supported),)
 
 
 def optional(fn: Callable[[Any], _T], handle: Any) -> _T | None:

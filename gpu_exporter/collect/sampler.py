@@ -20,7 +20,12 @@ from typing import cast
 
 from gpu_exporter.clock import Clock, SystemClock
 from gpu_exporter.collect.cache import SnapshotCache
-from gpu_exporter.collect.fields import FIELDS, UnsupportedFields
+from gpu_exporter.collect.fields import FIELDS, GPM_FIELD, UnsupportedFields
+from gpu_exporter.collect.gpm import (
+    DEFAULT_GPM_INTERVAL_SECONDS,
+    MIN_GPM_INTERVAL_SECONDS,
+    GpmReader,
+)
 from gpu_exporter.collect.groups import OFF_BY_DEFAULT
 from gpu_exporter.collect.nvmlsession import NvmlSession
 from gpu_exporter.collect.procinfo import ProcInfoCache
@@ -94,6 +99,7 @@ class Sampler:
         procinfo: ProcInfoCache | None = None,
         slow_interval_seconds: float = DEFAULT_SLOW_INTERVAL_SECONDS,
         disabled: frozenset[str] = frozenset(OFF_BY_DEFAULT),
+        gpm_interval_seconds: float = DEFAULT_GPM_INTERVAL_SECONDS,
     ) -> None:
         self.nvml = nvml
         self.cache = cache
@@ -102,6 +108,12 @@ class Sampler:
         self.nvml_timeout_seconds = nvml_timeout_seconds
         self.slow_interval_seconds = slow_interval_seconds
         self.disabled = disabled  # --no-collect.<group>
+        # GPM's two samples per device (None: --no-collect.gpm), never closer than a sample
+        # (nor than NVML's 100 ms).
+        self.gpm: GpmReader | None = None
+        if GPM_FIELD.group not in disabled:
+            gpm_interval = max(gpm_interval_seconds, interval_seconds, MIN_GPM_INTERVAL_SECONDS)
+            self.gpm = GpmReader(gpm_interval, tolerance_seconds=interval_seconds / 2)
         self.clock: Clock = clock or SystemClock()
         self.session = NvmlSession(nvml)
         self.running = False  # start() was called: readers loop until stop()
@@ -212,9 +224,19 @@ class Sampler:
                 return
         if self.session.initialised and "library" not in self.stuck():
             self.session.initialised = False
-            closer = threading.Thread(target=self.nvml.shutdown, name="nvml-shutdown", daemon=True)
+            closer = threading.Thread(target=self._shutdown, name="nvml-shutdown", daemon=True)
             closer.start()
             closer.join(max(0.0, deadline - time.monotonic()))
+
+    def _shutdown(self) -> None:
+        """GPM's buffers freed (but a stuck GPU's: its call may still write to one), then
+        NVML shut down."""
+        if self.gpm is not None:
+            self.gpm.close(self.nvml, keep=self._stuck_gpus())
+        self.nvml.shutdown()
+
+    def _stuck_gpus(self) -> frozenset[int]:
+        return frozenset(k for k in self._stuck.copy() if k != LIBRARY)
 
     # -- the reader ----------------------------------------------------------------------
     def _loop(self, me: _Reader) -> None:
@@ -273,6 +295,8 @@ class Sampler:
             if me.abandoned:
                 return
             if unavailable is not None:
+                if self.gpm is not None:  # freed before NVML is shut down and initialised again
+                    self.gpm.close(self.nvml, keep=self._stuck_gpus())
                 self.session.unavailable(unavailable, work.start)
                 work.count = None
                 break
@@ -295,11 +319,16 @@ class Sampler:
         """What a step returned, into ``work`` and what is kept for next time."""
         if step == LIBRARY:
             work.library_done, work.count = True, result  # type: ignore[assignment]
+            if self.gpm is not None and not self.session.initialised:
+                # NVML is down: GPM's buffers go before it is shut down and initialised again
+                self.gpm.close(self.nvml, keep=self._stuck_gpus())
             if self.session.generation != self._generation:  # (re)initialised: read afresh
                 self._generation = self.session.generation
                 self._identities.clear()
                 self._slow_read_at.clear()
                 self._unsupported.clear()
+                if self.gpm is not None:  # what GPM knew of the last initialisation
+                    self.gpm.close(self.nvml, keep=self._stuck_gpus())
             return
         work.next_index = step + 1
         if result is None:
@@ -310,6 +339,8 @@ class Sampler:
             self._identities[step] = identity
         if not sample.up:
             self._slow_read_at.pop(step, None)
+            if self.gpm is not None:  # lost: its GPM buffers go (its call has returned)
+                self.gpm.forget(self.nvml, step)
         elif slow_read:
             self._slow_read_at[step] = work.start
 
@@ -330,6 +361,8 @@ class Sampler:
             disabled=self.disabled,
             seen_at=work.wall,
             counters=self._counters,
+            gpm=self.gpm,
+            now=work.start,
         )
         return sample, identity, slow_due
 

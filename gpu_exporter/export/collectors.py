@@ -49,6 +49,8 @@ from gpu_exporter.export.spec import (
     NVML_UP,
     PCIE_THROUGHPUT,
     PROCESS_MEMORY,
+    PROCESS_MEMORY_UTILIZATION,
+    PROCESS_SM_UTILIZATION,
     REQUESTS_REJECTED,
     SAMPLE_DURATION,
     STATE_WRITE_ERRORS,
@@ -142,6 +144,8 @@ def gpu_families(
     mig_info = _family(GPU_MIG_INFO)
     proc_labels = (*GPU_LABELS, "pid", *snapshot.process_labels)
     procs = _family(PROCESS_MEMORY, proc_labels)
+    proc_sm = _family(PROCESS_SM_UTILIZATION, proc_labels)
+    proc_mem = _family(PROCESS_MEMORY_UTILIZATION, proc_labels)
     for gpu in all_devices(snapshot.gpus):
         ids = [str(gpu.index), gpu.uuid]
         info.add_metric(
@@ -174,8 +178,12 @@ def gpu_families(
             if spec.mig or not gpu.is_mig_device:
                 _add_values(spec, family, ids, gpu)
         for p in _largest_processes(gpu, process_series_limit):
-            labels = (p.label(name) for name in snapshot.process_labels)
-            procs.add_metric([*ids, str(p.pid), *labels], p.used_memory_bytes or 0)
+            labels = [*ids, str(p.pid), *(p.label(name) for name in snapshot.process_labels)]
+            procs.add_metric(labels, p.used_memory_bytes or 0)
+            if p.sm_utilization_ratio is not None:
+                proc_sm.add_metric(labels, p.sm_utilization_ratio)
+            if p.memory_utilization_ratio is not None:
+                proc_mem.add_metric(labels, p.memory_utilization_ratio)
     yield info
     yield up
     yield down
@@ -183,6 +191,8 @@ def gpu_families(
     yield from values
     yield mig_info
     yield procs
+    yield proc_sm
+    yield proc_mem
 
 
 def _text(value: int | None) -> str:

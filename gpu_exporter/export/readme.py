@@ -7,8 +7,9 @@ equal to both; ``python -m gpu_exporter.export.readme`` prints them.
 
 from __future__ import annotations
 
-from gpu_exporter.collect.fields import CORE, FAST, ONCE, SLOW
-from gpu_exporter.collect.groups import GROUPS, OFF_BY_DEFAULT, getter_fields
+from gpu_exporter.collect.fields import CORE, FAST, GPM, ONCE, SLOW
+from gpu_exporter.collect.gpm import DEFAULT_GPM_INTERVAL_SECONDS
+from gpu_exporter.collect.groups import GROUPS, OFF_BY_DEFAULT, fields_of, getter_fields
 from gpu_exporter.export.spec import METRICS, PROCESS_MEMORY
 from gpu_exporter.model import CLOCKS_EVENT_REASONS, PROCESS_LABELS
 
@@ -21,12 +22,14 @@ _SERIES: dict[str, int] = {
     "health": 3 + 4 + 2 + 2 + 2 + 1,  # modes, ECC, remapped rows (2 + 2), retired pages (2 + 1)
     "pcie": 2 + 2 + 1,
     "media": 2,
+    "gpm": 4 + 3 + 3 + 1 + 2 + 2,  # SM x2, graphics, tensor; tensor and FP pipes; DRAM; links
 }
 _SERIES_TEXT = {
     "": "7",
-    "processes": "1, + 1 per process",
+    "processes": "1, + 3 per process",
     "xid": "1 per Xid code seen, + 1",
     "nvlink": "7 per link (84 on an A100-SXM4)",
+    "gpm": f"{_SERIES['gpm']} on Hopper and later (+ each MIG device's), 0 before",
 }
 
 
@@ -39,7 +42,7 @@ def metrics_table() -> str:
     for spec in METRICS:
         help_text = " ".join(filter(None, (spec.exposed_help, spec.details))).replace("|", "\\|")
         labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
-        if spec is PROCESS_MEMORY:
+        if spec.labels == PROCESS_MEMORY.labels:
             labels = (
                 "`gpu`, `uuid`, `pid` (+ opt-in "
                 + ", ".join(f"`{label}`" for label in PROCESS_LABELS)
@@ -74,6 +77,11 @@ def groups_table(interval_seconds: float = 1.0, slow_interval_seconds: float = 3
         if not name:  # the batches, and the identity (UUID, name, bus id) and handle once
             fast, slow, once = fast + 1, slow + 1, once + 4
         per_minute = fast * 60 / interval_seconds + slow * 60 / slow_interval_seconds
+        # GPM: asked once whether the card has it (two buffers allocated), then a sample and
+        # the metrics per device every --gpm-interval; nothing more on a card without it.
+        gpm = len(fields_of(name, GPM))
+        once += 3 * gpm
+        per_minute += 2 * gpm * 60 / DEFAULT_GPM_INTERVAL_SECONDS
         flag = f"`--no-collect.{name}`" if name else "— (always)"
         if name in OFF_BY_DEFAULT:
             flag = f"`--collect.{name}` (off by default)"

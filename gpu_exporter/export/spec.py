@@ -119,11 +119,12 @@ def _labelled(
     unit: str,
     pairs: tuple[tuple[str, str], ...],
     type: str = "gauge",
+    mig: bool = False,
 ) -> MetricSpec:
     labels = (*GPU_LABELS, label)
     when = _read_as(*(a for _, a in pairs), labels=tuple(v for v, _ in pairs))
     return MetricSpec(
-        name, type, help + SAMPLED, labels, source, per_label=pairs, unit=unit, **when
+        name, type, help + SAMPLED, labels, source, per_label=pairs, unit=unit, mig=mig, **when
     )
 
 
@@ -208,6 +209,53 @@ GPU_DOWN_REASON = MetricSpec(
     details="lost: fell off the bus, needs a reset; timeout: an NVML call for it has not "
     "returned within --nvml-timeout.",
 )
+# GPM (Hopper and later; absent on older cards, never 0): ratios and byte rates over the last
+# --gpm-interval, as nvmlGpmMetricsGet gives them between two samples. Kept as a table.
+_GPM = "nvmlGpmSampleGet, nvmlGpmMetricsGet"
+_GPM_MIG = _GPM + " (MIG: nvmlGpmMigSampleGet)"
+GPM_VALUES: tuple[MetricSpec, ...] = (
+    _gpu("gpu_sm_active_ratio",
+         "Average share of the SMs busy over the last --gpm-interval (0-1): how much of the "
+         "card works, where gpu_utilization_ratio says only that some kernel ran.",
+         _GPM_MIG, "sm_active_ratio", "ratio", mig=True),
+    _gpu("gpu_sm_occupancy_ratio",
+         "Resident warps as a share of the SMs' maximum, over the last --gpm-interval (0-1).",
+         _GPM_MIG, "sm_occupancy_ratio", "ratio", mig=True),
+    _gpu("gpu_graphics_active_ratio",
+         "Share of the last --gpm-interval (0-1) in which the graphics or compute engine was "
+         "active.",
+         _GPM, "graphics_active_ratio", "ratio", mig=True),
+    _gpu("gpu_tensor_active_ratio",
+         "Share of the last --gpm-interval (0-1) in which the SMs ran any tensor-core "
+         "instructions.",
+         _GPM_MIG, "tensor_active_ratio", "ratio", mig=True),
+    _labelled("gpu_tensor_pipe_active_ratio",
+              "Share of the last --gpm-interval (0-1) in which the SMs ran tensor-core "
+              "instructions of one kind: hmma (floating point), imma (integer), dfma (FP64).",
+              "pipe", _GPM, "ratio",
+              tuple((k, f"tensor_{k}_active_ratio") for k in ("hmma", "imma", "dfma")),
+              mig=True),
+    _labelled("gpu_fp_pipe_active_ratio",
+              "Share of the last --gpm-interval (0-1) in which the SMs ran non-tensor floating "
+              "point instructions of one precision.",
+              "precision", _GPM, "ratio",
+              tuple((p, f"{p}_active_ratio") for p in ("fp64", "fp32", "fp16")), mig=True),
+    _gpu("gpu_dram_active_ratio",
+         "DRAM bandwidth used as a share of the maximum, over the last --gpm-interval (0-1).",
+         _GPM_MIG, "dram_active_ratio", "ratio", mig=True),
+    _labelled("gpu_pcie_traffic_bytes_per_second",
+              "PCIe traffic over the last --gpm-interval by direction (tx: from the GPU, rx: "
+              "to it), as GPM counts it.",
+              "direction", _GPM, "bytes/second",
+              (("tx", "pcie_transmit_bytes_per_second"),
+               ("rx", "pcie_receive_bytes_per_second")), mig=True),
+    _labelled("gpu_nvlink_traffic_bytes_per_second",
+              "NVLink traffic of all links together over the last --gpm-interval by direction "
+              "(tx: from the GPU, rx: to it), as GPM counts it.",
+              "direction", _GPM, "bytes/second",
+              (("tx", "nvlink_transmit_bytes_per_second"),
+               ("rx", "nvlink_receive_bytes_per_second")), mig=True),
+)  # fmt: skip
 # One GPU or MIG device value per row: name and help, then the NVML source, the GpuSample
 # field(s) and the unit (see _gpu, _labelled). Kept as a table, not in ruff's layout.
 GPU_VALUES: tuple[MetricSpec, ...] = (
@@ -352,6 +400,7 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
     _gpu("gpu_mig_mode_enabled",
          "1 if MIG mode is on: the GPU is split into the MIG devices of gpu_mig_info.",
          "nvmlDeviceGetMigMode", "mig_mode_enabled", "0/1"),
+    *GPM_VALUES,
 )  # fmt: skip
 GPU_MIG_INFO = MetricSpec(
     "gpu_mig_info",
@@ -374,6 +423,34 @@ PROCESS_MEMORY = MetricSpec(
     details="At most --process-series-limit per device, largest first; memory of processes in "
     "other PID namespaces is in gpu_memory_used_bytes but not here.",
     **_read_as("processes"),
+)
+
+
+def _process_ratio(name: str, help: str) -> MetricSpec:
+    """A per-process utilization, with gpu_process_memory_used_bytes' labels and cap."""
+    return MetricSpec(
+        name,
+        "gauge",
+        help + SAMPLED,
+        PROCESS_MEMORY.labels,
+        "nvmlDeviceGetProcessUtilization",
+        unit="ratio",
+        default=PROCESS_MEMORY.default,
+        details="The processes of gpu_process_memory_used_bytes (the same cap); 0 for a "
+        "process NVML has no sample of (it lists only those that used the card); absent where "
+        "NVML cannot say (MIG).",
+        **_read_as("process_utilization"),
+    )
+
+
+PROCESS_SM_UTILIZATION = _process_ratio(
+    "gpu_process_sm_utilization_ratio",
+    "Share of the driver's last sample period (0-1) in which this process had kernels on the SMs.",
+)
+PROCESS_MEMORY_UTILIZATION = _process_ratio(
+    "gpu_process_memory_utilization_ratio",
+    "Share of the driver's last sample period (0-1) in which this process read or wrote "
+    "device memory.",
 )
 XID_ERRORS = MetricSpec(
     "gpu_xid_errors_total",
@@ -657,6 +734,8 @@ METRICS: tuple[MetricSpec, ...] = (
     *GPU_VALUES,
     GPU_MIG_INFO,
     PROCESS_MEMORY,
+    PROCESS_SM_UTILIZATION,
+    PROCESS_MEMORY_UTILIZATION,
     XID_ERRORS,
     LAST_XID,
     PCIE_THROUGHPUT,

@@ -33,7 +33,7 @@ from gpu_exporter.simulate.scenario import (
     SimMig,
     XidEvent,
 )
-from gpu_exporter.simulate.state import GpuState, MigState, gpu_state, mig_state
+from gpu_exporter.simulate.state import GpuState, MigState, gpm_values, gpu_state, mig_state
 
 _M = TypeVar("_M", bound="SimulatedMachine")
 
@@ -82,6 +82,7 @@ class SimulatedMachine:
         self._lock = threading.Lock()
         self._events = threading.Condition(self._lock)
         self._mig_handles: dict[tuple[int, int], SimMig] = {}
+        self.gpm_samples: set[int] = set()  # ids of GPM sample buffers allocated, not freed
         self._release = threading.Event()
 
     @property
@@ -454,6 +455,129 @@ class SimulatedNvml(SimulatedMachine):
                     raise nvml.make_error(nvml.error_code("TIMEOUT"))
                 # Wake now and then: scheduled events follow the simulator's own clock.
                 self._events.wait(min(remaining, 0.05))
+
+
+# -- GPM and per-process utilization -----------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class SimGpmSample:
+    """What nvmlGpmSampleAlloc returns: whose figures it holds (GPU, GPU instance) and when."""
+
+    gpu: SimGpu | None = None
+    gpu_instance_id: int | None = None
+    values: dict[int, float] = field(default_factory=dict)
+    freed: bool = False
+
+
+class SimGpmMetricsGet:
+    """pynvml's c_nvmlGpmMetricsGet_t, as plain attributes (the simulator's samples are not
+    ctypes pointers)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: SimGpmSample | None = None
+        self.sample2: SimGpmSample | None = None
+        self.metrics = [SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0) for _ in range(32)]
+
+
+class _GpmFunctions:
+    """The GPM functions and nvmlDeviceGetProcessUtilization, mixed into SimulatedNvml."""
+
+    c_nvmlGpmMetricsGet_t = SimGpmMetricsGet
+
+    def nvmlGpmQueryDeviceSupport(self: Any, gpu: SimGpu) -> SimpleNamespace:
+        gpu = self._gpu("nvmlGpmQueryDeviceSupport", gpu)
+        return SimpleNamespace(version=1, isSupportedDevice=int(gpu.model.gpm))
+
+    def nvmlGpmSampleAlloc(self: Any) -> SimGpmSample:
+        self._check("nvmlGpmSampleAlloc")
+        sample = SimGpmSample()
+        with self._lock:
+            self.gpm_samples.add(id(sample))
+        return sample
+
+    def nvmlGpmSampleFree(self: Any, sample: SimGpmSample) -> None:
+        self._check("nvmlGpmSampleFree")
+        with self._lock:
+            if sample.freed or id(sample) not in self.gpm_samples:
+                raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+            sample.freed = True
+            self.gpm_samples.discard(id(sample))
+
+    def nvmlGpmSampleGet(self: Any, gpu: SimGpu, sample: SimGpmSample) -> SimGpmSample:
+        gpu = self._gpu("nvmlGpmSampleGet", gpu)
+        return _fill(self, gpu, None, sample)
+
+    def nvmlGpmMigSampleGet(
+        self: Any, gpu: SimGpu, gpu_instance_id: int, sample: SimGpmSample
+    ) -> SimGpmSample:
+        gpu = self._gpu("nvmlGpmMigSampleGet", gpu)
+        if not 1 <= gpu_instance_id <= len(gpu.mig):  # mig_state: instance id = slot + 1
+            raise nvml.make_error(nvml.error_code("NOT_FOUND"))
+        return _fill(self, gpu, gpu_instance_id, sample)
+
+    def nvmlGpmMetricsGet(self: Any, request: SimGpmMetricsGet) -> SimGpmMetricsGet:
+        """Each metric the mean of the two samples' figures, or NOT_SUPPORTED in its entry."""
+        one, two = request.sample1, request.sample2
+        gpu = one.gpu if one is not None else None
+        self._check("nvmlGpmMetricsGet", gpu)
+        if (
+            request.version != nvml.GPM_METRICS_GET_VERSION
+            or one is None
+            or two is None
+            or one.gpu is None
+            or (one.gpu, one.gpu_instance_id) != (two.gpu, two.gpu_instance_id)
+        ):
+            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+        for metric in request.metrics[: request.numMetrics]:
+            a, b = one.values.get(metric.metricId), two.values.get(metric.metricId)
+            if a is None or b is None:
+                metric.nvmlReturn, metric.value = nvml.error_code("NOT_SUPPORTED"), 0.0
+            else:
+                metric.nvmlReturn, metric.value = 0, (a + b) / 2
+        return request
+
+    def nvmlDeviceGetProcessUtilization(self: Any, gpu: SimGpu, since_us: int) -> list[Any]:
+        """One sample per process that used the card: its share of the card's utilization;
+        NOT_FOUND when none did, as the driver. NVML reports none in MIG mode."""
+        gpu = self._gpu("nvmlDeviceGetProcessUtilization", gpu)
+        if gpu.mig:
+            raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+        s = self.state(gpu.index)
+        if not s.processes or not s.utilization_gpu:
+            raise nvml.make_error(nvml.error_code("NOT_FOUND"))
+        n = len(s.processes)
+        stamp = max(int(time.time() * 1e6), since_us + 1)
+        return [
+            SimpleNamespace(
+                pid=pid,
+                timeStamp=stamp,
+                smUtil=s.utilization_gpu // n,
+                memUtil=s.utilization_memory // n,
+                encUtil=0,
+                decUtil=0,
+            )
+            for pid, _used in s.processes
+        ]
+
+
+def _fill(
+    m: SimulatedNvml, gpu: SimGpu, gpu_instance_id: int | None, sample: SimGpmSample
+) -> SimGpmSample:
+    if not gpu.model.gpm:
+        raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+    if sample.freed:
+        raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+    sample.gpu, sample.gpu_instance_id = gpu, gpu_instance_id
+    sample.values = gpm_values(gpu, m.elapsed(), gpu_instance_id)
+    return sample
+
+
+for _name in dir(_GpmFunctions):
+    if _name.startswith(("nvml", "c_nvml")):
+        setattr(SimulatedNvml, _name, getattr(_GpmFunctions, _name))
 
 
 def _reading(function: str, read: Callable[[SimulatedNvml, SimGpu], Any]) -> Callable[..., Any]:

@@ -46,6 +46,7 @@ class Model:
     nvlinks: int = 0
     # The memory's own sensor (NVML_FI_DEV_MEMORY_TEMP): HBM cards report it.
     memory_temperature: bool = False
+    gpm: bool = False  # GPM (nvmlGpmQueryDeviceSupport): Hopper and later
 
 
 # nvmlDeviceGetRetiredPages*: Ampere and later retire rows instead (RemappedRows); before
@@ -80,6 +81,7 @@ MODELS: dict[str, Model] = {
     "NVIDIA H100 80GB HBM3": Model(
         80 * GIB, 567 * MIB, 700.0, 70.0, 1980, 2619, _NO_FAN | _NO_PAGES,
         mig_profiles=_A100_80_MIG, pcie_generation=5, nvlinks=18, memory_temperature=True,
+        gpm=True,
     ),
     "NVIDIA L4": Model(
         23034 * MIB, 374 * MIB, 72.0, 16.0, 2040, 6251, _NO_FAN | _NO_PAGES | _NO_MIG
@@ -104,7 +106,9 @@ MODELS: dict[str, Model] = {
             "nvmlDeviceGetPowerManagementDefaultLimit",
             "nvmlDeviceGetPowerManagementLimitConstraints", "nvmlDeviceGetTemperatureThreshold",
         },
-        missing=frozenset({"nvmlDeviceGetCurrentClocksEventReasons"}),
+        missing=frozenset(
+            {"nvmlDeviceGetCurrentClocksEventReasons", "nvmlGpmQueryDeviceSupport"}
+        ),
         pcie_generation=3, persistence_mode=False, supported_events=0x4 | 0x10,
     ),
 }  # fmt: skip

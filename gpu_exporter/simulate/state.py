@@ -136,3 +136,41 @@ def mig_state(gpu: SimGpu, slot: int, t: float) -> MigState:
         memory_free=total - used,
         processes=tuple((5000 + 100 * index + 10 * slot + k, per_proc) for k in range(nprocs)),
     )
+
+
+# -- GPM: what nvmlGpmMetricsGet answers for one sample, by NVML_GPM_METRIC_* id ----------------
+_GPM_IDS = {name: metric_id for name, (metric_id, _scale) in nvml.GPM_METRICS.items()}
+
+
+def gpm_values(gpu: SimGpu, t: float, gpu_instance_id: int | None = None) -> dict[int, float]:
+    """GPM's figures (percent, MiB/s) of ``gpu`` (or one MIG GPU instance: SM, occupancy,
+    tensor and DRAM only) at ``t``. SM activity grows with the square of utilization: a card
+    running one small kernel now and then reads "12 % utilized" while its SMs idle (the
+    "light" load), a saturated one is about as active as it is utilized."""
+    if gpu_instance_id is None:
+        util = gpu.load.at(t, phase=gpu.index / 8)[0]
+    else:
+        util = gpu.load.at(t, phase=(gpu.index + gpu_instance_id - 1) / 8)[0]
+    sm = round(95 * util * util, 2)
+    out = {
+        _GPM_IDS["sm_active_ratio"]: sm,
+        _GPM_IDS["sm_occupancy_ratio"]: round(sm * 0.15, 2),
+        _GPM_IDS["tensor_active_ratio"]: round(sm * 0.95, 2),
+        _GPM_IDS["dram_active_ratio"]: round(25 * util, 2),
+    }
+    if gpu_instance_id is not None:
+        return out
+    s = gpu_state(gpu, t)
+    return out | {
+        _GPM_IDS["graphics_active_ratio"]: float(s.utilization_gpu),
+        _GPM_IDS["tensor_hmma_active_ratio"]: round(sm * 0.95, 2),
+        _GPM_IDS["tensor_imma_active_ratio"]: 0.0,
+        _GPM_IDS["tensor_dfma_active_ratio"]: 0.0,
+        _GPM_IDS["fp64_active_ratio"]: 0.0,
+        _GPM_IDS["fp32_active_ratio"]: round(sm * 0.02, 2),
+        _GPM_IDS["fp16_active_ratio"]: 0.0,
+        _GPM_IDS["pcie_transmit_bytes_per_second"]: round(s.pcie_tx_kb_per_second / 1024, 1),
+        _GPM_IDS["pcie_receive_bytes_per_second"]: round(s.pcie_rx_kb_per_second / 1024, 1),
+        _GPM_IDS["nvlink_transmit_bytes_per_second"]: round(util * 10_000, 1),
+        _GPM_IDS["nvlink_receive_bytes_per_second"]: round(util * 10_000, 1),
+    }

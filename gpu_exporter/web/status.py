@@ -35,6 +35,7 @@ class DeviceCells:
 
     memory: Cell
     utilization: Cell
+    sm_active: Cell  # GPM's SM activity, beside utilization: how much of the card works
     temperature: Cell
     power: Cell
     processes: Cell
@@ -54,6 +55,7 @@ class GpuRow:
 _FIELDS = {
     "memory": ("memory", "memory use"),
     "utilization": ("utilization", "utilization"),
+    "sm_active": ("gpm", "SM activity (GPM, Hopper and later)"),
     "temperature": ("temperature", "temperature"),
     "power": ("power_draw", "power draw"),
     "processes": ("processes", "its processes"),
@@ -70,6 +72,8 @@ def _missing(gpu: GpuSample, column: str) -> str:
         return f"this {kind} cannot report {what} (NVML: not supported)"
     if gpu.is_mig_device and column in ("utilization", "temperature", "power"):
         return f"NVML reports {what} for the whole card, not per MIG device"
+    if column == "sm_active":  # GPM needs two samples, --gpm-interval apart
+        return f"{what}: not measured over a whole --gpm-interval yet"
     return f"{what} was not reported in the last sample" + (f": {gpu.error}" if gpu.error else "")
 
 
@@ -80,6 +84,7 @@ def _cell(gpu: GpuSample, column: str, text: str | None, ratio: float | None = N
 def device_cells(gpu: GpuSample) -> DeviceCells:
     used, total = gpu.memory_used_bytes, gpu.memory_total_bytes
     util, temp, power = gpu.utilization_ratio, gpu.temperature_celsius, gpu.power_draw_watts
+    sm = gpu.sm_active_ratio
     known = used is not None and bool(total)
     memory = f"{format_bytes(used or 0)} / {format_bytes(total or 0)}" if known else None
     mem_ratio = (used or 0) / (total or 1) if known else None
@@ -91,6 +96,7 @@ def device_cells(gpu: GpuSample) -> DeviceCells:
     return DeviceCells(
         _cell(gpu, "memory", memory, mem_ratio),
         _cell(gpu, "utilization", f"{util * 100:.0f} %" if util is not None else None, util),
+        _cell(gpu, "sm_active", f"{sm * 100:.0f} %" if sm is not None else None, sm),
         _cell(gpu, "temperature", f"{temp:.0f} °C" if temp is not None else None),
         _cell(gpu, "power", watts),
         _cell(gpu, "processes", str(procs) if procs is not None else None),

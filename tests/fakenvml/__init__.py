@@ -133,6 +133,10 @@ class FakeGpu:
     # NVLinks (field values only): link → (state, tx KiB, rx KiB, CRC flit, CRC data, replay,
     # recovery); with ``health={"nvlink_links": N}``, links not listed are active and at 0.
     nvlinks: dict[int, tuple[int, int, int, int, int, int, int]] = field(default_factory=dict)
+    # GPM: None = not supported (an A100); else NVML_GPM_METRIC_* id → value (percent, MiB/s)
+    gpm: dict[int, float] | None = None
+    gpm_instances: dict[int, int] = field(default_factory=dict)  # MIG GPU instance → SM %
+    process_utilization: tuple[tuple[int, int, int], ...] = ()  # (pid, SM %, memory %)
 
     def lines(self, index: int | str) -> list[str]:
         out = []
@@ -162,6 +166,15 @@ class FakeGpu:
         out += [f"{index} {key} {value}" for key, value in self.health.items()]
         out += [f"{index} xid {xid}" for xid in self.xids]
         out += [f"{index} nvlink {k} {' '.join(map(str, v))}" for k, v in self.nvlinks.items()]
+        if self.gpm is not None:
+            out.append(f"{index} gpm_supported 1")
+            out += [f"{index} gpm {metric} {value:g}" for metric, value in self.gpm.items()]
+        if self.gpm_instances:
+            listed = " ".join(f"{gi}:{sm}" for gi, sm in self.gpm_instances.items())
+            out.append(f"{index} gpm_instances {listed}")
+        if self.process_utilization:
+            listed = " ".join(f"{p}:{sm}:{mem}" for p, sm, mem in self.process_utilization)
+            out.append(f"{index} process_utilization {listed}")
         out += [f"{index} error {fn} {err}" for fn, err in self.errors.items()]
         out += [f"{index} hang {fn} {seconds:g}" for fn, seconds in self.hangs.items()]
         return out

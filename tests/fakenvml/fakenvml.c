@@ -61,6 +61,18 @@
  * A field that is a getter's value in another shape answers as that getter would: its
  * error rule fails the entry, its hang rule holds the whole call.
  *
+ * GPM and per-process utilization (Hopper; defaults: no GPM, as an A100):
+ *   gpm_supported 0|1                           nvmlGpmQueryDeviceSupport's isSupportedDevice
+ *   gpm METRIC_ID VALUE                         what nvmlGpmMetricsGet answers for that
+ *                                               NVML_GPM_METRIC_* id (percent, MiB/s); ids
+ *                                               not given answer NOT_SUPPORTED in their entry
+ *   gpm_instances GI:SM GI:SM ...               MIG GPU instances nvmlGpmMigSampleGet samples,
+ *                                               with their SM_UTIL (their other metrics:
+ *                                               NOT_SUPPORTED)
+ *   process_utilization PID:SM:MEM ...          nvmlDeviceGetProcessUtilization's samples;
+ *                                               none: NOT_FOUND, as the driver with no process
+ *                                               that did anything
+ *
  * If $FAKENVML_STATS names a file, it is created (or truncated) at load time and holds one
  * 64-byte record per exported function, {char name[56]; uint64_t calls;}, counted with
  * atomic increments through a shared mapping, so another process can read the counts at
@@ -91,6 +103,9 @@
 #define MAX_XIDS 64
 #define MAX_EVENT_SETS 16
 #define MAX_NVLINKS NVML_NVLINK_MAX_LINKS
+#define GPM_IDS 128 /* NVML_GPM_METRIC_* ids the fake answers (C2C ends at 101) */
+#define GPM_INSTANCES 8
+#define MAX_PROCESS_UTIL 64
 
 struct rule {
     char function[64]; /* "*" matches every per-GPU function */
@@ -131,6 +146,14 @@ struct gpu {
     unsigned long long nvlink[MAX_NVLINKS][7]; /* state, tx KiB, rx KiB, 4 error counters */
     struct rule rules[MAX_RULES];
     int rule_count;
+    /* GPM and per-process utilization (the block at the end of this file) */
+    unsigned int gpm_supported;
+    unsigned char gpm_set[GPM_IDS];
+    double gpm_values[GPM_IDS];
+    unsigned int gpm_instance_count;
+    unsigned int gpm_instances[GPM_INSTANCES][2]; /* GPU instance id, SM percent */
+    unsigned int process_util_count;
+    unsigned int process_util[MAX_PROCESS_UTIL][3]; /* pid, SM percent, memory percent */
 };
 
 struct nvmlDevice_st {
@@ -203,6 +226,13 @@ static int loaded;
     X(nvmlDeviceGetGraphicsRunningProcesses_v3)                                                 \
     X(nvmlDeviceGetEncoderUtilization)                                                          \
     X(nvmlDeviceGetDecoderUtilization)                                                          \
+    X(nvmlGpmQueryDeviceSupport)                                                                \
+    X(nvmlGpmSampleAlloc)                                                                       \
+    X(nvmlGpmSampleFree)                                                                        \
+    X(nvmlGpmSampleGet)                                                                         \
+    X(nvmlGpmMigSampleGet)                                                                      \
+    X(nvmlGpmMetricsGet)                                                                        \
+    X(nvmlDeviceGetProcessUtilization)                                                          \
     X(nvmlDeviceGetMigMode)                                                                     \
     X(nvmlDeviceGetMaxMigDeviceCount)                                                           \
     X(nvmlDeviceGetSupportedEventTypes)                                                         \
@@ -471,6 +501,8 @@ static int apply_health(struct gpu *g, const char *key, const char *rest)
     return 0;
 }
 
+static int apply_gpm(struct gpu *g, const char *key, const char *rest);
+
 /* Apply "KEY VALUE..." to GPU `index`. `rest` is the text after the key. */
 static void apply_gpu(unsigned int index, const char *key, char *rest)
 {
@@ -518,7 +550,7 @@ static void apply_gpu(unsigned int index, const char *key, char *rest)
         g->clocks_mhz[NVML_CLOCK_MEM] = (unsigned int)strtoul(rest, NULL, 10);
     else if (strcmp(key, "clock_video_mhz") == 0)
         g->clocks_mhz[NVML_CLOCK_VIDEO] = (unsigned int)strtoul(rest, NULL, 10);
-    else if (apply_health(g, key, rest))
+    else if (apply_health(g, key, rest) || apply_gpm(g, key, rest))
         ;
     else if (strcmp(key, "processes") == 0) {
         char *copy = strdup(rest);
@@ -1492,6 +1524,215 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int count,
         pthread_mutex_unlock(&lock);
         sleep_seconds(hang);
         pthread_mutex_lock(&lock);
+    }
+    return end(NVML_SUCCESS);
+}
+
+/* -- GPM and per-process utilization ---------------------------------------------------------
+ * Structs and version numbers are nvml.h's own: nvmlGpmSupport_t (NVML_GPM_SUPPORT_VERSION),
+ * nvmlGpmMetricsGet_t (NVML_GPM_METRICS_GET_VERSION, metrics[NVML_GPM_METRIC_MAX]), and the
+ * opaque nvmlGpmSample_t, which here records whose counters it holds. */
+
+#define GPM_SAMPLE_MAGIC 0x47504d53u
+
+struct nvmlGpmSample_st {
+    unsigned int magic;
+    int gpu;      /* -1 until filled */
+    int instance; /* MIG GPU instance id, -1 for the whole GPU */
+};
+
+static int apply_gpm(struct gpu *g, const char *key, const char *rest)
+{
+    if (strcmp(key, "gpm_supported") == 0) {
+        g->gpm_supported = (unsigned int)strtoul(rest, NULL, 0);
+        return 1;
+    }
+    if (strcmp(key, "gpm") == 0) {
+        unsigned int id;
+        double value;
+        if (sscanf(rest, "%u %lf", &id, &value) == 2 && id < GPM_IDS) {
+            g->gpm_set[id] = 1;
+            g->gpm_values[id] = value;
+        }
+        return 1;
+    }
+    if (strcmp(key, "gpm_instances") == 0 || strcmp(key, "process_utilization") == 0) {
+        int instances = key[1] == 'p';
+        char *copy = strdup(rest);
+        if (instances)
+            g->gpm_instance_count = 0;
+        else
+            g->process_util_count = 0;
+        for (char *save = NULL, *item = strtok_r(copy, " \t", &save); item != NULL;
+             item = strtok_r(NULL, " \t", &save)) {
+            unsigned int a, b, c = 0;
+            if (instances && sscanf(item, "%u:%u", &a, &b) == 2 &&
+                g->gpm_instance_count < GPM_INSTANCES) {
+                g->gpm_instances[g->gpm_instance_count][0] = a;
+                g->gpm_instances[g->gpm_instance_count++][1] = b;
+            } else if (!instances && sscanf(item, "%u:%u:%u", &a, &b, &c) >= 2 &&
+                       g->process_util_count < MAX_PROCESS_UTIL) {
+                unsigned int *p = g->process_util[g->process_util_count++];
+                p[0] = a;
+                p[1] = b;
+                p[2] = c;
+            }
+        }
+        free(copy);
+        return 1;
+    }
+    return 0;
+}
+
+EXPORT nvmlReturn_t nvmlGpmQueryDeviceSupport(nvmlDevice_t device, nvmlGpmSupport_t *support)
+{
+    DEVICE_CALL(F_nvmlGpmQueryDeviceSupport, device)
+    OUT_OF(support)
+    if (support->version != NVML_GPM_SUPPORT_VERSION)
+        return end(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    support->isSupportedDevice = g->gpm_supported ? 1 : 0;
+    return end(NVML_SUCCESS);
+}
+
+static int valid_sample(nvmlGpmSample_t sample)
+{
+    return sample != NULL && sample->magic == GPM_SAMPLE_MAGIC;
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *sample)
+{
+    nvmlReturn_t r = begin(F_nvmlGpmSampleAlloc, 1);
+    if (r != NVML_SUCCESS)
+        return r;
+    OUT_OF(sample)
+    struct nvmlGpmSample_st *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return end(NVML_ERROR_MEMORY);
+    s->magic = GPM_SAMPLE_MAGIC;
+    s->gpu = s->instance = -1;
+    *sample = s;
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t sample)
+{
+    /* No init needed: buffers outlive a shutdown, and are freed after one. */
+    nvmlReturn_t r = begin(F_nvmlGpmSampleFree, 0);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!valid_sample(sample))
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    sample->magic = 0;
+    free(sample);
+    return end(NVML_SUCCESS);
+}
+
+static nvmlReturn_t gpm_fill(enum function_id id, nvmlDevice_t device, int instance,
+                             nvmlGpmSample_t sample)
+{
+    DEVICE_CALL(id, device)
+    if (!valid_sample(sample))
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->gpm_supported)
+        return end(NVML_ERROR_NOT_SUPPORTED);
+    if (instance >= 0) {
+        unsigned int i = 0;
+        while (i < g->gpm_instance_count && g->gpm_instances[i][0] != (unsigned int)instance)
+            i++;
+        if (i == g->gpm_instance_count)
+            return end(NVML_ERROR_NOT_FOUND);
+    }
+    sample->gpu = (int)device->index;
+    sample->instance = instance;
+    return end(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t device, nvmlGpmSample_t sample)
+{
+    return gpm_fill(F_nvmlGpmSampleGet, device, -1, sample);
+}
+
+EXPORT nvmlReturn_t nvmlGpmMigSampleGet(nvmlDevice_t device, unsigned int gpuInstanceId,
+                                        nvmlGpmSample_t sample)
+{
+    return gpm_fill(F_nvmlGpmMigSampleGet, device, (int)gpuInstanceId, sample);
+}
+
+/* Each metric answers its own return code: the configured value (a constant rate), or
+ * NOT_SUPPORTED in that entry alone. The GPU's rules for nvmlGpmMetricsGet apply. */
+EXPORT nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *request)
+{
+    nvmlReturn_t r = begin(F_nvmlGpmMetricsGet, 1);
+    if (r != NVML_SUCCESS)
+        return r;
+    OUT_OF(request)
+    if (request->version != NVML_GPM_METRICS_GET_VERSION)
+        return end(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    if (request->numMetrics > NVML_GPM_METRIC_MAX || !valid_sample(request->sample1) ||
+        !valid_sample(request->sample2))
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    nvmlGpmSample_t s1 = request->sample1, s2 = request->sample2;
+    if (s1->gpu < 0 || s1->gpu != s2->gpu || s1->instance != s2->instance ||
+        (unsigned int)s1->gpu >= config.gpu_count)
+        return end(NVML_ERROR_INVALID_ARGUMENT);
+    struct gpu *g = &config.gpus[s1->gpu];
+    double hang = 0;
+    r = match_rules(g->rules, g->rule_count, function_names[F_nvmlGpmMetricsGet], 1, &hang);
+    if (hang > 0) {
+        pthread_mutex_unlock(&lock);
+        sleep_seconds(hang);
+        pthread_mutex_lock(&lock);
+        g = &config.gpus[s1->gpu];
+    }
+    if (r != NVML_SUCCESS)
+        return end(r);
+    for (unsigned int i = 0; i < request->numMetrics; i++) {
+        nvmlGpmMetric_t *m = &request->metrics[i];
+        unsigned int metric = m->metricId;
+        m->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        m->value = 0;
+        m->metricInfo.shortName = m->metricInfo.longName = m->metricInfo.unit = NULL;
+        if (s1->instance >= 0) {
+            for (unsigned int k = 0; k < g->gpm_instance_count; k++)
+                if (g->gpm_instances[k][0] == (unsigned int)s1->instance &&
+                    metric == NVML_GPM_METRIC_SM_UTIL) {
+                    m->nvmlReturn = NVML_SUCCESS;
+                    m->value = g->gpm_instances[k][1];
+                }
+        } else if (metric < GPM_IDS && g->gpm_set[metric]) {
+            m->nvmlReturn = NVML_SUCCESS;
+            m->value = g->gpm_values[metric];
+        }
+    }
+    return end(NVML_SUCCESS);
+}
+
+/* The two-call size protocol, and NOT_FOUND when no process did anything. */
+EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                                    nvmlProcessUtilizationSample_t *utilization,
+                                                    unsigned int *count,
+                                                    unsigned long long last_seen)
+{
+    DEVICE_CALL(F_nvmlDeviceGetProcessUtilization, device)
+    OUT_OF(count)
+    if (g->process_util_count == 0)
+        return end(NVML_ERROR_NOT_FOUND);
+    unsigned int capacity = *count;
+    *count = g->process_util_count;
+    if (utilization == NULL || capacity < g->process_util_count)
+        return end(NVML_ERROR_INSUFFICIENT_SIZE);
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    unsigned long long stamp = (unsigned long long)now.tv_sec * 1000000ull + now.tv_nsec / 1000;
+    if (stamp <= last_seen)
+        stamp = last_seen + 1;
+    for (unsigned int i = 0; i < g->process_util_count; i++) {
+        nvmlProcessUtilizationSample_t *u = &utilization[i];
+        memset(u, 0, sizeof(*u));
+        u->pid = g->process_util[i][0];
+        u->timeStamp = stamp;
+        u->smUtil = g->process_util[i][1];
+        u->memUtil = g->process_util[i][2];
     }
     return end(NVML_SUCCESS);
 }
