@@ -62,19 +62,42 @@ DEFAULT_COUNTERS: dict[str, tuple[str, str]] = {
         "data payloads - in bytes per second.",
     ),
 }
+# Served beyond that set: the DCGM_FI_PROF_* names of etc/dcp-metrics-included.csv (commented
+# out there, with these helps) and DCGM's own HMMA/IMMA/DFMA and NVLink byte-rate fields,
+# which GPM gives too (help in the same words as their neighbours).
+OTHER_SERVED = {
+    "DCGM_FI_PROF_SM_ACTIVE": ("gauge", "The ratio of cycles an SM has at least 1 warp assigned."),
+    "DCGM_FI_PROF_SM_OCCUPANCY": ("gauge", "The ratio of number of warps resident on an SM."),
+    "DCGM_FI_PROF_PIPE_TENSOR_HMMA_ACTIVE": (
+        "gauge",
+        "Ratio of cycles the tensor (HMMA) pipe is active.",
+    ),
+    "DCGM_FI_PROF_PIPE_TENSOR_IMMA_ACTIVE": (
+        "gauge",
+        "Ratio of cycles the tensor (IMMA) pipe is active.",
+    ),
+    "DCGM_FI_PROF_PIPE_TENSOR_DFMA_ACTIVE": (
+        "gauge",
+        "Ratio of cycles the tensor (DFMA) pipe is active.",
+    ),
+    "DCGM_FI_PROF_PIPE_FP64_ACTIVE": ("gauge", "Ratio of cycles the fp64 pipes are active."),
+    "DCGM_FI_PROF_PIPE_FP32_ACTIVE": ("gauge", "Ratio of cycles the fp32 pipes are active."),
+    "DCGM_FI_PROF_PIPE_FP16_ACTIVE": ("gauge", "Ratio of cycles the fp16 pipes are active."),
+    "DCGM_FI_PROF_NVLINK_TX_BYTES": (
+        "gauge",
+        "The rate of data transmitted over NVLink, in bytes per second.",
+    ),
+    "DCGM_FI_PROF_NVLINK_RX_BYTES": (
+        "gauge",
+        "The rate of data received over NVLink, in bytes per second.",
+    ),
+}
 # The same file's "label" row: DCGM_FI_DRIVER_VERSION is a label on every series.
 DRIVER_LABEL = "DCGM_FI_DRIVER_VERSION"
 
-# Names of DEFAULT_COUNTERS that gpu-exporter does not serve yet, and why (docs/dcgm-compat.md
-# says the same): the GPM activity metrics (issue 25) and the memory temperature (issue 31)
-# are read on other branches; the last two have no NVML source gpu-exporter reads.
+# Names of DEFAULT_COUNTERS that gpu-exporter does not serve, and why (docs/dcgm-compat.md
+# says the same): no NVML source gpu-exporter reads for them.
 NOT_SERVED = {
-    "DCGM_FI_DEV_MEMORY_TEMP": "memory_temperature_celsius (issue 31)",
-    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": "GPM (issue 25)",
-    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": "GPM (issue 25)",
-    "DCGM_FI_PROF_DRAM_ACTIVE": "GPM (issue 25)",
-    "DCGM_FI_PROF_PCIE_TX_BYTES": "GPM (issue 25)",
-    "DCGM_FI_PROF_PCIE_RX_BYTES": "GPM (issue 25)",
     "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": "no cumulative NVLink byte counter read",
     "DCGM_FI_DEV_VGPU_LICENSE_STATUS": "vGPU guests only; not read",
 }
@@ -111,7 +134,7 @@ DASHBOARD_PANELS = {
     ),
 }
 # The panels whose name gpu-exporter does not serve yet (NOT_SERVED): to check, not to skip.
-PANELS_WAITING = {"Tensor Core Utilization": "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"}
+PANELS_WAITING: dict[str, str] = {}
 
 # Query shapes its users write on these labels (issue 26; dcgm-exporter's README and its
 # issues #490 and #655): per host under either label name, per pod, memory as a share.
@@ -146,6 +169,22 @@ CONVERSIONS = {
     "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": 'gpu_remapped_rows_total{cause="uncorrectable"}',
     "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": 'gpu_remapped_rows_total{cause="correctable"}',
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": "gpu_remapped_rows_failed",
+    "DCGM_FI_DEV_MEMORY_TEMP": "gpu_memory_temperature_celsius",
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": "gpu_graphics_active_ratio",
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": "gpu_tensor_active_ratio",
+    "DCGM_FI_PROF_DRAM_ACTIVE": "gpu_dram_active_ratio",
+    "DCGM_FI_PROF_PCIE_TX_BYTES": 'gpu_pcie_traffic_bytes_per_second{direction="tx"}',
+    "DCGM_FI_PROF_PCIE_RX_BYTES": 'gpu_pcie_traffic_bytes_per_second{direction="rx"}',
+    "DCGM_FI_PROF_SM_ACTIVE": "gpu_sm_active_ratio",
+    "DCGM_FI_PROF_SM_OCCUPANCY": "gpu_sm_occupancy_ratio",
+    "DCGM_FI_PROF_PIPE_TENSOR_HMMA_ACTIVE": 'gpu_tensor_pipe_active_ratio{pipe="hmma"}',
+    "DCGM_FI_PROF_PIPE_TENSOR_IMMA_ACTIVE": 'gpu_tensor_pipe_active_ratio{pipe="imma"}',
+    "DCGM_FI_PROF_PIPE_TENSOR_DFMA_ACTIVE": 'gpu_tensor_pipe_active_ratio{pipe="dfma"}',
+    "DCGM_FI_PROF_PIPE_FP64_ACTIVE": 'gpu_fp_pipe_active_ratio{precision="fp64"}',
+    "DCGM_FI_PROF_PIPE_FP32_ACTIVE": 'gpu_fp_pipe_active_ratio{precision="fp32"}',
+    "DCGM_FI_PROF_PIPE_FP16_ACTIVE": 'gpu_fp_pipe_active_ratio{precision="fp16"}',
+    "DCGM_FI_PROF_NVLINK_TX_BYTES": 'gpu_nvlink_traffic_bytes_per_second{direction="tx"}',
+    "DCGM_FI_PROF_NVLINK_RX_BYTES": 'gpu_nvlink_traffic_bytes_per_second{direction="rx"}',
 }
 
 # promtool check metrics' complaints about dcgm-exporter's own names (issue 26): counters

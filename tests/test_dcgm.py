@@ -35,11 +35,15 @@ def host(names: str, **config: object) -> Stack:
             SimGpu(1, A100, Load("light"), mig=PROFILES),
             SimGpu(2, "NVIDIA GeForce GTX 1080", Load("busy")),  # no remapped rows, no reserved
             SimGpu(3, A100, Load("idle")),
+            SimGpu(4, "NVIDIA H100 80GB HBM3", Load("busy")),  # GPM: the DCGM_FI_PROF_* names
             faults=[Fault("*", "GPU_IS_LOST", gpu=3, after_seconds=5)],
         ),
         metric_names=names,
+        gpm_interval_seconds=1.0,
         **config,
     )
+    stack.sample()
+    stack.clock.advance(1)  # GPM's figures are between two of its samples, 1 s apart here
     stack.sample()
     return stack
 
@@ -68,10 +72,13 @@ def names_of(series: list[Series]) -> set[str]:
 def test_every_default_counter_is_served_with_its_type_and_help_or_said_why_not() -> None:
     body, series = scrape(host("dcgm"))
     served = {n for n in names_of(series) if n.startswith("DCGM_")}
-    assert served | set(dcgmusage.NOT_SERVED) == set(dcgmusage.DEFAULT_COUNTERS)
+    assert served - set(dcgmusage.OTHER_SERVED) | set(dcgmusage.NOT_SERVED) == set(
+        dcgmusage.DEFAULT_COUNTERS
+    )
     assert not served & set(dcgmusage.NOT_SERVED)
+    assert set(dcgmusage.OTHER_SERVED) <= served
     for name in served:
-        kind, help = dcgmusage.DEFAULT_COUNTERS[name]
+        kind, help = {**dcgmusage.DEFAULT_COUNTERS, **dcgmusage.OTHER_SERVED}[name]
         assert f"# HELP {name} {help}\n# TYPE {name} {kind}\n" in body
     doc = (Path(__file__).parent.parent / "docs" / "dcgm-compat.md").read_text()
     for name in dcgmusage.DEFAULT_COUNTERS:
@@ -177,14 +184,14 @@ def test_values_are_gpu_exporters_converted() -> None:
 
 def test_a_lost_gpu_has_no_dcgm_values_and_hides_no_other() -> None:
     stack = host("dcgm")
-    stack.clock.advance(6)
+    stack.clock.advance(5)
     stack.sample()
     _, series = scrape(stack)
     lost = stack.cache.get().gpus[3]
     assert not lost.up
     assert not [labels for n, labels, _ in series if n.startswith("DCGM_") and labels["gpu"] == "3"]
     temps = {labels["gpu"] for n, labels, _ in series if n == "DCGM_FI_DEV_GPU_TEMP"}
-    assert temps == {"0", "1", "2"}
+    assert temps == {"0", "1", "2", "4"}
     assert ("gpu_up", {"gpu": "3", "uuid": lost.uuid}, 0.0) in series  # ours says why
 
 
@@ -204,7 +211,7 @@ def test_the_last_xid_with_its_code_and_zero_before_any() -> None:
     gpu = stack.cache.get().gpus[0]
     _, before = scrape(stack)
     xids = {labels["gpu"]: (labels, v) for n, labels, v in before if n == "DCGM_FI_DEV_XID_ERRORS"}
-    assert set(xids) == {"0", "1", "2", "3"}  # whole cards, not MIG devices
+    assert set(xids) == {"0", "1", "2", "3", "4"}  # whole cards, not MIG devices
     assert xids["0"][0]["err_code"] == "0" and xids["0"][0]["err_msg"] == "No Error"
     stack.xids.record(gpu.index, gpu.uuid, 79, 1.0)
     _, after = scrape(stack)  # between two samples: the Xid part is rendered per scrape

@@ -64,6 +64,8 @@ CELSIUS = Conversion("C")  # as its help writes it
 WATTS = Conversion("W")
 COUNT = Conversion("1")
 FLAG = Conversion("0/1")  # from a bool
+RATIO = Conversion("ratio")  # DCGM_FI_PROF_*: ratios 0-1, as gpu-exporter's
+BYTES_PER_SECOND = Conversion("B/s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,13 +90,15 @@ def _fields(spec: MetricSpec) -> tuple[str, ...]:
 
 SPEC_OF_FIELD = {field: spec for spec in GPU_VALUES for field in _fields(spec)}
 
-# dcgm-exporter's default counter set (etc/default-counters.csv), in its order. Names whose
-# gpu-exporter value does not exist yet (DCGM_FI_PROF_*, DCGM_FI_DEV_MEMORY_TEMP) are listed
-# in docs/dcgm-compat.md with the field each will read: adding one is one row here.
+# dcgm-exporter's default counter set (etc/default-counters.csv), in its order, then the
+# DCGM_FI_PROF_* names its etc/dcp-metrics-included.csv has that GPM gives (Hopper and later;
+# absent on older cards, as DCGM's profiling fields are where DCGM cannot read them).
 DCGM_METRICS: tuple[DcgmMetric, ...] = (
     DcgmMetric("DCGM_FI_DEV_SM_CLOCK", GAUGE, "SM clock frequency (in MHz).", "clock_sm_hz", MHZ),
     DcgmMetric("DCGM_FI_DEV_MEM_CLOCK", GAUGE, "Memory clock frequency (in MHz).",
                "clock_memory_hz", MHZ),
+    DcgmMetric("DCGM_FI_DEV_MEMORY_TEMP", GAUGE, "Memory temperature (in C).",
+               "memory_temperature_celsius", CELSIUS),
     DcgmMetric("DCGM_FI_DEV_GPU_TEMP", GAUGE, "GPU temperature (in C).",
                "temperature_celsius", CELSIUS),
     DcgmMetric("DCGM_FI_DEV_POWER_USAGE", GAUGE, "Power draw (in W).", "power_draw_watts", WATTS),
@@ -126,6 +130,47 @@ DCGM_METRICS: tuple[DcgmMetric, ...] = (
                "remapped_rows_correctable", COUNT),
     DcgmMetric("DCGM_FI_DEV_ROW_REMAP_FAILURE", GAUGE, "Whether remapping of rows has failed",
                "remapped_rows_failed", FLAG),
+    DcgmMetric("DCGM_FI_PROF_GR_ENGINE_ACTIVE", GAUGE,
+               "Ratio of time the graphics engine is active.", "graphics_active_ratio", RATIO),
+    DcgmMetric("DCGM_FI_PROF_SM_ACTIVE", GAUGE,
+               "The ratio of cycles an SM has at least 1 warp assigned.", "sm_active_ratio",
+               RATIO),
+    DcgmMetric("DCGM_FI_PROF_SM_OCCUPANCY", GAUGE,
+               "The ratio of number of warps resident on an SM.", "sm_occupancy_ratio", RATIO),
+    DcgmMetric("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", GAUGE,
+               "Ratio of cycles the tensor (HMMA) pipe is active.", "tensor_active_ratio", RATIO),
+    DcgmMetric("DCGM_FI_PROF_PIPE_TENSOR_HMMA_ACTIVE", GAUGE,
+               "Ratio of cycles the tensor (HMMA) pipe is active.", "tensor_hmma_active_ratio",
+               RATIO),
+    DcgmMetric("DCGM_FI_PROF_PIPE_TENSOR_IMMA_ACTIVE", GAUGE,
+               "Ratio of cycles the tensor (IMMA) pipe is active.", "tensor_imma_active_ratio",
+               RATIO),
+    DcgmMetric("DCGM_FI_PROF_PIPE_TENSOR_DFMA_ACTIVE", GAUGE,
+               "Ratio of cycles the tensor (DFMA) pipe is active.", "tensor_dfma_active_ratio",
+               RATIO),
+    DcgmMetric("DCGM_FI_PROF_PIPE_FP64_ACTIVE", GAUGE,
+               "Ratio of cycles the fp64 pipes are active.", "fp64_active_ratio", RATIO),
+    DcgmMetric("DCGM_FI_PROF_PIPE_FP32_ACTIVE", GAUGE,
+               "Ratio of cycles the fp32 pipes are active.", "fp32_active_ratio", RATIO),
+    DcgmMetric("DCGM_FI_PROF_PIPE_FP16_ACTIVE", GAUGE,
+               "Ratio of cycles the fp16 pipes are active.", "fp16_active_ratio", RATIO),
+    DcgmMetric("DCGM_FI_PROF_DRAM_ACTIVE", GAUGE,
+               "Ratio of cycles the device memory interface is active sending or receiving "
+               "data.", "dram_active_ratio", RATIO),
+    DcgmMetric("DCGM_FI_PROF_PCIE_TX_BYTES", GAUGE,
+               "The rate of data transmitted over the PCIe bus - including both protocol "
+               "headers and data payloads - in bytes per second.",
+               "pcie_transmit_bytes_per_second", BYTES_PER_SECOND),
+    DcgmMetric("DCGM_FI_PROF_PCIE_RX_BYTES", GAUGE,
+               "The rate of data received over the PCIe bus - including both protocol headers "
+               "and data payloads - in bytes per second.",
+               "pcie_receive_bytes_per_second", BYTES_PER_SECOND),
+    DcgmMetric("DCGM_FI_PROF_NVLINK_TX_BYTES", GAUGE,
+               "The rate of data transmitted over NVLink, in bytes per second.",
+               "nvlink_transmit_bytes_per_second", BYTES_PER_SECOND),
+    DcgmMetric("DCGM_FI_PROF_NVLINK_RX_BYTES", GAUGE,
+               "The rate of data received over NVLink, in bytes per second.",
+               "nvlink_receive_bytes_per_second", BYTES_PER_SECOND),
 )  # fmt: skip
 XID_ROW = next(m for m in DCGM_METRICS if m.field is None)
 SAMPLED_ROWS = tuple(m for m in DCGM_METRICS if m.field is not None)
