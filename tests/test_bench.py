@@ -61,7 +61,8 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     # 2. calls per GPU per sample (--quick: 8 GPUs with 16 processes; no peer here)
     (calls,) = report["calls"]
     assert (calls["gpus"], calls["processes"]) == (8, 16)
-    assert 7 <= calls["gpu-exporter"]["nvml_calls_per_gpu_per_sample"] <= 7 + 12 / 30 + 0.01
+    # (7 as above, and the processes' utilization: these cards have processes)
+    assert 8 <= calls["gpu-exporter"]["nvml_calls_per_gpu_per_sample"] <= 8 + 12 / 30 + 0.01
     # 3. /choose against the no-op baseline
     for route in ("choose", "healthz"):
         assert report["choose"][route]["requests"] > 0, route

@@ -142,6 +142,23 @@ def test_refused_at_once_exactly_when_no_state_of_the_host_could_meet_it(
     assert (never is None) == could_be_met(gpus, n, filters, mem), never
 
 
+def test_the_chooser_keeps_max_mig_devices_under_mig_only_too() -> None:
+    """Found by the property above: under mig=only the chooser named 2 MIG devices where
+    max_mig_devices allows 1, while never_enough (rightly) said it never could."""
+    devices = tuple(
+        GpuSample(
+            index=0, uuid=f"MIG-{m}", up=True, parent_uuid="GPU-m", memory_total_bytes=20 * GIB,
+            memory_used_bytes=0, memory_free_bytes=20 * GIB, gpu_instance_id=m,
+        )
+        for m in range(2)
+    )  # fmt: skip
+    card = GpuSample(index=0, uuid="GPU-m", up=True, mig_mode_enabled=True, mig_devices=devices)
+    only = Filters(mig="only", max_mig_devices=1)
+    assert "one answer names at most 1 MIG device" in (never_enough([card], 2, only) or "")
+    assert not could_be_met([card], 2, only, None)
+    assert could_be_met([card], 1, only, None)
+
+
 def test_the_issues_cases_are_refused_at_once() -> None:
     def card(index: int, total_gib: int, **extra: object) -> GpuSample:
         return GpuSample(

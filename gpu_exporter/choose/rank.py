@@ -176,13 +176,14 @@ def rank(
 
 
 def one_kind(ranking: Ranking, n: int, filters: Filters) -> Ranking:
-    """Under ``mig=allow``, keep whole GPUs or MIG devices, never both; the other kind is
+    """Keep whole GPUs or MIG devices, never both (``mig=allow`` may qualify both), and MIG
+    devices only up to ``max_mig_devices`` (``mig=allow`` or ``only``); what is left out is
     passed over with why.
 
     The kind of the best-ranked GPU whose kind has ``n`` qualifying (MIG devices only up to
     ``max_mig_devices``); when neither has, the kind with more, so the refusal counts those.
     """
-    if filters.mig != "allow":
+    if filters.mig == "deny":  # no MIG device qualifies
         return ranking
     whole = [g for g in ranking.qualified if not g.is_mig_device]
     mig = [g for g in ranking.qualified if g.is_mig_device]
