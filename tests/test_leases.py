@@ -290,7 +290,10 @@ def test_idle_for_uses_the_history() -> None:
     [
         ("wait=2h", "wait: at most 3600 s, got '2h'"),
         ("lease=soon", "lease: expected a duration such as 30s, 10m or 1h, got 'soon'"),
-        ("sort=random", "sort must be one of free, free_ratio, util, power, pack, sm_active, got 'random'"),
+        (
+            "sort=random",
+            "sort must be one of free, free_ratio, util, power, pack, sm_active, got 'random'",
+        ),
         (
             "max_procs=-1",
             "max_procs must be a whole number from 0 to 4194304 (0 = no processes), got '-1'",
