@@ -83,10 +83,13 @@ class Timing:
     overrun_s: float
     scrapes: int
     budget_s: float
+    # The exporter's --gpm-interval: the default on the real card (its idle CPU is the
+    # default's), 1 s in the self-test (whose busy job lasts 4 s).
+    gpm_interval_s: float
 
 
-REAL = Timing(idle_s=60, busy_s=20, overrun_s=6, scrapes=300, budget_s=330)
-SELF_TEST = Timing(idle_s=3, busy_s=4, overrun_s=4, scrapes=40, budget_s=120)
+REAL = Timing(idle_s=60, busy_s=20, overrun_s=6, scrapes=300, budget_s=330, gpm_interval_s=5)
+SELF_TEST = Timing(idle_s=3, busy_s=4, overrun_s=4, scrapes=40, budget_s=120, gpm_interval_s=1)
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -338,8 +341,9 @@ class Card:
 
 
 class FakeCard(Card):
-    """The test fake ``libnvidia-ml.so.1`` as one idle H100, with a fake ``nvidia-smi`` on
-    PATH that answers from the same library (``--as-nvidia-smi``)."""
+    """The test fake ``libnvidia-ml.so.1`` as one idle H100 (GPM, memory temperature), with
+    a fake ``nvidia-smi`` on PATH that answers from the same library (``--as-nvidia-smi``);
+    a busy job makes its GPM activity and its process's utilization high."""
 
     fake = True
 
@@ -376,6 +380,12 @@ class FakeCard(Card):
             temperature_c=31 + util // 10,
             processes=processes,
             errors={"nvmlDeviceGetFanSpeed": "NOT_SUPPORTED"},
+            health={"memory_temperature_c": 38 + util // 12},
+            # an H100's GPM as the probe read it: idle 0, bf16 matmuls SM 96 %, tensor 93 %
+            gpm={GPM_METRICS[name]: value * util / 97 for name, value in FAKE_GPM_BUSY.items()},
+            process_utilization=tuple(
+                (pid, util * 90 // 97, util * 29 // 97) for pid, _ in processes
+            ),
         )
         self.fakenvml.write_config(self.config, [gpu], driver_version="580.159.04")
 
@@ -531,6 +541,8 @@ class Run:
             str(state),
             "--process-labels",
             "user,command",
+            "--gpm-interval",
+            f"{self.timing.gpm_interval_s:g}",
         )
         started = time.monotonic()
         self.exporter = self.start("gpu-exporter", command)
@@ -627,8 +639,11 @@ class Run:
             )
             for label, value, attribute in wanted:
                 nvml_field = by_attribute.get(attribute or "")
-                if nvml_field is None:
-                    continue  # not a field value (leases, pods, Xids: other steps)
+                if nvml_field is None or nvml_field == "gpm":
+                    # not a field value (leases, pods, Xids: other steps); GPM has its own
+                    # checks (idle, claim): none before its second read, some metrics
+                    # per card only
+                    continue
                 labels = {"uuid": self.uuid} | ({label: value} if label and value else {})
                 shown = f"{spec.name}{_labels(labels | {'uuid': '…'})}"
                 if m.series(spec.name, **labels):
@@ -691,6 +706,7 @@ class Run:
             "gpu_exporter_sample_duration_seconds"
         )
         self.xid_thread(ours["before"], ours["after"], seconds)
+        gpm_idle(self.report, m, self.uuid, self.report.measurements.get("probe_idle", {}))
 
     def start_peer(self) -> bool:
         check = subprocess.run(
@@ -787,6 +803,7 @@ class Run:
             f"NVLinks up {found.get('nvlink', {}).get('up')}; the exporter's NVML calls per "
             f"GPU per sample {found.get('calls', {}).get('per_gpu_per_sample')}",
         )
+        calls_per_sample(self.report, when, found.get("calls", {}))
 
     # a plain-curl claim, released when its job arrives; the busy card refused
 
@@ -842,7 +859,9 @@ class Run:
             bool(busy) and status == 503 and "utilization" in text,
             f"{status}: {text[:300]}",
         )
+        self.process_utilization(pid, bool(seen))
         self.probe("busy")  # GPM activity while the matmuls run
+        self.gpm_busy()  # within the job's busy seconds: what the run waited for anyway
         done = self.wait_phase(job, progress, "done", self.timing.busy_s + 60)
         if done is not None:
             self.report.add(
@@ -852,6 +871,75 @@ class Run:
             )
         job.proc.wait(30)
         self.card.job_ended()
+
+    def process_utilization(self, pid: str, listed: bool) -> None:
+        """The busy job's PID in gpu_process_sm_utilization_ratio, high (its matmuls)."""
+        name = "the job's PID in gpu_process_sm_utilization_ratio, high"
+        if not listed:
+            self.report.skip(name, "the job's PID is not in the process metrics (above)")
+            return
+        last: dict[str, float | None] = {}
+
+        def high() -> bool:
+            m = scrape(self.port)
+            last["sm"] = m.get("gpu_process_sm_utilization_ratio", pid=pid)
+            last["memory"] = m.get("gpu_process_memory_utilization_ratio", pid=pid)
+            return (last["sm"] or 0) > BUSY_RATIO
+
+        t0 = time.monotonic()
+        ok = bool(eventually(high, 8))
+        self.report.expect(
+            name,
+            ok,
+            f"pid {pid}: gpu_process_sm_utilization_ratio {last['sm']} (over {BUSY_RATIO}), "
+            f"gpu_process_memory_utilization_ratio {last['memory']}; "
+            f"after {time.monotonic() - t0:.1f} s",
+        )
+
+    def gpm_busy(self) -> None:
+        """GPM's SM and tensor activity high while the bf16 matmuls run, and near the probe's
+        own GPM reading of the same work."""
+        name = "GPM while the matmuls run: SM and tensor activity high"
+        probes = self.report.measurements
+        supported = gpm_supported(probes.get("probe_busy") or probes.get("probe_idle") or {})
+        if not supported:
+            why = "no GPM on this card" if supported is False else "the probe could not say"
+            self.report.skip(name, f"{why} (the probe: {probe_gpm_text(probes)})")
+            return
+        last: dict[str, float | None] = {}
+
+        def high() -> bool:
+            m = scrape(self.port)
+            last.update(
+                sm=m.get("gpu_sm_active_ratio", uuid=self.uuid),
+                tensor=m.get("gpu_tensor_active_ratio", uuid=self.uuid),
+            )
+            found = gpm_series(m, self.uuid)
+            self.report.measurements["gpm_busy"] = found
+            return all((v or 0) > BUSY_RATIO for v in (last["sm"], last["tensor"]))
+
+        t0 = time.monotonic()  # a whole --gpm-interval inside the matmuls, and the next sample
+        ok = bool(eventually(high, 2 * self.timing.gpm_interval_s + 2))
+        self.report.expect(
+            name,
+            ok,
+            f"gpu_sm_active_ratio {last.get('sm')}, gpu_tensor_active_ratio "
+            f"{last.get('tensor')} (over {BUSY_RATIO}) after {time.monotonic() - t0:.1f} s, "
+            f"--gpm-interval {self.timing.gpm_interval_s:g}",
+        )
+        theirs = (probes.get("probe_busy") or {}).get("gpm", {}).get("metrics", {})
+        pairs = {"sm": theirs.get("sm_activity"), "tensor": theirs.get("any_tensor")}
+        agree = "GPM agrees with the probe's own reading during the matmuls"
+        if not all(isinstance(v, int | float) for v in pairs.values()):
+            self.report.skip(agree, f"the probe has no such reading: {theirs or 'none'}")
+            return
+        self.report.expect(
+            agree,
+            all(_near(last.get(k), v / 100, GPM_AGREEMENT) for k, v in pairs.items()),
+            f"SM ours {last.get('sm')}, the probe's {pairs['sm']} %; tensor ours "
+            f"{last.get('tensor')}, the probe's {pairs['tensor']} %; within {GPM_AGREEMENT} "
+            "(its 1 s window against ours)",
+        )
 
     # a memory lease under `gpu-exporter run`: the torch cap, attribution, an overrun
 
@@ -1066,6 +1154,101 @@ class Run:
         return 1 if failed else 0
 
 
+# GPM and per-process utilization: an idle card's activity at most IDLE_RATIO, a card or
+# process running bf16 matmuls over BUSY_RATIO (a real H100: SM 96 %, tensor 93 %, the
+# process's SM 88-91 %); the exporter's GPM reading within GPM_AGREEMENT of the probe's.
+IDLE_RATIO = 0.05
+BUSY_RATIO = 0.5
+GPM_AGREEMENT = 0.15
+# The exporter's NVML calls per GPU and sample (issue 31): at most half of nvitop-exporter's
+# (16 idle; with a process, one more call: the processes' utilization).
+CALLS_PER_GPU_PER_SAMPLE = 8.0
+
+
+def _near(ours: float | None, theirs: float, within: float) -> bool:
+    return ours is not None and abs(ours - theirs) <= within
+
+
+def gpm_supported(probe: dict[str, Any]) -> bool | None:
+    """Whether the probe found GPM on the card: None where it could not say."""
+    supported = probe.get("gpm", {}).get("supported")
+    return supported if isinstance(supported, bool) else None
+
+
+def probe_gpm_text(measurements: dict[str, Any]) -> str:
+    return json.dumps(
+        {k: measurements[k].get("gpm") for k in ("probe_idle", "probe_busy") if k in measurements}
+    )[:300]
+
+
+def gpm_series(m: Scrape, uuid: str) -> dict[str, float]:
+    """The GPM series of one GPU in a scrape: name{label} → value."""
+    from gpu_exporter.export.spec import GPM_VALUES
+
+    out = {}
+    for spec in GPM_VALUES:
+        for labels, value in m.series(spec.name, uuid=uuid):
+            which = {k: v for k, v in labels.items() if k in ("pipe", "precision", "direction")}
+            out[spec.name + _labels(which)] = value
+    return out
+
+
+def gpm_idle(report: Report, m: Scrape, uuid: str, probe: dict[str, Any]) -> None:
+    """After the idle window: on a card with GPM, SM and tensor activity present and near 0;
+    on one without, no GPM series and ``gpu_exporter_field_supported{field="gpm"} 0``."""
+    supported = gpm_supported(probe)
+    marker = m.get("gpu_exporter_field_supported", uuid=uuid, field="gpm")
+    found = gpm_series(m, uuid)
+    shown = f'gpu_exporter_field_supported{{field="gpm"}} {"absent" if marker is None else marker}'
+    if supported is None:
+        report.skip(
+            "GPM at idle",
+            f"the probe could not say whether the card has GPM: {probe.get('gpm')}; {shown}",
+        )
+        return
+    if not supported:
+        report.expect(
+            "no GPM series where the card has none, and its marker",
+            not found and marker == 0,
+            f"the probe: GPM not supported; {shown}; GPM series: {found or 'none'}",
+        )
+        return
+    sm, tensor = (
+        m.get("gpu_sm_active_ratio", uuid=uuid),
+        m.get("gpu_tensor_active_ratio", uuid=uuid),
+    )
+    theirs = probe.get("gpm", {}).get("metrics", {})
+    report.expect(
+        "GPM at idle: SM and tensor activity present, near 0",
+        marker is None
+        and sm is not None
+        and tensor is not None
+        and sm <= IDLE_RATIO
+        and tensor <= IDLE_RATIO,
+        f"gpu_sm_active_ratio {sm}, gpu_tensor_active_ratio {tensor} (at most {IDLE_RATIO}); "
+        f"the probe's own reading before the window: SM {theirs.get('sm_activity')} %, tensor "
+        f"{theirs.get('any_tensor')} %; {shown}",
+    )
+    report.add("GPM series at idle", "info", json.dumps(found))
+
+
+def calls_per_sample(report: Report, when: str, calls: dict[str, Any]) -> None:
+    """The exporter's own NVML calls per GPU and sample on this driver (the probe's count):
+    field values batched (issue 31), at most half of nvitop-exporter's."""
+    name = f"the exporter's NVML calls per GPU per sample ({when})"
+    if "error" in calls or "per_gpu_per_sample" not in calls:
+        report.add(name, "fail", f"the probe could not count them: {calls.get('error')}")
+        return
+    limit = CALLS_PER_GPU_PER_SAMPLE + (when == "busy")  # the job's process: one more call
+    per, by = calls["per_gpu_per_sample"], calls.get("by_function", {})
+    batched = by.get("nvmlDeviceGetFieldValues", 0)
+    report.expect(
+        name,
+        per <= limit and batched > 0,
+        f"{per} (at most {limit:g}), nvmlDeviceGetFieldValues {batched} of them; {json.dumps(by)}",
+    )
+
+
 def _session_alive(sid: int) -> bool:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
@@ -1157,6 +1340,8 @@ class Comparison:
     relative: float = 0.0
     nvml_field: str = ""  # the exporter's field name, where NVML may not support it
     why: str = ""  # the tolerance's reason, for the report
+    # nvidia-smi's [N/A]: skipped (nothing to compare), not "ours must be absent too"
+    skip_unavailable: bool = False
 
     def check(
         self, report: Report, text: str, before: Scrape, after: Scrape, unsupported: set[str]
@@ -1164,6 +1349,13 @@ class Comparison:
         name = f"{self.smi} vs {self.metric}{_labels(self.labels)}"
         ours = [s.get(self.metric, **self.labels) for s in (before, after)]
         ours_present = [v for v in ours if v is not None]
+        if text in NOT_AVAILABLE and self.skip_unavailable:
+            report.skip(
+                name,
+                f"nvidia-smi {text or 'empty'}: nothing to compare; "
+                f"ours {'/'.join(f'{v:g}' for v in ours_present) or 'absent'}",
+            )
+            return
         if text in NOT_AVAILABLE:
             report.expect(
                 name,
@@ -1196,7 +1388,6 @@ def _labels(labels: dict[str, str]) -> str:
 
 _IDLE_CLOCKS = "clocks move between samples while idle"
 UNCOMPARED = (
-    "temperature.memory",
     "power.draw.average",
     "power.draw.instant",
     "clocks_event_reasons.gpu_idle",
@@ -1228,6 +1419,13 @@ COMPARISONS: tuple[Comparison, ...] = (
     ),
     Comparison("utilization.memory", "gpu_memory_utilization_ratio", scale=0.01, absolute=0.1),
     Comparison("temperature.gpu", "gpu_temperature_celsius", absolute=2),
+    Comparison(  # NVML_FI_DEV_MEMORY_TEMP, in the exporter's field-value batch
+        "temperature.memory",
+        "gpu_memory_temperature_celsius",
+        absolute=2,
+        nvml_field="memory_temperature",
+        skip_unavailable=True,
+    ),
     Comparison(
         "power.draw",
         "gpu_power_draw_watts",
@@ -1500,17 +1698,12 @@ def _field_values(n: Any, h: Any) -> dict[str, Any]:
         if v.nvmlReturn != 0:
             out[name] = f"error {v.nvmlReturn}"
             continue
-        kind = {
-            0: "dVal",
-            1: "uiVal",
-            2: "ulVal",
-            3: "ullVal",
-            4: "sllVal",
-            5: "siVal",
-            6: "usVal",
-        }.get(v.valueType, "ullVal")
-        out[name] = getattr(v.value, kind)
+        out[name] = getattr(v.value, _VALUE_TYPES.get(v.valueType, "ullVal"))
     return out
+
+
+# nvmlValueType_t → the union member of nvmlValue_t that holds it
+_VALUE_TYPES = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
 def _nvlink(n: Any, h: Any) -> dict[str, Any]:
@@ -1538,6 +1731,19 @@ GPM_METRICS = {
     "fp16": 13,
     "pcie_tx_mib_s": 20,
     "pcie_rx_mib_s": 21,
+}
+# What the self-test's fake H100 answers for them while its job runs (percent, MiB/s): the
+# real H100's readings during bf16 matmuls (docs/real-gpu.md); at idle, 0.
+FAKE_GPM_BUSY = {
+    "sm_activity": 96,
+    "sm_occupancy": 14,
+    "graphics_activity": 97,
+    "any_tensor": 93,
+    "hmma_tensor": 93,
+    "dram_bandwidth": 25,
+    "fp32": 2,
+    "pcie_tx_mib_s": 40,
+    "pcie_rx_mib_s": 60,
 }
 
 
@@ -1771,6 +1977,14 @@ def as_nvidia_smi(argv: list[str]) -> int:
     return 0
 
 
+def _field_value(n: Any, h: Any, field_id: int) -> Any:
+    """One ``nvmlDeviceGetFieldValues`` entry's value; its own error as NVMLError."""
+    (v,) = n.nvmlDeviceGetFieldValues(h, [field_id])
+    if v.nvmlReturn != 0:
+        raise n.NVMLError(v.nvmlReturn)
+    return getattr(v.value, _VALUE_TYPES.get(v.valueType, "ullVal"))
+
+
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -1810,6 +2024,7 @@ def _smi_answers(n: Any, h: Any) -> dict[str, Callable[[], Any]]:
         "utilization.gpu": lambda: n.nvmlDeviceGetUtilizationRates(h).gpu,
         "utilization.memory": lambda: n.nvmlDeviceGetUtilizationRates(h).memory,
         "temperature.gpu": lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU),
+        "temperature.memory": lambda: _field_value(n, h, n.NVML_FI_DEV_MEMORY_TEMP),
         "power.draw": lambda: f"{n.nvmlDeviceGetPowerUsage(h) / 1000:.2f}",
         "enforced.power.limit": lambda: f"{n.nvmlDeviceGetEnforcedPowerLimit(h) / 1000:.2f}",
         "power.default_limit": lambda: (

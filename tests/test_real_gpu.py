@@ -71,7 +71,24 @@ def test_the_self_test_runs_every_step_and_passes(tmp_path: Path) -> None:
         "run exits with the job's status and releases the lease",
         "gpu-exporter stops on SIGTERM",
         "no process left running",
+        # what the exporter gained untested on a real driver, through the fake H100
+        "temperature.memory vs gpu_memory_temperature_celsius",
+        "GPM at idle: SM and tensor activity present, near 0",
+        "the job's PID in gpu_process_sm_utilization_ratio, high",
+        "GPM while the matmuls run: SM and tensor activity high",
+        "GPM agrees with the probe's own reading during the matmuls",
+        "the exporter's NVML calls per GPU per sample (idle)",
+        "the exporter's NVML calls per GPU per sample (busy)",
     } <= ok
+    details = {c["name"]: c["detail"] for c in report["checks"]}
+    assert (
+        "nvidia-smi 38, ours 38" in details["temperature.memory vs gpu_memory_temperature_celsius"]
+    )
+    assert (
+        "gpu_sm_active_ratio 0.96, gpu_tensor_active_ratio 0.93"
+        in (details["GPM while the matmuls run: SM and tensor activity high"])
+    )
+    assert report["measurements"]["gpm_busy"]["gpu_dram_active_ratio"] == 0.25
     # the probe counts the exporter's own NVML calls per GPU and sample (issue 31): its fast
     # calls (7 on the fake card) and a 30th of its slow ones, the handle not among them
     calls = report["measurements"]["probe_idle"]["calls"]
@@ -107,3 +124,48 @@ def test_a_comparison_fails_where_the_values_differ() -> None:
         }
     )
     assert "1 ok, 3 failed" in markdown
+
+
+def test_the_gpm_checks_without_gpm_and_with_it_wrong() -> None:
+    rg = script()
+    report = rg.Report(Path("/nonexistent"), "self-test")
+    uuid = "GPU-a"
+    idle = rg.Scrape(
+        "# TYPE gpu_sm_active_ratio gauge\n"
+        f'gpu_sm_active_ratio{{gpu="0",uuid="{uuid}"}} 0.4\n'
+        "# TYPE gpu_exporter_field_supported gauge\n"
+        f'gpu_exporter_field_supported{{gpu="0",uuid="{uuid}",field="gpm"}} 0\n'
+    )
+    bare = rg.Scrape(
+        "# TYPE gpu_exporter_field_supported gauge\n"
+        f'gpu_exporter_field_supported{{gpu="0",uuid="{uuid}",field="gpm"}} 0\n'
+    )
+    without, with_ = {"gpm": {"supported": False}}, {"gpm": {"supported": True, "metrics": {}}}
+    rg.gpm_idle(report, bare, uuid, without)  # no GPM, no series, the marker: ok
+    rg.gpm_idle(report, idle, uuid, without)  # no GPM, yet a series
+    rg.gpm_idle(report, idle, uuid, with_)  # GPM: 0.4 idle, no tensor, and the marker
+    rg.gpm_idle(report, bare, uuid, {"gpm": {"supported": "error: ..."}})
+    assert [c.status for c in report.checks] == ["ok", "fail", "fail", "info", "skipped"]
+    assert 'field="gpm"} 0' in report.checks[0].detail
+
+
+def test_memory_temperature_skipped_where_nvidia_smi_cannot_say_and_calls_bounded() -> None:
+    rg = script()
+    report = rg.Report(Path("/nonexistent"), "self-test")
+    (memory,) = [c for c in rg.COMPARISONS if c.smi == "temperature.memory"]
+    scrape = rg.Scrape(
+        "# TYPE gpu_memory_temperature_celsius gauge\n"
+        'gpu_memory_temperature_celsius{gpu="0",uuid="GPU-a"} 40\n'
+    )
+    memory.check(report, "41", scrape, scrape, set())
+    memory.check(report, "45", scrape, scrape, set())
+    memory.check(report, "[N/A]", scrape, scrape, set())
+    calls = {"per_gpu_per_sample": 7.4, "by_function": {"nvmlDeviceGetFieldValues": 1.03}}
+    rg.calls_per_sample(report, "idle", calls)
+    rg.calls_per_sample(report, "idle", calls | {"per_gpu_per_sample": 8.6})  # over 8
+    rg.calls_per_sample(report, "busy", calls | {"per_gpu_per_sample": 8.6})  # a process: 9
+    rg.calls_per_sample(report, "idle", {"per_gpu_per_sample": 7.4, "by_function": {}})
+    rg.calls_per_sample(report, "idle", {"error": "no NVML"})
+    statuses = [c.status for c in report.checks]
+    assert statuses == ["ok", "fail", "skipped", "ok", "fail", "ok", "fail", "fail"]
+    assert "nothing to compare; ours 40" in report.checks[2].detail
