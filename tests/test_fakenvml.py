@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -791,20 +792,20 @@ def test_a_process_list_takes_one_call_not_two(
     gpus = [FakeGpu(synthetic_processes=(3, 2**30)), FakeGpu(synthetic_processes=(40, 2**20))]
     ex = start_exporter(gpus, stats=stats)
     assert ex.value("gpu_compute_processes", gpu="1", uuid=_uuid(1)) == 40
-    before = fakenvml.read_stats(stats)
-    ex.wait_for(
-        lambda: (
-            fakenvml.read_stats(stats)["nvmlDeviceGetCount_v2"]
-            >= before["nvmlDeviceGetCount_v2"] + 5
-        )
-    )
-    after = fakenvml.read_stats(stats)
-    samples = after["nvmlDeviceGetCount_v2"] - before["nvmlDeviceGetCount_v2"]
-    lists = (
-        after["nvmlDeviceGetComputeRunningProcesses_v3"]
-        - before["nvmlDeviceGetComputeRunningProcesses_v3"]
-    )
+    samples, made = calls_over_samples(ex, stats, 5)
+    lists = made["nvmlDeviceGetComputeRunningProcesses_v3"]
     assert samples * 2 <= lists <= (samples + 1) * 2  # one call per GPU and sample
+
+
+def calls_over_samples(ex: Exporter, stats: Path, at_least: int) -> tuple[int, Counter[str]]:
+    """Wait until ``ex`` has sampled ``at_least`` more times (one device count each); the
+    samples counted and the calls made meanwhile, by function."""
+    before = fakenvml.read_stats(stats)
+    samples = "nvmlDeviceGetCount_v2"
+    ex.wait_for(lambda: fakenvml.read_stats(stats)[samples] >= before[samples] + at_least)
+    made = Counter(fakenvml.read_stats(stats))
+    made.subtract(before)
+    return made[samples], made
 
 
 def test_an_entry_the_driver_does_not_know_is_read_by_its_getter(
@@ -824,18 +825,10 @@ def test_an_entry_the_driver_does_not_know_is_read_by_its_getter(
     assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]
     unsupported = {dict(k[1])["field"] for k in s if k[0] == "gpu_exporter_field_supported"}
     assert not unsupported & {"temperature", "power_draw"}
-    before = fakenvml.read_stats(stats)
-    ex.wait_for(
-        lambda: (
-            fakenvml.read_stats(stats)["nvmlDeviceGetCount_v2"]
-            >= before["nvmlDeviceGetCount_v2"] + 4
-        )
-    )
-    after = fakenvml.read_stats(stats)
-    samples = after["nvmlDeviceGetCount_v2"] - before["nvmlDeviceGetCount_v2"]
-    getter = after["nvmlDeviceGetTemperature"] - before["nvmlDeviceGetTemperature"]
+    samples, made = calls_over_samples(ex, stats, 4)
+    getter = made["nvmlDeviceGetTemperature"]
     assert samples <= getter <= samples + 1  # GPU 0 only; GPU 1's comes from the batch
-    assert "nvmlDeviceGetPowerUsage" not in after
+    assert "nvmlDeviceGetPowerUsage" not in fakenvml.read_stats(stats)
 
 
 # -- GPM and per-process utilization (issue 25) -------------------------------------------------
