@@ -18,9 +18,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import build_stack, fake_proc, sim_of
 from fakekubelet import FakeKubelet, encode_list_response, fake_kubelet
 from gpu_exporter.cli import _serve_config, build_parser
+from gpu_exporter.collect.kubelet import ListError, PodResourcesPoller
 from gpu_exporter.collect.podresources import DecodeError, decode_list_response
 from gpu_exporter.config import DEFAULT_KUBELET_SOCKET
-from gpu_exporter.podallocations import PodDevice, physical_id, resolve, taken_reasons
+from gpu_exporter.podallocations import (
+    PodAllocations,
+    PodDevice,
+    physical_id,
+    resolve,
+    taken_reasons,
+)
 from gpu_exporter.simulate import DEFAULT_MODEL, Load, Scenario, SimGpu, SimulatedNvml
 from harness import exporter, get
 from served import Served, served
@@ -238,6 +245,36 @@ def test_the_kubelet_going_away_and_coming_back(
     assert len(back) == 1
     status, body = choose(node.url, f"n=1&lease=0&include={ids['whole']}")
     assert status == 200, body
+
+
+def test_a_kubelet_that_stops_warns_once_however_its_failure_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A stopping kubelet first cancels the call (UNAVAILABLE), then its socket is gone: one
+    # fall, one warning; the changed reason is logged at info, and a repeat says nothing.
+    answers: list[Callable[[], bytes]] = []
+
+    def fail(why: str) -> Callable[[], bytes]:
+        def lister() -> bytes:
+            raise ListError(why)
+
+        return lister
+
+    poller = PodResourcesPoller("/k.sock", PodAllocations(), lister=lambda: answers.pop(0)())
+    caplog.set_level(logging.INFO, "gpu_exporter.collect.kubelet")
+    answers += [lambda: encode_list_response([]), fail("UNAVAILABLE: Cancelling all calls")]
+    answers += [fail("no socket at /k.sock"), fail("no socket at /k.sock")]
+    assert [poller.poll_once() for _ in range(4)] == [True, False, False, False]
+    levels = [(r.levelno, r.getMessage().split(": ")[1]) for r in caplog.records]
+    assert levels == [
+        (logging.INFO, "0 devices allocated to 0 pods"),
+        (logging.WARNING, "UNAVAILABLE"),
+        (
+            logging.INFO,
+            "no socket at /k.sock; gpu_exporter_kubernetes_up is 0, the last answer "
+            "is kept (asking again every 10 s)",
+        ),
+    ], levels
 
 
 def test_a_kubelet_that_answers_too_late_is_down_until_it_answers_in_time(

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 10.0
 TIMEOUT_SECONDS = 5.0
+NOT_ASKED = "not asked yet"  # the state before the first poll: its failure is a fall too
 MAX_MESSAGE_BYTES = 16 * 2**20  # a node with hundreds of pods answers in well under this
 
 
@@ -92,7 +93,7 @@ class PodResourcesPoller(BackgroundThread):
         self.allocations = allocations
         self.interval_seconds = interval_seconds
         self._list = lister or (lambda: list_pod_resources(socket_path, timeout_seconds))
-        self._problem: str | None = "not asked yet"  # what the log last said was wrong
+        self._problem: str | None = NOT_ASKED  # what the log last said was wrong
 
     def _run(self) -> None:
         while not self.stopping:
@@ -124,14 +125,18 @@ class PodResourcesPoller(BackgroundThread):
 
     def _down(self, why: str) -> None:
         self.allocations.fail()
-        # Once per change of state: a poll that fails the same way (the same gRPC status
-        # or the same missing socket) again says nothing.
-        if why.split(":", 1)[0] != (self._problem or "").split(":", 1)[0]:
-            log.warning(
-                "kubelet PodResources at %s: %s; gpu_exporter_kubernetes_up is 0, the last "
-                "answer is kept (asking again every %g s)",
-                self.socket_path,
-                why,
-                self.interval_seconds,
-            )
-            self._problem = why
+        # A warning once per fall (answering, or never asked, to failing); a poll that fails
+        # the same way again says nothing, and one that fails another way while still down
+        # (a kubelet stopping says UNAVAILABLE, then its socket is gone) says so at info.
+        if why.split(":", 1)[0] == (self._problem or "").split(":", 1)[0]:
+            return
+        level = logging.INFO if self._problem not in (None, NOT_ASKED) else logging.WARNING
+        log.log(
+            level,
+            "kubelet PodResources at %s: %s; gpu_exporter_kubernetes_up is 0, the last "
+            "answer is kept (asking again every %g s)",
+            self.socket_path,
+            why,
+            self.interval_seconds,
+        )
+        self._problem = why
