@@ -63,6 +63,20 @@ class Bounds:
         finally:
             _current.bounds = outer
 
+    @contextlib.contextmanager
+    def enforced(self, why: str) -> Iterator[None]:
+        """:meth:`applied`, for work nobody else watches: a timer cuts it at the deadline,
+        saying ``why``, so an exchange on this thread ends by then however the other end
+        trickles."""
+        timer = threading.Timer(max(0.0, self.remaining()), self.cut, (why,))
+        timer.daemon = True
+        timer.start()
+        try:
+            with self.applied():
+                yield
+        finally:
+            timer.cancel()
+
     def cut(self, why: str) -> None:
         """End every exchange in progress now (and refuse later ones), saying ``why``."""
         with self._lock:

@@ -236,6 +236,39 @@ def test_a_trickling_host_is_passed_over_at_the_deadline_of_the_whole_read() -> 
     assert "within 2 s (the deadline of the whole read)" in passed[slow], passed
 
 
+def test_a_host_trickling_its_claim_answer_is_cut_at_the_claims_deadline() -> None:
+    """The chosen host answered the read honestly and then trickled its ``/choose`` answer,
+    one byte a second: the claim had only the per-read timeout, which every byte resets, so
+    it held the choice as long as the host liked. Now the claim has one deadline."""
+    with served(sampling=False) as behind:
+
+        def honest_reads_trickled_claim(conn: socket.socket, stop: threading.Event) -> None:
+            head = b""
+            while b"\r\n\r\n" not in head and (got := conn.recv(65536)):
+                head += got
+            path = head.split(b" ", 2)[1].decode()
+            if path.startswith("/choose"):
+                trickle(conn, stop)
+                return
+            body = get(behind.url + path)[1].encode()
+            conn.sendall(_HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+        with store(honest_reads_trickled_claim, read_request=False) as host:
+            took, result = within(
+                8.0,
+                lambda: choose_fleet(
+                    {"n": "1", "lease": "30s", "max_util": "1", "max_mem_used": "1"},
+                    hosts=[host],
+                    timeout=2.0,
+                    claimer=http_claimer,
+                    release=release,
+                ),
+            )
+    assert took < 6.0  # the read, then the claim's 2 s
+    assert isinstance(result, ApiError) and result.status == 503, result
+    assert "no answer within 2 s (the claim's deadline)" in result.message, result.message
+
+
 # -- a real exporter process -----------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from gpu_exporter.client.transport import (
 )
 from gpu_exporter.fleet.inventory import Fleet, Host
 from gpu_exporter.fleet.placing import Claim, ClaimRefused, ClusterChoice, choose_fleet
+from gpu_exporter.outbound import AnswerTooLarge, Bounds
 
 
 def choose(
@@ -138,6 +139,9 @@ def choose_cluster(
     return result
 
 
+CLAIM_ANSWER_BYTES = 2**20  # a claim's answer names n GPUs: far less than this
+
+
 def http_claimer(
     args: Mapping[str, str],
     req: ClusterRequest,
@@ -157,16 +161,21 @@ def http_claimer(
 
     def claim(host: Host, n: int, include: tuple[str, ...]) -> Choice:
         lease = args.get("lease", DEFAULT_LEASE)
+        # One deadline for the whole exchange: a host trickling its answer is cut at it.
+        bounds = Bounds(timeout, CLAIM_ANSWER_BYTES)
         try:
-            return choose_on_host(  # this job's mask names this host's cards, not host's
-                n, host.url, lease=lease, wait=None, owner=req.choose.owner,
-                timeout=timeout, include=include, ignore_mask=True, **passed_on,
-            )  # fmt: skip
+            with bounds.enforced(f"no answer within {timeout:g} s (the claim's deadline)"):
+                return choose_on_host(  # this job's mask names this host's cards, not host's
+                    n, host.url, lease=lease, wait=None, owner=req.choose.owner,
+                    timeout=timeout, include=include, ignore_mask=True, **passed_on,
+                )  # fmt: skip
         except ServerError as exc:
             if exc.status == 400:
                 raise ApiError(400, exc.code or "invalid_parameter", str(exc), exc.param) from None
             raise ClaimRefused(str(exc)) from None
         except GpuExporterError as exc:
+            raise ClaimRefused(bounds.cut_because or str(exc)) from None
+        except AnswerTooLarge as exc:
             raise ClaimRefused(str(exc)) from None
 
     return claim
