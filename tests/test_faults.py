@@ -297,7 +297,9 @@ def test_thirty_second_hang_through_the_real_server() -> None:
     assert len(set(gpu0_seen)) >= hang / interval / 2
     latencies.sort()
     p99 = latencies[int(len(latencies) * 0.99)]
-    assert p99 < 0.25, f"/metrics p99 {p99 * 1000:.0f} ms during the hang"
+    # A scrape that waited for the stuck call would take up to its 30 s; the latency
+    # targets themselves are the benchmarks' (bench/), not a busy CI machine's.
+    assert p99 < 1.0, f"/metrics p99 {p99 * 1000:.0f} ms during the hang"
 
 
 def _sample(text: str, prefix: str) -> float | None:
