@@ -70,7 +70,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -205,57 +205,31 @@ def lab(gpus: int = GPUS, processes: int = 0) -> list[FakeGpu]:
 # -- processes under test ----------------------------------------------------------------------
 
 
-class Exporter:
+class Exporter(servers.LoggedProcess):
     """One exporter in its own session, on a free port, over the fake library."""
 
     def __init__(
         self, kind: str, lib: Path, gpus: list[FakeGpu], work: Path, args: tuple[str, ...] = ()
     ) -> None:
         self.kind = kind
-        self.port = servers.free_port()
-        self.config = work / f"{kind}-{self.port}.conf"
-        self.stats = work / f"{kind}-{self.port}.stats"
+        port = servers.free_port()
+        self.config = work / f"{kind}-{port}.conf"
+        self.stats = work / f"{kind}-{port}.stats"
         fakenvml.write_config(self.config, gpus)
         env = fakenvml.environment(lib, self.config, self.stats)
-        env["PYTHONUNBUFFERED"] = "1"
         if kind == "gpu-exporter":
-            env["GPU_EXPORTER_STATE_DIR"] = str(work / f"state-{self.port}")
+            env["GPU_EXPORTER_STATE_DIR"] = str(work / f"state-{port}")
             command = [sys.executable, "-m", "gpu_exporter", "serve"]
-            command += ["--listen-address", f"{HOST}:{self.port}", "--interval", "1", *args]
-        else:
+            command += ["--listen-address", f"{HOST}:{port}", "--interval", "1", *args]
+            ready: dict[str, Any] = {"ready_path": "/readyz"}
+        else:  # the peer has no readiness probe: ready once /metrics shows a GPU
             command = [str(PEER_VENV / "bin" / "nvitop-exporter"), "--bind-address", HOST]
-            command += ["--port", str(self.port), "--interval", "1"]
-        self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
+            command += ["--port", str(port), "--interval", "1"]
+            ready = {"ready_path": "/metrics", "ready_text": b"gpu_utilization"}
+        super().__init__(kind, port, command, env, cwd=ROOT, **ready)
 
-    def output(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-4000:]
-
-    def wait_ready(self, timeout: float = 60.0) -> float:
-        """Seconds until /metrics shows every GPU sampled once."""
-        started = time.monotonic()
-        path = "/readyz" if self.kind == "gpu-exporter" else "/metrics"
-        while time.monotonic() - started < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.kind} exited:\n{self.output()}")
-            conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
-            with contextlib.suppress(OSError, http.client.HTTPException), contextlib.closing(conn):
-                conn.request("GET", path)
-                resp = conn.getresponse()
-                body = resp.read()
-                if resp.status == 200 and (path == "/readyz" or b"gpu_utilization" in body):
-                    return time.monotonic() - started
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.kind} not ready after {timeout:g} s:\n{self.output()}")
+    def output(self, tail: int | None = 4000) -> str:
+        return super().output(tail)
 
     def calls(self) -> dict[str, int]:
         return fakenvml.read_stats(self.stats)
@@ -274,10 +248,6 @@ class Exporter:
 
     def rss_mib(self) -> float | None:
         return servers._rss_mib(self.proc.pid)
-
-    def stop(self) -> None:
-        servers.stop_process(self.proc)
-        self._log.close()
 
 
 @contextlib.contextmanager

@@ -454,40 +454,52 @@ def _rss_mib(root: int) -> float | None:
     return round(total / 1024, 1) if total else None
 
 
-class ServerProcess:
-    """One server in a subprocess of its own session, with its output in a temporary file."""
+class LoggedProcess:
+    """A server in a subprocess of its own session, its output in a temporary file; ready
+    once ``ready_path`` answers 200 (and, where given, with ``ready_text`` in the body)."""
 
-    def __init__(self, name: str, port: int, deps: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        command: list[str],
+        env: dict[str, str],
+        *,
+        cwd: Path | None = None,
+        ready_path: str = "/readyz",
+        ready_text: bytes = b"",
+    ) -> None:
         self.name = name
         self.port = port
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (deps, env.get("PYTHONPATH")) if p)
-        env["PYTHONUNBUFFERED"] = "1"
+        self.ready_path, self.ready_text = ready_path, ready_text
         self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
-        command = [sys.executable, __file__, "--serve", name, "--port", str(port)]
         self.proc = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            cwd=cwd,
             start_new_session=True,
         )
 
-    def output(self) -> str:
+    def output(self, tail: int | None = None) -> str:
         self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+        text = self._log.read().decode(errors="replace")
+        return text if tail is None else text[-tail:]
 
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds until /readyz answers 200 (first sample taken); raises if it never does."""
+    def wait_ready(self, timeout: float = 60.0) -> float:
+        """Seconds until it is ready; raises if it exits or never is."""
         started = time.monotonic()
         while time.monotonic() - started < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.output()}")
-            conn = http.client.HTTPConnection(HOST, self.port, timeout=1)
+            conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
             errors = (OSError, http.client.HTTPException)  # not listening yet
             with contextlib.suppress(*errors), contextlib.closing(conn):
-                if _get(conn, "/readyz") == 200:
+                conn.request("GET", self.ready_path)
+                resp = conn.getresponse()
+                if resp.status == 200 and self.ready_text in resp.read():
                     return time.monotonic() - started
             time.sleep(0.05)
         raise RuntimeError(f"{self.name} not ready after {timeout:g} s:\n{self.output()}")
@@ -495,6 +507,16 @@ class ServerProcess:
     def stop(self) -> None:
         stop_process(self.proc)
         self._log.close()
+
+
+class ServerProcess(LoggedProcess):
+    """One candidate server (``--serve NAME``) on ``port``, importing from ``deps``."""
+
+    def __init__(self, name: str, port: int, deps: str) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (deps, env.get("PYTHONPATH")) if p)
+        command = [sys.executable, __file__, "--serve", name, "--port", str(port)]
+        super().__init__(name, port, command, env)
 
 
 def stop_process(proc: subprocess.Popen[Any]) -> None:
