@@ -397,8 +397,9 @@ _READ_WHILE_RANKING: Final = ("memory_total_bytes", "gpu_instance_id", "compute_
 
 
 class PassingGpu(GpuSample):
-    """A GPU the packed read let through: index, UUID, free memory and utilization set, every
-    other figure its default. A plain GpuSample's ``__init__`` sets all its fields (10 µs:
+    """A GPU the packed read let through: index, UUID, free memory, utilization and SM
+    activity (None unless sort=sm_active asked it, or without GPM) set, every other figure
+    its default. A plain GpuSample's ``__init__`` sets all its fields (10 µs:
     0.3 s for the 31,000 GPUs that pass among 100,000); this sets the ranking's few."""
 
     __slots__ = ()
