@@ -69,6 +69,7 @@ def gpu(
     leased: bool = False,
     procs: int = 0,
     model: str = A100,
+    sm_active: float | None = None,  # GPM's gpu_sm_active_ratio: absent on a card without it
     **labels: str,
 ) -> list[dict[str, Any]]:
     ids = {"gpu": str(index), "uuid": uuid(instance, index), **labels}
@@ -84,6 +85,8 @@ def gpu(
             series("gpu_utilization_ratio", util, instance, **ids),
             series("gpu_compute_processes", procs, instance, **ids),
         ]
+        if sm_active is not None:
+            out.append(series("gpu_sm_active_ratio", sm_active, instance, **ids))
     return out
 
 

@@ -568,3 +568,165 @@ def test_shutdown_ends_a_waiting_cluster_choice_at_once() -> None:
     assert answers[0].status_code == 503
     assert answers[0].get_json()["error"]["code"] == "shutting_down"
     assert s.daemon.services.waiters.active == 0
+
+
+# -- SM activity (GPM) across the fleet ---------------------------------------------------------
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def gpm_fleet() -> dict[str, list[dict[str, Any]]]:
+    """g: an H100 whose kernels keep utilization at 30 % while its SMs are 5 % active, and an
+    A100 (no GPM) at 20 %; u: an A100 at 15 %."""
+    return host_results(
+        {
+            "g:9400": gpu("g:9400", 0, util=0.3, sm_active=0.05, model=H100)
+            + gpu("g:9400", 1, util=0.2),
+            "u:9400": gpu("u:9400", 0, util=0.15),
+        }
+    )
+
+
+def test_sm_activity_is_gpms_where_a_card_has_it_and_utilization_where_not() -> None:
+    fleet = fleet_of(gpm_fleet())
+    g, u = by_url(fleet)["http://g:9400"], by_url(fleet)["http://u:9400"]
+    assert [x.sm_active_ratio for x in g.gpus] == [0.05, None]  # absent, never 0
+    assert u.gpus[0].sm_active_ratio is None
+
+    def picks(filters: Filters, sort: str = "free", n: int = 1) -> list[tuple[str, int]]:
+        ranking = rank_fleet(fleet, n, filters, sort=sort, spread=True)
+        return [(c.host.name, x.index) for c in ranking.candidates for x in c.qualified]
+
+    # By utilization none is at most 10 %; by SM activity the H100 is.
+    assert picks(Filters(max_util_ratio=0.1)) == []
+    assert picks(Filters(max_sm_active_ratio=0.1)) == [("g", 0)]
+    # The A100s are judged by their utilization: g's (20 %) fails 18 %, u's (15 %) passes.
+    assert sorted(picks(Filters(max_sm_active_ratio=0.18))) == [("g", 0), ("u", 0)]
+    refused = rank_fleet(fleet, 2, Filters(max_sm_active_ratio=0.18)).passed_over
+    assert (
+        "gpu 1: utilization (no GPM) 0.20 > max_sm_active 0.18"
+        in dict((h.name, why) for h, why in refused)["g"]
+    )
+    # Least busy first: by utilization u's A100, by SM activity g's H100.
+    assert picks(Filters(), "util")[0] == ("u", 0)
+    assert picks(Filters(), "sm_active")[0] == ("g", 0)
+    (pair,) = rank_fleet(fleet, 2, Filters(), sort="sm_active").candidates
+    assert [x.index for x in pair.qualified] == [0, 1]
+
+
+def test_sm_activity_is_asked_only_when_the_choice_needs_it() -> None:
+    assert "gpu_sm_active_ratio" not in fleet_queries(Filters(), "util", 300)["values"]
+    assert "gpu_sm_active_ratio" not in fleet_queries(Filters(), "free", None)["values"]
+    for filters, sort in [(Filters(max_sm_active_ratio=0.2), "free"), (Filters(), "sm_active")]:
+        values = fleet_queries(filters, sort, None)["values"]
+        assert "gpu_sm_active_ratio" in values and "gpu_utilization_ratio" in values
+    window = fleet_queries(Filters(max_sm_active_ratio=0.2), "free", 300, 'job="a"')["window"]
+    # The worst of each over the window: SM activity, and utilization for the cards without GPM.
+    assert (
+        'max_over_time(gpu_sm_active_ratio{job="a"}[300s]), "fleet_field", "sm_active_ratio"'
+        in window
+    )
+    assert (
+        'max_over_time(gpu_utilization_ratio{job="a"}[300s]), "fleet_field", "utilization_ratio"'
+        in window
+    )
+    assert window.count("gpu_utilization_ratio") == 1  # with max_util too, asked once
+    both = fleet_queries(Filters(max_sm_active_ratio=0.2, max_util_ratio=0.5), "free", 300)
+    assert both["window"].count("gpu_utilization_ratio") == 1
+
+
+def test_idle_for_judges_sm_activity_and_the_fallback_by_their_worst_in_the_window() -> None:
+    results = gpm_fleet()
+    ids = {
+        (i, n): {"instance": i, "job": "gpu", "gpu": str(n), "uuid": uuid(i, n)}
+        for i, n in (("g:9400", 0), ("g:9400", 1), ("u:9400", 0))
+    }
+
+    def worst(field: str, value: float, key: tuple[str, int]) -> dict[str, Any]:
+        return {"metric": {**ids[key], "fleet_field": field}, "value": [NOW, str(value)]}
+
+    results["window"] = [
+        *(
+            {
+                "metric": {"instance": i, "job": "gpu", "fleet_field": "oldest"},
+                "value": [NOW, NOW - 299],
+            }
+            for i in ("g:9400", "u:9400")
+        ),
+        *(worst("up", 1, key) for key in ids),
+        worst("sm_active_ratio", 0.4, ("g:9400", 0)),  # its SMs were busy a minute ago
+        worst("utilization_ratio", 0.5, ("g:9400", 0)),
+        worst("utilization_ratio", 0.2, ("g:9400", 1)),
+        worst("utilization_ratio", 0.6, ("u:9400", 0)),  # busy a minute ago: no GPM, judged by it
+    ]
+    fleet = fleet_of(results, idle_for_seconds=300)
+    ranking = rank_fleet(fleet, 1, Filters(max_sm_active_ratio=0.3))
+    assert [(c.host.name, [x.index for x in c.qualified]) for c in ranking.candidates] == [
+        ("g", [1])
+    ]
+    why = {h.name: r for h, r in rank_fleet(fleet, 2, Filters(max_sm_active_ratio=0.3)).passed_over}
+    assert "gpu 0: within the last 300 s: SM activity 0.40 > max_sm_active 0.30" in why["g"]
+    assert "within the last 300 s: utilization (no GPM) 0.60 > max_sm_active 0.30" in why["u"]
+
+
+def test_the_fleet_takes_max_sm_active_and_the_chosen_host_checks_it_again() -> None:
+    args = {"n": "1", "max_sm_active": "10%", "sort": "sm_active", "lease": "0"}
+    assert parse_cluster_args(args).choose.filters.max_sm_active_ratio == 0.1
+    seen: dict[str, Any] = {}
+
+    def fake_choose(n: int, url: str, **kwargs: Any) -> Choice:
+        seen.update(kwargs)
+        return claimed(Host(url, "h"), n, kwargs["include"])
+
+    result = choose_fleet(
+        args,
+        prometheus="prom:9090",
+        fetch=fake_fetch({"prometheus": gpm_fleet()}),
+        claimer=lambda *a: http_claimer(*a, choose_on_host=fake_choose),
+        release=client.release,
+        wall_clock=lambda: NOW,
+    )
+    assert [(p.url, p.uuids) for p in result.placements] == [
+        ("http://g:9400", (uuid("g:9400", 0),))
+    ]
+    assert (seen["max_sm_active"], seen["sort"]) == ("10%", "sm_active")
+    assert result.to_json()["filters"]["max_sm_active"]["value"] == 0.1
+
+
+def test_the_named_hosts_carry_sm_activity_from_their_gpus_answer() -> None:
+    def snapshot(*gpus: tuple[float, float | None]) -> dict[str, Any]:
+        return {
+            "nvml_up": True,
+            "snapshot_age_seconds": 0.5,
+            "gpus": [
+                {"index": i, "uuid": f"GPU-{i}", "up": True, "memory_free_bytes": 70 * GIB,
+                 "utilization_ratio": util, "sm_active_ratio": sm}
+                for i, (util, sm) in enumerate(gpus)
+            ],
+        }  # fmt: skip
+
+    answers = {
+        "http://g:9400/gpus": snapshot((0.3, 0.05), (0.2, None)),
+        "http://g:9400/leases": {"leases": []},
+        "http://u:9400/gpus": snapshot((0.15, None)),
+        "http://u:9400/leases": {"leases": []},
+    }
+
+    def chosen(**args: str) -> list[tuple[str, tuple[str, ...]]]:
+        result = choose_fleet(
+            {"lease": "0", "spread": "1", **args},
+            hosts=["g", "u"],
+            fetch=fake_fetch(answers),
+            claimer=fixed_claimer,
+            release=client.release,
+            wall_clock=lambda: NOW,
+        )
+        return [(p.url, p.uuids) for p in result.placements]
+
+    assert chosen(n="1", max_sm_active="10%") == [("http://g:9400", ("GPU-0",))]
+    assert chosen(n="1", sort="util") == [("http://u:9400", ("GPU-0",))]
+    assert chosen(n="1", sort="sm_active") == [("http://g:9400", ("GPU-0",))]
+    assert sorted(chosen(n="2", max_sm_active="18%")) == [  # g's GPU 1: 20 %, no GPM
+        ("http://g:9400", ("GPU-0",)),
+        ("http://u:9400", ("GPU-0",)),
+    ]

@@ -350,3 +350,123 @@ def test_with_prometheus_down_the_named_hosts_still_serve(fleet: Fleet) -> None:
 
     done = cli("choose", "--prometheus", dead, "-n", "1")
     assert done.returncode == 1 and "cannot reach" in done.stderr
+
+
+# -- SM activity (GPM) across the fleet: its own two hosts, so the loads above stay as they are
+
+H100 = "NVIDIA H100 80GB HBM3"
+A100 = "NVIDIA A100-SXM4-80GB"
+
+
+def loaded(model: str, utilization: float) -> str:
+    return (
+        f'[[gpus]]\nmodel = "{model}"\nload = "constant"\nutilization = {utilization}\n'
+        "memory_used_ratio = 0.0\nprocesses = 0\n"
+    )
+
+
+@dataclass
+class GpmFleet:
+    g: Exporter  # GPU 0: an H100 30 % utilized, its SMs 8.55 % active; GPU 1: an A100 at 20 %
+    u: Exporter  # GPU 0: an A100 at 15 % (no GPM: judged by its utilization)
+    prom: Prometheus
+
+
+@pytest.fixture(scope="module", params=sorted(STORES))
+def gpm_fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GpmFleet]:
+    tmp = tmp_path_factory.mktemp("gpm")
+    (tmp / "g.toml").write_text(loaded(H100, 0.3) + loaded(A100, 0.2))
+    (tmp / "u.toml").write_text(loaded(A100, 0.15))
+    with contextlib.ExitStack() as stack:
+        flags = ("--interval", "0.2", "--gpm-interval", "0.5")
+        g, u = (
+            stack.enter_context(exporter("--simulate", str(tmp / f"{name}.toml"), *flags))
+            for name in ("g", "u")
+        )
+        prom = stack.enter_context(STORES[request.param]([g.address, u.address]))
+        prom.wait_for_targets_up(2)
+        prom.wait_for("count(gpu_sm_active_ratio) == 1")  # the H100's only
+        prom.wait_for("count(gpu_fleet:packed) == 3")
+        prom.wait_for("count(gpu_exporter_last_sample_timestamp_seconds) == 2")
+        yield GpmFleet(g, u, prom)
+
+
+def test_sm_activity_chooses_across_the_fleet_with_utilization_where_a_card_has_no_gpm(
+    gpm_fleet: GpmFleet,
+) -> None:
+    f = gpm_fleet
+    sm = {s["metric"]["gpu"]: float(s["value"][1]) for s in f.prom.query("gpu_sm_active_ratio")}
+    assert sm == {"0": pytest.approx(0.0855)}  # busy by utilization, its SMs mostly idle
+    uuids = {
+        (s["metric"]["instance"], s["metric"]["gpu"]): s["metric"]["uuid"]
+        for s in f.prom.query("gpu_up")
+    }
+    h100, g_a100, u_a100 = (
+        (f.g.base, uuids[(f.g.address, "0")]),
+        (f.g.base, uuids[(f.g.address, "1")]),
+        (f.u.base, uuids[(f.u.address, "0")]),
+    )
+
+    def picks(args: dict[str, str], packed: bool) -> Any:
+        asked: list[str] = []
+
+        def fetch(url: str, timeout: float) -> Any:
+            asked.append(url)
+            return get_json(url, timeout)
+
+        try:
+            advice = choose_fleet(
+                {**args, "lease": "0"},
+                prometheus=PrometheusReader(f.prom.base, fetch=fetch, packed=packed),
+                claimer=http_claimer,
+                release=client.release,
+            )
+            got: Any = sorted((p.url, u) for p in advice.placements for u in p.uuids)
+        except ApiError as exc:
+            got = ("refused", exc.code, exc.message)
+        # The packed read where asked (no full read), the full read otherwise.
+        assert any("__name__" in url for url in asked) != packed, (args, asked)
+        return got
+
+    for packed in (False, True):
+        refused = picks({"n": "1", "max_util": "10%"}, packed)
+        assert refused[:2] == ("refused", "not_enough_gpus")
+        assert picks({"n": "1", "max_sm_active": "10%"}, packed) == [h100]
+        assert picks({"n": "1", "sort": "util"}, packed) == [u_a100]
+        assert picks({"n": "1", "sort": "sm_active"}, packed) == [h100]
+        # g's A100 (20 %, no GPM) fails 18 % by its utilization; u's (15 %) passes.
+        both = {"n": "2", "spread": "1", "max_sm_active": "18%"}
+        assert picks(both, packed) == sorted([h100, u_a100])
+        assert picks({**both, "max_sm_active": "25%", "n": "3"}, packed) == sorted(
+            [h100, g_a100, u_a100]
+        )
+        refused = picks({**both, "n": "3"}, packed)
+        assert refused[:2] == ("refused", "not_enough_gpus")
+        if packed:  # the store counts the reasons
+            assert "1 with SM activity (utilization without GPM) > max_sm_active 0.18" in refused[2]
+        else:
+            assert "utilization (no GPM) 0.20 > max_sm_active 0.18" in refused[2]
+
+    # idle_for: each card's worst over the window, SM activity or, without GPM, utilization.
+    assert picks({"n": "1", "max_sm_active": "10%", "idle_for": "2s"}, False) == [h100]
+    assert picks({"n": "2", "spread": "1", "max_sm_active": "18%", "idle_for": "2s"}, False) == (
+        sorted([h100, u_a100])
+    )
+
+    # A claim through /cluster/choose: the chosen host checks max_sm_active again and leases.
+    with exporter("--simulate", "1", "--prometheus-url", f.prom.base) as front:
+        status, body = get(front.base + "/cluster/choose?n=1&max_sm_active=10%25&format=json")
+        assert status == 200, body
+        (placed,) = json.loads(body)["placements"]
+        assert (placed["url"], placed["uuids"]) == (f.g.base, [h100[1]])
+        assert [lease["id"] for lease in leases_on(f.g)] == [placed["lease"]["id"]]
+        client.release(placed["lease"]["token"], f.g.base)
+
+    # --hosts: each exporter's /gpus carries its SM activity.
+    hosts = [f.g.address, f.u.address]
+    advice = client.choose_cluster(1, hosts=hosts, max_sm_active=0.1, lease=0)
+    assert [(p.url, p.uuids) for p in advice.placements] == [(f.g.base, (h100[1],))]
+    advice = client.choose_cluster(1, hosts=hosts, sort="sm_active", lease=0)
+    assert [(p.url, p.uuids) for p in advice.placements] == [(f.g.base, (h100[1],))]

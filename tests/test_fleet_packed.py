@@ -22,9 +22,16 @@ import pytest
 from fleets import NOW, fixed_claimer, pack, scraped, series
 from gpu_exporter import client
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.fleet.packing import FIELDS, MIB, packable, packed_query, unpack
+from gpu_exporter.fleet.packing import (
+    FIELDS,
+    MIB,
+    packable,
+    packed_query,
+    sm_active_query,
+    unpack,
+)
 from gpu_exporter.fleet.placing import choose_fleet
-from gpu_exporter.fleet.queries import reasons_text
+from gpu_exporter.fleet.queries import reasons_query, reasons_text
 from gpu_exporter.fleet.ranking import rank_fleet
 from gpu_exporter.fleet.reading import PrometheusReader, parse_full, parse_packed
 
@@ -79,10 +86,11 @@ def random_fleet(rnd: random.Random, hosts: int = 40) -> dict[str, list[dict[str
         for i in range(rnd.choice((1, 4, 8))):
             ids = {"gpu": str(i), "uuid": f"GPU-{h}-{i}"}
             up = rnd.random() > 0.05
+            model = rnd.choice(MODELS)
             values += [
                 series("gpu_up", int(up), instance, **ids),
                 series("gpu_leased", int(rnd.random() < 0.1), instance, **ids),
-                series("gpu_info", 1, instance, name=rnd.choice(MODELS), **ids),
+                series("gpu_info", 1, instance, name=model, **ids),
             ]
             if rnd.random() < 0.08:
                 pod = {"namespace": "ml", "pod": f"train-{h}-{i}", "container": "main"}
@@ -90,16 +98,14 @@ def random_fleet(rnd: random.Random, hosts: int = 40) -> dict[str, list[dict[str
             if not up:
                 continue
             free = rnd.choice((8 * GIB, 40 * GIB, 40 * GIB - MIB, 41 * GIB + 7, 79 * GIB + 5 * MIB))
+            util = rnd.choice((0, 5, 10, 11, 50, 97)) / 100
+            if "H100" in model:  # GPM: SM activity grows with the square of utilization
+                values.append(series("gpu_sm_active_ratio", round(util * util, 4), instance, **ids))
             values += [
                 series("gpu_memory_free_bytes", free, instance, **ids),
                 series("gpu_memory_total_bytes", 80 * GIB, instance, **ids),
                 series("gpu_memory_used_bytes", 80 * GIB - free, instance, **ids),
-                series(
-                    "gpu_utilization_ratio",
-                    rnd.choice((0, 5, 10, 11, 50, 97)) / 100,
-                    instance,
-                    **ids,
-                ),
+                series("gpu_utilization_ratio", util, instance, **ids),
                 series(
                     "gpu_memory_utilization_ratio",
                     rnd.choice((0, 30, 50, 51, 90)) / 100,
@@ -146,12 +152,24 @@ def recorded(results: Mapping[str, Any]) -> list[tuple[dict[str, str], int, str]
 
 def evaluate(expr: str, results: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The store's answer to packed_query: its comparisons and ``%`` applied in order (exact
-    in float64, as in the store), and its ``gpu_info`` join for ``model``."""
+    in float64, as in the store), its ``gpu_info`` join for ``model``, and its join with SM
+    activity (utilization where a card has none) for ``max_sm_active``."""
     arithmetic, _, model = expr.partition(" and on(instance, job, uuid) ")
     ops = re.findall(r"(<|>=|%) (\d+)", arithmetic.split("}")[-1].split(":packed")[-1])
     wanted = re.search(r'name=~"\(\?i\)\.\*(.*)\.\*"', model)
+    sm_test = re.search(
+        r"\(\(gpu_sm_active_ratio or on\(instance, job, uuid\) gpu_utilization_ratio\) "
+        r"<= ([0-9.e-]+)\)$",
+        expr,
+    )
+    raw = figures(results)
     out = []
     for labels, value, name in recorded(results):
+        if sm_test:
+            card = raw[(labels["instance"], labels["uuid"])]
+            sm = card.get("gpu_sm_active_ratio", card.get("gpu_utilization_ratio"))
+            if sm is None or not sm <= float(sm_test.group(1)):
+                continue
         v: float | None = float(value)
         for op, number in ops:
             if v is None:
@@ -209,14 +227,20 @@ def test_the_packed_read_chooses_exactly_as_every_series_does(seed: int) -> None
             max_mem_used_ratio=rnd.choice((None, 0.3, 0.5, 0.51, 1.0)),
             max_procs=rnd.choice((None, 0, 1, 2)),
             model=rnd.choice((None, None, "a100", "H100")),
+            max_sm_active_ratio=rnd.choice((None, None, 0.0, 0.01, 0.1, 0.25, 0.5)),
         )
-        n, spread, sort = rnd.choice((1, 2, 3, 4)), rnd.random() < 0.3, rnd.choice(("free", "util"))
+        n, spread = rnd.choice((1, 2, 3, 4)), rnd.random() < 0.3
+        sort = rnd.choice(("free", "util", "sm_active"))
         assert packable(filters, sort, None, 60)
         answers = {
             "scraped": results["scraped"],
             "packed": evaluate(packed_query(filters), results),
             "problems": problems(results),
         }
+        if sort == "sm_active":
+            query = urllib.parse.urlencode({"query": sm_active_query(filters)})
+            sm = packed_fetch(results, [])(f"/api/v1/query?{query}", 1)
+            answers["sm_active"] = sm["data"]["result"]
         packed = parse_packed(answers, NOW, 60)
         full = rank_fleet(full_fleet, n, filters, sort=sort, spread=spread)
         quick = rank_fleet(packed, n, filters, sort=sort, spread=spread)
@@ -230,6 +254,8 @@ def test_the_packed_read_chooses_exactly_as_every_series_does(seed: int) -> None
 def packed_fetch(results: Mapping[str, Any], asked: list[str], *, recorded: bool = True) -> Any:
     """A store with the fleet rules loaded (or, ``recorded=False``, without gpu_fleet:packed)."""
 
+    raw = figures(results)
+
     def fetch(url: str, timeout: float) -> Any:
         expr = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["query"][0]
         asked.append(expr)
@@ -237,6 +263,15 @@ def packed_fetch(results: Mapping[str, Any], asked: list[str], *, recorded: bool
             result = results["scraped"]
         elif expr.startswith("gpu_fleet:problem"):  # the stuck ones past max_age 60
             result = problems(results) if recorded else []
+        elif expr.startswith("gpu_sm_active_ratio and on(instance, job, uuid) ("):
+            passing = evaluate(expr.partition(" (")[2][:-1], results) if recorded else []
+            result = [
+                {"metric": p["metric"], "value": [NOW, repr(sm)]}
+                for p in passing
+                if (sm := raw[(p["metric"]["instance"], p["metric"]["uuid"])].get(
+                    "gpu_sm_active_ratio"
+                )) is not None
+            ]  # fmt: skip
         elif expr.startswith("count(gpu_fleet:packed"):
             result = [{"metric": {}, "value": [NOW, "3"]}] if recorded else []
         elif "gpu_fleet:packed" in expr:
@@ -326,6 +361,62 @@ def test_refusal_reasons_are_counted_in_the_store() -> None:
         "of 100,000 GPUs (counted in the store; one may fail several filters): "
         "1,000 down, 35,000 with free memory < min_free 40.0 GiB"
     )
+
+
+def test_sm_activity_is_tested_in_the_store_with_utilization_where_a_card_has_no_gpm() -> None:
+    judged = (
+        '(gpu_sm_active_ratio{pool="a"} or on(instance, job, uuid) gpu_utilization_ratio{pool="a"})'
+    )
+    query = packed_query(Filters(max_util_ratio=0.5, max_sm_active_ratio=0.125), 'pool="a"')
+    assert query == (
+        '((gpu_fleet:packed{pool="a"} < 510000000000000) % 1000000000) '
+        f"and on(instance, job, uuid) ({judged} <= 0.125)"
+    )
+    assert packable(Filters(max_sm_active_ratio=0.125), "sm_active", None, 60)
+    assert sm_active_query(Filters(max_sm_active_ratio=0.125), 'pool="a"') == (
+        'gpu_sm_active_ratio{pool="a"} and on(instance, job, uuid) ('
+        + packed_query(Filters(max_sm_active_ratio=0.125), 'pool="a"')
+        + ")"
+    )
+    whole = '{uuid!~"MIG-.*", pool="a"}'
+    counted = reasons_query(Filters(max_sm_active_ratio=0.2), 'pool="a"')
+    assert (
+        f"label_replace(count((gpu_sm_active_ratio{whole} or on(instance, job, uuid) "
+        f'gpu_utilization_ratio{whole}) > 0.2), "fleet_reason", "max_sm_active", "", "")'
+    ) in counted
+    samples = [
+        {"metric": {"fleet_reason": "gpus"}, "value": [NOW, "100"]},
+        {"metric": {"fleet_reason": "max_sm_active"}, "value": [NOW, "60"]},
+    ]
+    assert reasons_text(samples, Filters(max_sm_active_ratio=0.2)) == (
+        "of 100 GPUs (counted in the store; one may fail several filters): "
+        "60 with SM activity (utilization without GPM) > max_sm_active 0.20"
+    )
+
+
+def test_a_packed_read_by_sm_activity_asks_it_of_the_passing_gpus_only() -> None:
+    results = random_fleet(random.Random(5), hosts=8)
+    picks = {}
+    for packed in (True, False):
+        asked: list[str] = []
+        choice = choose_fleet(
+            {"n": "2", "spread": "1", "max_sm_active": "10%", "sort": "sm_active", "lease": "0"},
+            prometheus=PrometheusReader(
+                "prom:9090", fetch=packed_fetch(results, asked), packed=packed
+            ),
+            claimer=fixed_claimer,
+            release=client.release,
+            wall_clock=lambda: NOW,
+        )
+        picks[packed] = [(p.url, p.uuids) for p in choice.placements]
+        if packed:
+            assert not any(e.startswith("{__name__") for e in asked)  # no full read
+            (sm,) = [e for e in asked if e.startswith("gpu_sm_active_ratio and")]
+            assert sm.endswith(" gpu_utilization_ratio) <= 0.1))")  # of those that pass
+        else:
+            (values,) = [e for e in asked if e.startswith("{__name__")]
+            assert "gpu_sm_active_ratio" in values
+    assert picks[True] == picks[False] and sum(len(u) for _, u in picks[True]) == 2
 
 
 def test_the_committed_fleet_rules_equal_the_generators_output() -> None:

@@ -52,6 +52,13 @@ def test_cluster_choose_parameters_match_the_handler() -> None:
     assert tuple(p["name"] for p in params) == CLUSTER_PARAMS
 
 
+def test_cluster_choose_describes_sm_activity_across_the_fleet() -> None:
+    params = {p["name"]: p for p in document()["paths"]["/cluster/choose"]["get"]["parameters"]}
+    described = params["max_sm_active"]["description"]
+    assert "gpu_sm_active_ratio" in described and "gpu_utilization_ratio" in described
+    assert "sm_active" in params["sort"]["schema"]["enum"]
+
+
 def test_cluster_choose_without_prometheus_is_a_documented_404(stack: Stack) -> None:
     resp = stack.client.get("/cluster/choose?n=1&format=json")
     assert resp.status_code == 404

@@ -248,7 +248,9 @@ PARAMS: tuple[Param, ...] = (
         local=True,
         recheck=True,
         mem_default=True,
-        cluster=False,  # the fleet's read has no GPM series yet
+        cluster_help="SM activity (gpu_sm_active_ratio, GPM: Hopper and later) at most this; "
+        "on a card without that series, its utilization (gpu_utilization_ratio). Checked again "
+        "by the chosen host on its own sample.",
     ),
     Param(
         "max_procs",

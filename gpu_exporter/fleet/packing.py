@@ -10,6 +10,11 @@ is below 2^53, so exact in float64. :func:`packed_query` filters it with compari
 comparison tests the field at the top of what is left) and ``%`` (which drops the fields above
 the next one tested); what is left, ``free MiB × 1000 + utilization %``, is what the ranking
 orders by (:func:`unpack`). Exact where the thresholds fit the packing (:func:`packable`).
+
+SM activity (GPM) is not in the packing, a figure most cards lack: ``max_sm_active`` joins the
+packed series with the raw ``gpu_sm_active_ratio``, utilization where a card has none (the
+comparison is exact on the series, so any threshold fits), and ``sort=sm_active`` asks the
+SM activity of the GPUs that passed in a query of its own (:func:`sm_active_query`).
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ from dataclasses import dataclass
 from typing import Final
 
 from gpu_exporter.choose.filters import Filters
-from gpu_exporter.fleet.queries import GPU_KEY, braces, model_regex
+from gpu_exporter.fleet.queries import GPU_KEY, LIMITS, braces, model_regex
 
 MIB: Final = 2**20
 PACKED: Final = "gpu_fleet:packed"
 PROBLEM: Final = "gpu_fleet:problem"
 RECORDED_LAG_ABOVE: Final = 5  # the rule records a sampler's lag past this (seconds)
-SORTS: Final = ("free", "util", "pack")  # the orders free memory and utilization decide
+# The orders free memory and utilization decide, and SM activity (sm_active_query).
+SORTS: Final = ("free", "util", "pack", "sm_active")
+SM_ACTIVE: Final = next(limit for limit in LIMITS if limit.reason == "max_sm_active")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +136,21 @@ def packed_query(filters: Filters, selector: str = "") -> str:
     if filters.model is not None:
         info = f"gpu_info{braces(selector, f'name=~{model_regex(filters.model)}')}"
         expr = f"({expr}) and {GPU_KEY} {info}"
+    if filters.max_sm_active_ratio is not None:  # not packed: the raw series, per GPU
+        judged = SM_ACTIVE.judged(braces(selector))
+        expr = f"({expr}) and {GPU_KEY} ({judged} <= {filters.max_sm_active_ratio!r})"
     return expr
+
+
+def sm_active_query(filters: Filters, selector: str = "") -> str:
+    """``sort=sm_active``: the SM activity of the GPUs that pass (:func:`packed_query`); a GPU
+    it leaves out has no GPM and ranks by its utilization, as on the host.
+
+    >>> print(sm_active_query(Filters(max_procs=0)))
+    gpu_sm_active_ratio and on(instance, job, uuid) ((gpu_fleet:packed % 10000000000) < 1000000000)
+    """
+    packed = packed_query(filters, selector)
+    return f"{SM_ACTIVE.series}{braces(selector)} and {GPU_KEY} ({packed})"
 
 
 def problems_query(selector: str, max_age_seconds: float) -> str:

@@ -24,7 +24,9 @@ TOTAL: Final = "gpu_memory_total_bytes"
 
 class Limit(NamedTuple):
     """One of a GPU's limits as the store tests it. idle_for judges each by its worst over the
-    window (min for "<", max for ">")."""
+    window (min for "<", max for ">"). With a ``fallback``, a card without the series is
+    judged by that one instead (SM activity: utilization on a card without GPM), as
+    :func:`~gpu_exporter.choose.filters.sm_activity` does on the host."""
 
     reason: str  # what it is counted as in a refusal (fleet_reason): the parameter's name
     attr: str  # the Filters field
@@ -32,6 +34,23 @@ class Limit(NamedTuple):
     series: str
     op: str  # the comparison that fails it
     of_total: bool = False  # the limit is a share of gpu_memory_total_bytes
+    fallback: tuple[str, str] | None = None  # (GpuSample field, series) where there is none
+
+    @property
+    def figures(self) -> tuple[tuple[str, str], ...]:
+        """(GpuSample field, series) of every figure the limit reads: its own, its fallback's."""
+        return ((self.field, self.series), *((self.fallback,) if self.fallback else ()))
+
+    def judged(self, selector: str = "") -> str:
+        """The PromQL of the figure each GPU is judged by: its series, or where a card has none,
+        its fallback's (``or`` per GPU: only the fallback's GPUs with no series of their own).
+
+        >>> print(LIMITS[6].judged())
+        (gpu_sm_active_ratio or on(instance, job, uuid) gpu_utilization_ratio)
+        """
+        if self.fallback is None:
+            return f"{self.series}{selector}"
+        return f"({self.series}{selector} or {GPU_KEY} {self.fallback[1]}{selector})"
 
     @property
     def compared(self) -> str:
@@ -47,7 +66,7 @@ class Limit(NamedTuple):
         gpu_memory_used_bytes{pool="a"} / gpu_memory_total_bytes{pool="a"} > 0.5
         """
         total = f" / {TOTAL}{selector}" if self.of_total else ""
-        return f"{self.series}{selector}{total} {self.op} {limit!r}"
+        return f"{self.judged(selector)}{total} {self.op} {limit!r}"
 
 
 LIMITS: Final = (
@@ -60,6 +79,8 @@ LIMITS: Final = (
     Limit("max_mem_util", "max_mem_util_ratio", "memory_utilization_ratio",
           "gpu_memory_utilization_ratio", ">"),
     Limit("max_procs", "max_procs", "compute_processes", "gpu_compute_processes", ">"),
+    Limit("max_sm_active", "max_sm_active_ratio", "sm_active_ratio", "gpu_sm_active_ratio", ">",
+          fallback=("utilization_ratio", "gpu_utilization_ratio")),
 )  # fmt: skip
 _MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
 _SELECTOR = re.compile(rf"^(?:{_MATCHER}(?:,{_MATCHER})*)?$")
@@ -121,7 +142,10 @@ def needed_metrics(filters: Filters, sort: str) -> tuple[str, ...]:
         names.append("gpu_memory_total_bytes")
     for limit in LIMITS:
         if getattr(filters, limit.attr) is not None:
-            names += [s for s in (limit.series, *[TOTAL] * limit.of_total) if s not in names]
+            wanted = (*(series for _, series in limit.figures), *[TOTAL] * limit.of_total)
+            names += [s for s in wanted if s not in names]
+    if sort == "sm_active" and "gpu_sm_active_ratio" not in names:  # else utilization
+        names.append("gpu_sm_active_ratio")
     if sort == "power":
         names += ["gpu_power_draw_watts", "gpu_power_limit_watts"]
     return tuple(names)
@@ -155,16 +179,25 @@ def full_queries(
 def window_query(filters: Filters, seconds: float, selector: str = "") -> str:
     """One query for every worst-of-window figure idle_for needs, told apart by
     ``fleet_field``; ``gpu_up`` (min: down at any point) and the oldest exporter sample in
-    the window (how far back the history reaches) always."""
+    the window (how far back the history reaches) always. A limit with a fallback asks both
+    figures' worst: a card without GPM is judged by its utilization's worst.
+
+    >>> q = window_query(Filters(max_sm_active_ratio=0.2), 60)
+    >>> "max_over_time(gpu_sm_active_ratio[60s])" in q, '"fleet_field", "utilization_ratio"' in q
+    (True, True)
+    """
     rng = braces(selector) + f"[{max(1, math.ceil(seconds))}s]"
     parts = [
         ("up", f"min_over_time(gpu_up{rng})"),
         ("oldest", f"min_over_time(gpu_exporter_last_sample_timestamp_seconds{rng})"),
     ]
     for limit in LIMITS:
-        if getattr(filters, limit.attr) is not None and limit.field not in dict(parts):
-            worst = "min" if limit.op == "<" else "max"
-            parts.append((limit.field, f"{worst}_over_time({limit.series}{rng})"))
+        if getattr(filters, limit.attr) is None:
+            continue
+        worst = "min" if limit.op == "<" else "max"
+        for field, series in limit.figures:
+            if field not in dict(parts):
+                parts.append((field, f"{worst}_over_time({series}{rng})"))
     return " or ".join(
         f'label_replace({expr}, "fleet_field", "{name}", "__name__", ".*")' for name, expr in parts
     )
@@ -211,6 +244,8 @@ def reasons_text(samples: Sequence[Mapping[str, Any]], filters: Filters) -> str:
         "max_mem_util": "with memory utilization > max_mem_util "
         f"{filters.max_mem_util_ratio or 0:.2f}",
         "max_procs": f"with more than max_procs {filters.max_procs} compute processes",
+        "max_sm_active": "with SM activity (utilization without GPM) > max_sm_active "
+        f"{filters.max_sm_active_ratio or 0:.2f}",
         "model": f"of a model that does not contain {filters.model!r}",
     }
     parts = [f"{int(float(counts[k])):,} {text}" for k, text in what.items() if k in counts]

@@ -88,12 +88,16 @@ def _quick_pass(f: Filters) -> Callable[[GpuSample], bool]:
     """False only where the filters surely reject the GPU (down, or a known figure past a
     limit), without formatting why."""
     limits = [
-        (x.compared, lim, x.op == "<") for x in LIMITS if (lim := getattr(f, x.attr)) is not None
+        (x.compared, x.fallback[0] if x.fallback else "", lim, x.op == "<")
+        for x in LIMITS
+        if (lim := getattr(f, x.attr)) is not None
     ]
 
     def may_pass(gpu: GpuSample) -> bool:
-        for field, limit, low in limits:
+        for field, fallback, limit, low in limits:
             x = getattr(gpu, field)
+            if x is None and fallback:  # SM activity: utilization on a card without GPM
+                x = getattr(gpu, fallback)
             if x is not None and (x < limit if low else x > limit):
                 return False
         return gpu.up

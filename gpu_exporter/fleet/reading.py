@@ -32,7 +32,14 @@ from gpu_exporter.fleet.inventory import (
     host_from_snapshot,
     host_problem,
 )
-from gpu_exporter.fleet.packing import PACKED, packable, packed_query, problems_query, unpack
+from gpu_exporter.fleet.packing import (
+    PACKED,
+    packable,
+    packed_query,
+    problems_query,
+    sm_active_query,
+    unpack,
+)
 from gpu_exporter.fleet.queries import (
     LIMITS,
     braces,
@@ -56,6 +63,7 @@ VALUE_METRICS: Final[Mapping[str, tuple[str, type]]] = {
     "gpu_memory_used_bytes": ("memory_used_bytes", int),
     "gpu_memory_total_bytes": ("memory_total_bytes", int),
     "gpu_utilization_ratio": ("utilization_ratio", float),
+    "gpu_sm_active_ratio": ("sm_active_ratio", float),  # GPM: absent on a card without it
     "gpu_memory_utilization_ratio": ("memory_utilization_ratio", float),
     "gpu_compute_processes": ("compute_processes", int),
     "gpu_power_draw_watts": ("power_draw_watts", float),
@@ -213,6 +221,8 @@ class PrometheusReader:
         c, sel, max_age = req.choose, self.selector, req.max_age_seconds
         fits = self.packed is not False and packable(c.filters, c.sort, c.idle_for_seconds, max_age)
         packed = {"packed": packed_query(c.filters, sel), "problems": problems_query(sel, max_age)}
+        if c.sort == "sm_active":  # not in the packing: the passing GPUs' own, where they have it
+            packed["sm_active"] = sm_active_query(c.filters, sel)
         answers: Answers = {}
         if fits and (self.packed or self.was_large):  # known large: all at once
             answers = ask({"scraped": scraped_query(sel), **packed})
@@ -375,8 +385,9 @@ def _window(
             continue
         changes: dict[str, Any] = {}
         for limit in LIMITS:
-            if (value := worst.get((gpu.uuid, limit.field))) is not None:
-                changes[limit.field] = VALUE_METRICS[limit.series][1](value)
+            for field, series in limit.figures:  # with a fallback's (utilization without GPM)
+                if (value := worst.get((gpu.uuid, field))) is not None:
+                    changes[field] = VALUE_METRICS[series][1](value)
         past.append(replace(gpu, **changes))
     return Window(seconds, covered, ((seconds, tuple(past)),), worst_case=True)
 
@@ -386,19 +397,23 @@ _READ_WHILE_RANKING: Final = ("memory_total_bytes", "gpu_instance_id", "compute_
 
 
 class PassingGpu(GpuSample):
-    """A GPU the packed read let through: index, UUID, free memory and utilization set, every
-    other figure its default. A plain GpuSample's ``__init__`` sets all its fields (10 µs:
+    """A GPU the packed read let through: index, UUID, free memory, utilization and SM
+    activity (None unless sort=sm_active asked it, or without GPM) set, every other figure
+    its default. A plain GpuSample's ``__init__`` sets all its fields (10 µs:
     0.3 s for the 31,000 GPUs that pass among 100,000); this sets the ranking's few."""
 
     __slots__ = ()
 
     @classmethod
-    def of(cls, index: int, uuid: str, free_bytes: int, util: float) -> PassingGpu:
+    def of(
+        cls, index: int, uuid: str, free_bytes: int, util: float, sm_active: float | None = None
+    ) -> PassingGpu:
         gpu = object.__new__(cls)
         for name, value in (("index", index), ("uuid", uuid), ("up", True)):
             object.__setattr__(gpu, name, value)
         object.__setattr__(gpu, "memory_free_bytes", free_bytes)
         object.__setattr__(gpu, "utilization_ratio", util)
+        object.__setattr__(gpu, "sm_active_ratio", sm_active)  # asked only for sort=sm_active
         for name in _READ_WHILE_RANKING:  # set, so that ranking asks no __getattr__
             object.__setattr__(gpu, name, None)
         return gpu
@@ -412,10 +427,17 @@ class PassingGpu(GpuSample):
 
 def parse_packed(answers: Mapping[str, Any], evaluated_at: float, max_age_seconds: float) -> Fleet:
     """The fleet from the ``scraped``, ``packed`` and ``problems`` answers: every exporter,
-    with only the GPUs that passed (free memory in whole GiB and utilization), or its problem
-    as :func:`parse_full` says it."""
+    with only the GPUs that passed (free memory in whole GiB, utilization and, from the
+    ``sm_active`` answer where there is one, SM activity), or its problem as :func:`parse_full`
+    says it."""
     scraped = _scrape_times(answers.get("scraped", ()))
     jobs = {s.get("metric", {}).get("job") for s in answers.get("scraped", ())}
+    sm_active: dict[tuple[str, str], float] = {}  # (URL label or instance, UUID) → SM activity
+    for sample in answers.get("sm_active", ()):
+        labels = sample.get("metric", {})
+        where = labels.get(URL_LABEL) or labels.get("instance", "")
+        if (value := _value(sample)) is not None and (card := _card(labels)) is not None:
+            sm_active[(where, card[0])] = value
     gpus: dict[str, list[GpuSample]] = {}
     urls: dict[str, str] = {}  # the URL label (or instance) → the exporter: 8 GPUs share one
     for sample in answers.get("packed", ()):
@@ -427,7 +449,8 @@ def parse_packed(answers: Mapping[str, Any], evaluated_at: float, max_age_second
         url = urls.get(where) or urls.setdefault(where, exporter_url(labels))
         scraped.setdefault(url, (labels.get("instance", url), None))
         free, util = unpack(value)
-        gpus.setdefault(url, []).append(PassingGpu.of(card[1], card[0], free * GIB, util))
+        sm = sm_active.get((where, card[0])) if sm_active else None
+        gpus.setdefault(url, []).append(PassingGpu.of(card[1], card[0], free * GIB, util, sm))
     flagged: dict[str, dict[str, Any]] = {}
     for sample in answers.get("problems", ()):
         labels = sample.get("metric", {})
