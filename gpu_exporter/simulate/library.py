@@ -13,6 +13,7 @@ milliwatts, structs as namespaces).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -185,6 +186,12 @@ class SimulatedMachine:
                 delivered += 1
         self._events.notify_all()
         return delivered
+
+    def _next_xid_due(self) -> float:
+        """When the next scenario Xid event is due (simulated seconds; inf when none is to
+        come). Call with the lock held."""
+        due = (event.at(self._xids_delivered[k]) for k, event in enumerate(self.xid_events))
+        return min((t for t in due if t is not None), default=math.inf)
 
     def _deliver_scheduled(self) -> None:
         """Scenario Xid events that are due by now (call with the lock held)."""
@@ -453,8 +460,10 @@ class SimulatedNvml(SimulatedMachine):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise nvml.make_error(nvml.error_code("TIMEOUT"))
-                # Wake now and then: scheduled events follow the simulator's own clock.
-                self._events.wait(min(remaining, 0.05))
+                # Scheduled events follow the simulator's clock: wake when the next is due
+                # (on a real clock; a test's clock moves on its own, the wait is short there).
+                until = self._next_xid_due() - self.elapsed()
+                self._events.wait(min(remaining, max(until, 0.001)))
 
 
 # -- GPM and per-process utilization -----------------------------------------------------------

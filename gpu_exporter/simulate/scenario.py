@@ -175,6 +175,16 @@ class XidEvent:
             return 1
         return int((t - self.after_seconds) // self.every_seconds) + 1
 
+    def at(self, n: int) -> float | None:
+        """When its occurrence after the first ``n`` is due; None when there is none.
+
+        >>> XidEvent(0, 13, 60, 600).at(2), XidEvent(0, 79, 300).at(1)
+        (1260.0, None)
+        """
+        if self.every_seconds is None:
+            return self.after_seconds if n == 0 else None
+        return self.after_seconds + n * self.every_seconds
+
 
 @dataclass(slots=True)
 class SimGpu:
