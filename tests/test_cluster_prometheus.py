@@ -34,7 +34,7 @@ from gpu_exporter import client
 from gpu_exporter.choose.refusal import ApiError
 from gpu_exporter.client import GpuExporterWarning, NoGpusAvailable
 from gpu_exporter.client.choosing import http_claimer
-from gpu_exporter.fleet.placing import choose_fleet
+from gpu_exporter.fleet.placing import ClusterChoice, choose_fleet
 from gpu_exporter.fleet.reading import PrometheusReader, get_json
 from harness import (
     ROOT,
@@ -128,6 +128,27 @@ def leases_on(ex: Exporter) -> list[dict[str, object]]:
     return leases
 
 
+def advise(
+    store: str, args: dict[str, str], packed: bool
+) -> tuple[ClusterChoice | ApiError, list[str]]:
+    """A fleet choice without a lease through ``store``, read packed or in full: what it
+    chose (or its refusal), and the URLs it asked."""
+    asked: list[str] = []
+
+    def fetch(url: str, timeout: float) -> Any:
+        asked.append(url)
+        return get_json(url, timeout)
+
+    reader = PrometheusReader(store, fetch=fetch, packed=packed)
+    try:
+        choice = choose_fleet(
+            {**args, "lease": "0"}, prometheus=reader, claimer=http_claimer, release=client.release
+        )
+    except ApiError as exc:
+        return exc, asked
+    return choice, asked
+
+
 def test_the_host_with_the_requested_free_gpus_is_chosen(fleet: Fleet) -> None:
     # Only B has three idle GPUs.
     choice = client.choose(3, prometheus=fleet.prom.base, max_util="10%")
@@ -179,23 +200,12 @@ def test_the_packed_read_gives_the_same_choices(fleet: Fleet) -> None:
     for args in requests:
         picks = {}
         for packed in (False, True):
-            asked: list[str] = []
-
-            def fetch(url: str, timeout: float, asked: list[str] = asked) -> Any:
-                asked.append(url)
-                return get_json(url, timeout)
-
-            try:
-                advice = choose_fleet(
-                    {**args, "lease": "0"},
-                    prometheus=PrometheusReader(fleet.prom.base, fetch=fetch, packed=packed),
-                    claimer=http_claimer,
-                    release=client.release,
-                )
+            advice, asked = advise(fleet.prom.base, args, packed)
+            if isinstance(advice, ApiError):  # packed, the store counted why
+                counted = "counted in the store" in advice.message
+                picks[packed] = [("refused", advice.code, counted == packed)]
+            else:
                 picks[packed] = [(p.url, sorted(p.uuids)) for p in advice.placements]
-            except ApiError as exc:  # packed, the store counted why
-                counted = "counted in the store" in exc.message
-                picks[packed] = [("refused", exc.code, counted == packed)]
         assert picks[True] == picks[False], (args, picks)
         packed_reads += sum("gpu_fleet%3Apacked" in url for url in asked)
         assert not any("__name__" in url for url in asked), asked  # no full read
@@ -410,22 +420,11 @@ def test_sm_activity_chooses_across_the_fleet_with_utilization_where_a_card_has_
     )
 
     def picks(args: dict[str, str], packed: bool) -> Any:
-        asked: list[str] = []
-
-        def fetch(url: str, timeout: float) -> Any:
-            asked.append(url)
-            return get_json(url, timeout)
-
-        try:
-            advice = choose_fleet(
-                {**args, "lease": "0"},
-                prometheus=PrometheusReader(f.prom.base, fetch=fetch, packed=packed),
-                claimer=http_claimer,
-                release=client.release,
-            )
-            got: Any = sorted((p.url, u) for p in advice.placements for u in p.uuids)
-        except ApiError as exc:
-            got = ("refused", exc.code, exc.message)
+        advice, asked = advise(f.prom.base, args, packed)
+        if isinstance(advice, ApiError):
+            got: Any = ("refused", advice.code, advice.message)
+        else:
+            got = sorted((p.url, u) for p in advice.placements for u in p.uuids)
         # The packed read where asked (no full read), the full read otherwise.
         assert any("__name__" in url for url in asked) != packed, (args, asked)
         return got
