@@ -267,7 +267,7 @@ def test_sort_sm_active_and_max_sm_active_over_http_and_bad_values_are_400() -> 
         params = {p["name"]: p for p in spec["paths"]["/choose"]["get"]["parameters"]}
         assert "max_sm_active" in params and "sm_active" in params["sort"]["schema"]["enum"]
         cluster = {p["name"] for p in spec["paths"]["/cluster/choose"]["get"]["parameters"]}
-        assert "max_sm_active" not in cluster
+        assert "max_sm_active" in cluster  # across the fleet too, from gpu_sm_active_ratio
 
 
 def test_the_choose_command_has_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
