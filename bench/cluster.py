@@ -68,8 +68,8 @@ TARGET_RANK_MS = 50.0
 SIZES = "10000,30000,100000"  # --store: GPUs
 TARGET_E2E_MS = {10_000: 250.0, 100_000: 2000.0}  # --store: one choice, end to end
 TARGET_RANK_100K_MS = 250.0
-STORE_CHOICE = "n=2 min_free=40GiB max_util=10% max_procs=0"
-STORE_ARGS = {"n": "2", "min_free": "40GiB", "max_util": "10%", "max_procs": "0"}
+STORE_CHOICE = "n=2 min_free=40GiB max_util=10% max_procs=0"  # --choice: what a store times
+SM_CHOICE = "n=2 max_sm_active=20% sort=sm_active"  # by GPM (a third of the hosts are H100s)
 
 
 # The choice measured: what a job script typically asks for.
@@ -137,6 +137,9 @@ def synthetic_answers(
             values.append(sample({"__name__": "gpu_compute_processes", **ids}, (0, 1, 2)[load]))
             mem = (0.0, 0.9, 0.2)[load]
             values.append(sample({"__name__": "gpu_memory_utilization_ratio", **ids}, mem))
+            if h % 3 == 0:  # the H100s report GPM: a partly used card's SMs are less busy
+                sm = (0.0, 0.8, util * 0.3)[load]
+                values.append(sample({"__name__": "gpu_sm_active_ratio", **ids}, sm))
     if metrics is not None:
         values = [v for v in values if v["metric"]["__name__"] in metrics]
     answers = {"values": values, "scraped": scraped, "down": down}
@@ -314,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         "chooser against it (the full and the packed read) at --sizes",
     )
     parser.add_argument(
+        "--choice",
+        default=STORE_CHOICE,
+        help=f"the --store choice, as NAME=VALUE parameters (default {STORE_CHOICE!r}; "
+        f"by GPM: {SM_CHOICE!r})",
+    )
+    parser.add_argument(
         "--sizes",
         default=None,
         help="GPUs per --store run, comma-separated (default 10000,30000,100000; --quick 400)",
@@ -331,14 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(x) for x in (args.sizes or ("400" if args.quick else SIZES)).split(",")]
         result["store"] = {
             "name": args.store,
-            "choice": STORE_CHOICE,
+            "choice": args.choice,
             "end_to_end_target_ms": TARGET_E2E_MS,
             "rank_target_ms": TARGET_RANK_100K_MS,
             "by_gpus": fleet_store.measure_victoria_metrics(
                 lambda h, f, at: synthetic_answers(h, first=f, now=at),
                 sizes,
                 GPUS_PER_HOST,
-                STORE_ARGS,
+                dict(part.split("=", 1) for part in args.choice.split()),
                 repeat,
             ),
         }
@@ -368,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         p = result["prometheus"]
         print(f"real Prometheus: {p['query_ms']} ms per query, {p['all_queries_ms']} ms together")
     if "store" in result:
-        print(f"{args.store}, {STORE_CHOICE} (median / fastest ms):")
+        print(f"{args.store}, {args.choice} (median / fastest ms):")
         print(fleet_store.table(result["store"]["by_gpus"]))
     print(f"wrote {out}")
     return 0 if result["rank_within_target"] else 1

@@ -191,7 +191,8 @@ def choice(reader: PrometheusReader, at: float, args: dict[str, str]) -> dict[st
     t0 = time.perf_counter()
     fleet = reader.read(req, at)
     t1 = time.perf_counter()
-    ranking = rank_fleet(fleet, req.choose.n, req.choose.filters)
+    c = req.choose
+    ranking = rank_fleet(fleet, c.n, c.filters, sort=c.sort, spread=req.spread)
     t2 = time.perf_counter()
     return {
         "read": (t1 - t0) * 1000,
