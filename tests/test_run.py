@@ -11,6 +11,7 @@ import json
 import os
 import pwd
 import re
+import secrets
 import select
 import signal
 import subprocess
@@ -462,6 +463,30 @@ def test_release_gives_back_the_lease_in_gpu_lease(exporter: Served) -> None:
     status, out, err = run("release", "--strict", token)
     assert status == 4 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_a_lease_token_never_reads_as_an_option(
+    exporter: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39.2: lease ids come from token_urlsafe, so one in 64 started with "-" and
+    `gpu-exporter release TOKEN` took it for an option (exit 2): a red test by chance. An id
+    is drawn again until it does not, and `release -- TOKEN` works for any token."""
+    drawn = ["-firstDRAWN1", "secondDRAWN2"]
+    real = secrets.token_urlsafe
+
+    def token_urlsafe(nbytes: int | None = None) -> str:
+        return drawn.pop(0) if nbytes == 9 and drawn else real(nbytes)
+
+    monkeypatch.setattr(secrets, "token_urlsafe", token_urlsafe)
+    _, out, _ = run("choose", "--format", "env")
+    token = ENV_LINE.fullmatch(out).group("lease")  # type: ignore[union-attr]
+    assert token.partition(".")[0] == "secondDRAWN2" in exporter.lease_ids()
+    assert run("release", token) == (0, "", "")
+    assert "secondDRAWN2" not in exporter.lease_ids()
+    _, out, _ = run("choose", "--format", "env")
+    token = ENV_LINE.fullmatch(out).group("lease")  # type: ignore[union-attr]
+    assert run("release", "--", token) == (0, "", "")
+    assert token.partition(".")[0] not in exporter.lease_ids()
 
 
 def test_a_lease_records_who_asked_by_default(

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -57,6 +56,7 @@ from gpu_exporter.choose.tokens import (
     Keyed,
     lease_id_of,
     make_token,
+    new_lease_id,
     new_secret,
     sha256_hex,
 )
@@ -288,7 +288,7 @@ class LeaseTable:
             keyed, secret = _credentials(key)  # keyed: a retry derives the same token
             lease = self._with_pids(
                 Lease(
-                    id=secrets.token_urlsafe(9),
+                    id=new_lease_id(),
                     gpus=tuple(Held.of(g) for g in choice.chosen),
                     created_at=now,
                     expires_at=now + ttl_seconds,

@@ -29,6 +29,7 @@ MAX_KEY_LENGTH = 255  # as long as the longest keys in common use (Stripe's)
 # Visible ASCII without quotes, backslash or separators that break logs and headers.
 _KEY = re.compile(rf"^[!#-\[\]-~]{{1,{MAX_KEY_LENGTH}}}$")
 SECRET_BYTES = 18  # 24 URL-safe characters, 144 bits
+LEASE_ID_BYTES = 9  # 12 URL-safe characters
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,19 @@ def new_secret(salt: str | None = None, key: str | None = None) -> str:
         return secrets.token_urlsafe(SECRET_BYTES)
     digest = hmac.new(salt.encode("ascii"), key.encode("utf-8"), hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest[:SECRET_BYTES]).decode("ascii")
+
+
+def new_lease_id() -> str:
+    """A fresh public lease id: 12 URL-safe characters (72 bits), never starting with ``-``,
+    so a token is never read as an option (``gpu-exporter release TOKEN``, ``curl``, shells).
+
+    >>> all(not new_lease_id().startswith("-") for _ in range(1000))
+    True
+    """
+    while True:
+        lease_id = secrets.token_urlsafe(LEASE_ID_BYTES)
+        if not lease_id.startswith("-"):
+            return lease_id
 
 
 def make_token(lease_id: str, secret: str) -> str:
