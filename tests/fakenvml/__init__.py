@@ -21,10 +21,52 @@ import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 SOURCE = Path(__file__).resolve().parent / "fakenvml.c"
 LIBRARY_NAME = "libnvidia-ml.so.1"
 SYNTHETIC_PID_BASE = 4_000_000  # as in fakenvml.c
+
+
+# nvmlDeviceGetFieldValues ids of the clock event reason durations (ns since the driver
+# loaded), by fakenvml.c's reason names. The last three are nvml.h's since CUDA 13.0 Update 1
+# (nvidia-ml-py 13.580.82 and later); nvml.h 13.0.39 and nvidia-ml-py 12.575.51 to 13.580.65
+# say 251, 252, 253 (config_text's clocks_event_slowdown_ids). 75, NVML_FI_DEV_PERF_POLICY_THERMAL,
+# answers as sw_therm_slowdown too.
+CLOCKS_EVENT_FIELDS = {
+    "sw_power_cap": 74,  # NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP = ..._PERF_POLICY_POWER
+    "sync_boost": 76,  # = NVML_FI_DEV_PERF_POLICY_SYNC_BOOST
+    "sw_therm_slowdown": 269,
+    "hw_therm_slowdown": 270,
+    "hw_power_brake_slowdown": 271,
+}
+# What a reason not given a rate grows at on a GPU with utilization_gpu > 0 (as fakenvml.c).
+LOADED_SW_POWER_CAP_NS_PER_S = 5_000_000
+
+# nvmlGpuFabricState_t
+FABRIC_STATE_NOT_SUPPORTED = 0
+FABRIC_STATE_NOT_STARTED = 1
+FABRIC_STATE_IN_PROGRESS = 2
+FABRIC_STATE_COMPLETED = 3
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """What ``nvmlDeviceGetGpuFabricInfo``/``...InfoV`` answer for a GPU; the defaults are an
+    H100/H200 SXM board registered with its fabric manager."""
+
+    state: int = FABRIC_STATE_COMPLETED
+    status: str | int = "SUCCESS"  # nvmlReturn_t: SUCCESS, an error name as in errors, a number
+    clique_id: int = 1
+    cluster_uuid: str = "8c3f2a6e-51d4-4b7e-9a10-2f6c0d9e7b34"  # 16 bytes, as hex text
+    health_mask: int = 0  # NVML_GPU_FABRIC_HEALTH_MASK_*: 0 = every part NOT_SUPPORTED
+    health_summary: int = 0  # v3 only: NVML_GPU_FABRIC_HEALTH_SUMMARY_*
+
+    def line(self) -> str:
+        return (
+            f"{self.state} {self.status} {self.clique_id} {self.cluster_uuid} "
+            f"{self.health_mask} {self.health_summary}"
+        )
 
 
 class BuildUnavailable(Exception):
@@ -137,6 +179,16 @@ class FakeGpu:
     gpm: dict[int, float] | None = None
     gpm_instances: dict[int, int] = field(default_factory=dict)  # MIG GPU instance → SM %
     process_utilization: tuple[tuple[int, int, int], ...] = ()  # (pid, SM %, memory %)
+    # Clock event reason durations (CLOCKS_EVENT_FIELDS), ns since the library loaded in the
+    # reading process: reason → ns held down per second. A reason not given grows at 1e9 while
+    # its bit is in clocks_event_reasons (health), sw_power_cap at LOADED_SW_POWER_CAP_NS_PER_S
+    # while utilization_gpu > 0, the rest not at all. A new rate counts from when the library
+    # notices the new file: a duration never goes backwards.
+    clocks_event_rates: dict[str, float] = field(default_factory=dict)
+    clocks_event_ns: dict[str, int] = field(default_factory=dict)  # reason → ns at load (0)
+    clocks_event_durations: bool | None = None  # False: each of those entries NOT_SUPPORTED
+    # nvmlDeviceGetGpuFabricInfo(V): None keeps the default, NOT_SUPPORTED (an A100)
+    fabric: Fabric | Literal["NOT_SUPPORTED"] | None = None
 
     def lines(self, index: int | str) -> list[str]:
         out = []
@@ -175,6 +227,16 @@ class FakeGpu:
         if self.process_utilization:
             listed = " ".join(f"{p}:{sm}:{mem}" for p, sm, mem in self.process_utilization)
             out.append(f"{index} process_utilization {listed}")
+        out += [
+            f"{index} clocks_event_rate {r} {v:.17g}" for r, v in self.clocks_event_rates.items()
+        ]
+        out += [f"{index} clocks_event_ns {r} {v}" for r, v in self.clocks_event_ns.items()]
+        if self.clocks_event_durations is not None:
+            out.append(f"{index} clocks_event_durations {int(self.clocks_event_durations)}")
+        if self.fabric == "NOT_SUPPORTED":
+            out.append(f"{index} fabric none")
+        elif self.fabric is not None:
+            out.append(f"{index} fabric {self.fabric.line()}")
         out += [f"{index} error {fn} {err}" for fn, err in self.errors.items()]
         out += [f"{index} hang {fn} {seconds:g}" for fn, seconds in self.hangs.items()]
         return out
@@ -192,13 +254,18 @@ def config_text(
     cuda_driver_version: int = 12040,
     errors: Mapping[str, str] | None = None,
     every_gpu: FakeGpu | None = None,
+    clocks_event_slowdown_ids: tuple[int, int, int] | None = None,
 ) -> str:
+    """``clocks_event_slowdown_ids``: the field ids the SW thermal, HW thermal and HW power
+    brake durations answer at, instead of CLOCKS_EVENT_FIELDS' 269-271 (e.g. 251-253)."""
     gpus = list(gpus)
     lines = [
         f"gpus {len(gpus)}",
         f"driver_version {driver_version}",
         f"cuda_driver_version {cuda_driver_version}",
     ]
+    if clocks_event_slowdown_ids is not None:
+        lines.append("clocks_event_slowdown_ids " + " ".join(map(str, clocks_event_slowdown_ids)))
     lines += [f"error {fn} {err}" for fn, err in (errors or {}).items()]
     if every_gpu is not None:
         lines += every_gpu.lines("*")

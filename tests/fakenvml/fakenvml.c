@@ -73,6 +73,23 @@
  *                                               none: NOT_FOUND, as the driver with no process
  *                                               that did anything
  *
+ * Clock event reason durations and fabric info (the block at the end of this file):
+ *   clocks_event_rate REASON NS_PER_S           how fast that reason's duration grows (REASON:
+ *                                               sw_power_cap, sync_boost, sw_therm_slowdown,
+ *                                               hw_therm_slowdown, hw_power_brake_slowdown);
+ *                                               default: 1e9 while its bit is in
+ *                                               clocks_event_reasons, 5e6 for sw_power_cap
+ *                                               while utilization_gpu > 0, else 0
+ *   clocks_event_ns REASON NS                   its duration when the library loaded (0)
+ *   clocks_event_durations 0|1                  0: every such entry NOT_SUPPORTED (default 1)
+ *   fabric STATE STATUS CLIQUE_ID CLUSTER_UUID [HEALTH_MASK [HEALTH_SUMMARY]]
+ *                                               nvmlDeviceGetGpuFabricInfo(V)'s answer (STATUS:
+ *                                               SUCCESS, an error name or a number; the UUID as
+ *                                               32 hex digits, dashes allowed)
+ *   fabric none                                 they answer NOT_SUPPORTED (the default: an A100)
+ * and, for the library, "clocks_event_slowdown_ids A B C": the field ids of the SW thermal, HW
+ * thermal and HW power brake durations (default 269 270 271; 251 252 253 in older headers).
+ *
  * If $FAKENVML_STATS names a file, it is created (or truncated) at load time and holds one
  * 64-byte record per exported function, {char name[56]; uint64_t calls;}, counted with
  * atomic increments through a shared mapping, so another process can read the counts at
@@ -106,6 +123,7 @@
 #define GPM_IDS 128 /* NVML_GPM_METRIC_* ids the fake answers (C2C ends at 101) */
 #define GPM_INSTANCES 8
 #define MAX_PROCESS_UTIL 64
+#define THROTTLE_REASONS 5 /* sw_power_cap, sync_boost, sw/hw thermal, hw power brake */
 
 struct rule {
     char function[64]; /* "*" matches every per-GPU function */
@@ -154,6 +172,16 @@ struct gpu {
     unsigned int gpm_instances[GPM_INSTANCES][2]; /* GPU instance id, SM percent */
     unsigned int process_util_count;
     unsigned int process_util[MAX_PROCESS_UTIL][3]; /* pid, SM percent, memory percent */
+    /* Clock event reason durations and fabric info (the block at the end of this file) */
+    unsigned int throttle_supported;
+    unsigned char throttle_rate_set[THROTTLE_REASONS];
+    double throttle_rate[THROTTLE_REASONS];           /* ns per second */
+    unsigned long long throttle_start_ns[THROTTLE_REASONS]; /* at library load */
+    unsigned int fabric_supported;
+    unsigned char fabric_state, fabric_health_summary;
+    nvmlReturn_t fabric_status;
+    unsigned int fabric_clique_id, fabric_health_mask;
+    unsigned char fabric_cluster_uuid[NVML_GPU_FABRIC_UUID_LEN];
 };
 
 struct nvmlDevice_st {
@@ -167,6 +195,7 @@ static struct {
     struct rule rules[MAX_RULES]; /* library-level */
     int rule_count;
     struct gpu gpus[MAX_GPUS];
+    unsigned int slowdown_field_ids[3]; /* sw thermal, hw thermal, hw power brake */
 } config;
 
 static struct nvmlDevice_st handles[MAX_GPUS];
@@ -174,6 +203,14 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int init_count;
 static struct stat loaded_stat;
 static int loaded;
+
+/* Clock event reason durations and fabric info: the block at the end of this file. */
+static int apply_throttle_fabric(struct gpu *g, const char *key, const char *rest);
+static void default_throttle_fabric(struct gpu *g);
+static void throttle_fold(void);
+static void default_slowdown_field_ids(void);
+static int throttle_reason(unsigned int field_id);
+static unsigned long long throttle_ns(const struct gpu *g, int reason);
 
 /* -- call statistics ------------------------------------------------------------------- */
 
@@ -240,7 +277,9 @@ static int loaded;
     X(nvmlEventSetCreate)                                                                       \
     X(nvmlEventSetWait_v2)                                                                      \
     X(nvmlEventSetFree)                                                                         \
-    X(nvmlDeviceGetFieldValues)
+    X(nvmlDeviceGetFieldValues)                                                                 \
+    X(nvmlDeviceGetGpuFabricInfo)                                                               \
+    X(nvmlDeviceGetGpuFabricInfoV)
 
 #define AS_ID(name) F_##name,
 #define AS_NAME(name) #name,
@@ -366,6 +405,7 @@ static void default_gpu(unsigned int index, struct gpu *g)
     g->supported_events = nvmlEventTypeXidCriticalError | nvmlEventTypeSingleBitEccError |
                           nvmlEventTypeDoubleBitEccError | nvmlEventTypePState |
                           nvmlEventTypeClock;
+    default_throttle_fabric(g);
 }
 
 static void add_rule(struct rule *rules, int *n, const char *function, nvmlReturn_t error,
@@ -550,7 +590,8 @@ static void apply_gpu(unsigned int index, const char *key, char *rest)
         g->clocks_mhz[NVML_CLOCK_MEM] = (unsigned int)strtoul(rest, NULL, 10);
     else if (strcmp(key, "clock_video_mhz") == 0)
         g->clocks_mhz[NVML_CLOCK_VIDEO] = (unsigned int)strtoul(rest, NULL, 10);
-    else if (apply_health(g, key, rest) || apply_gpm(g, key, rest))
+    else if (apply_health(g, key, rest) || apply_gpm(g, key, rest) ||
+             apply_throttle_fabric(g, key, rest))
         ;
     else if (strcmp(key, "processes") == 0) {
         char *copy = strdup(rest);
@@ -608,6 +649,10 @@ static void parse_line(char *line)
         add_rule(config.rules, &config.rule_count, second, parse_error(rest), 0.0);
     } else if (strcmp(first, "hang") == 0) {
         add_rule(config.rules, &config.rule_count, second, NVML_SUCCESS, strtod(rest, NULL));
+    } else if (strcmp(first, "clocks_event_slowdown_ids") == 0) {
+        unsigned int ids[3];
+        if (sscanf(second, "%u", &ids[0]) == 1 && sscanf(rest, "%u %u", &ids[1], &ids[2]) == 2)
+            memcpy(config.slowdown_field_ids, ids, sizeof(ids));
     } else if (strcmp(first, "*") == 0) {
         for (unsigned int i = 0; i < MAX_GPUS; i++) {
             char *copy = strdup(rest);
@@ -632,6 +677,8 @@ static void reload_if_changed(void)
     struct stat st;
     if (path == NULL || stat(path, &st) != 0) {
         if (!loaded) {
+            throttle_fold();
+            default_slowdown_field_ids();
             for (unsigned int i = 0; i < MAX_GPUS; i++)
                 default_gpu(i, &config.gpus[i]);
             loaded = 1;
@@ -645,6 +692,8 @@ static void reload_if_changed(void)
     FILE *f = fopen(path, "r");
     if (f == NULL)
         return;
+    throttle_fold(); /* the durations so far at the old rates, before they change */
+    default_slowdown_field_ids();
     config.gpu_count = 0;
     snprintf(config.driver_version, sizeof(config.driver_version), "550.54.15");
     config.cuda_driver_version = 12040;
@@ -1436,6 +1485,12 @@ static int nvlink_counter(unsigned int id)
 /* One entry, as the driver answers it. */
 static nvmlReturn_t field_value(const struct gpu *g, nvmlFieldValue_t *f)
 {
+    int reason = throttle_reason(f->fieldId);
+    if (reason >= 0) {
+        if (!g->throttle_supported)
+            return NVML_ERROR_NOT_SUPPORTED;
+        ANSWER(NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, ullVal, throttle_ns(g, reason));
+    }
     int counter = nvlink_counter(f->fieldId);
     if (counter >= 0) {
         if (g->nvlink_links == 0)
@@ -1734,5 +1789,244 @@ EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
         u->smUtil = g->process_util[i][1];
         u->memUtil = g->process_util[i][2];
     }
+    return end(NVML_SUCCESS);
+}
+
+/* -- clock event reason durations and fabric info ---------------------------------------------
+ * The durations: nvmlDeviceGetFieldValues' NVML_FI_DEV_CLOCKS_EVENT_REASON_* entries, each the
+ * nanoseconds that reason has held the clocks down since the driver loaded: here, since this
+ * process loaded the library (CLOCK_MONOTONIC), at each GPU's rate per reason. A new file's
+ * rates apply from the moment the library notices it; the time before is kept at the old
+ * rates, so a duration never goes backwards while the library stays loaded.
+ *
+ * The fabric: nvmlDeviceGetGpuFabricInfo (nvmlGpuFabricInfo_t) and nvmlDeviceGetGpuFabricInfoV
+ * (nvmlGpuFabricInfo_v2_t or _v3_t, by its version field; any other: ARGUMENT_VERSION_MISMATCH).
+ * Structs and version numbers are nvml.h's own. */
+
+enum { SW_POWER_CAP, SYNC_BOOST, SW_THERM_SLOWDOWN, HW_THERM_SLOWDOWN, HW_POWER_BRAKE_SLOWDOWN };
+
+static const char *const throttle_names[THROTTLE_REASONS] = {
+    "sw_power_cap", "sync_boost", "sw_therm_slowdown", "hw_therm_slowdown",
+    "hw_power_brake_slowdown",
+};
+
+/* nvmlClocksEventReason* bits: SwPowerCap, SyncBoost, SwThermalSlowdown, HwThermalSlowdown,
+ * HwPowerBrakeSlowdown */
+static const unsigned long long throttle_bits[THROTTLE_REASONS] = {0x4, 0x10, 0x20, 0x40, 0x80};
+
+/* A GPU under load (utilization_gpu > 0) with no rate of its own and no SW power cap in its
+ * current reasons touches its power cap now and then: 5 ms a second. */
+#define LOADED_SW_POWER_CAP_NS_PER_S 5e6
+
+static double throttle_accrued_ns[MAX_GPUS][THROTTLE_REASONS];
+static struct timespec throttle_since;
+static int throttle_started;
+
+/* The slowdown reasons' ids are 269, 270 and 271 in nvml.h since CUDA 13.0 Update 1 and in
+ * nvidia-ml-py since 13.580.82; nvml.h 13.0.39 and nvidia-ml-py 12.575.51 to 13.580.65 number
+ * them 251, 252 and 253, ids that power smoothing has now ("clocks_event_slowdown_ids"). Taken
+ * as numbers, not from the header the library is built against, so the ids it answers do not
+ * depend on which nvidia-nvml-dev is installed. */
+static void default_slowdown_field_ids(void)
+{
+    config.slowdown_field_ids[0] = 269;
+    config.slowdown_field_ids[1] = 270;
+    config.slowdown_field_ids[2] = 271;
+}
+
+static int throttle_reason(unsigned int field_id)
+{
+    switch (field_id) {
+    case NVML_FI_DEV_PERF_POLICY_POWER: /* = NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP */
+        return SW_POWER_CAP;
+    case NVML_FI_DEV_PERF_POLICY_SYNC_BOOST: /* = ..._SYNC_BOOST */
+        return SYNC_BOOST;
+    case NVML_FI_DEV_PERF_POLICY_THERMAL: /* the older id of the SW thermal counter */
+        return SW_THERM_SLOWDOWN;
+    default:
+        for (int k = 0; k < 3; k++)
+            if (field_id == config.slowdown_field_ids[k])
+                return SW_THERM_SLOWDOWN + k;
+        return -1;
+    }
+}
+
+static double throttle_rate(const struct gpu *g, int reason)
+{
+    if (g->throttle_rate_set[reason])
+        return g->throttle_rate[reason];
+    if (g->clocks_event_reasons & throttle_bits[reason])
+        return 1e9; /* a reason that holds the clocks now has held them all along */
+    if (reason == SW_POWER_CAP && g->utilization_gpu > 0)
+        return LOADED_SW_POWER_CAP_NS_PER_S;
+    return 0;
+}
+
+static double seconds_since(const struct timespec *then, const struct timespec *now)
+{
+    return (double)(now->tv_sec - then->tv_sec) + (double)(now->tv_nsec - then->tv_nsec) / 1e9;
+}
+
+/* Add the time since the last fold at the current rates. Called with `lock` held, before a
+ * new configuration replaces the rates. */
+static void throttle_fold(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (throttle_started) {
+        double elapsed = seconds_since(&throttle_since, &now);
+        for (unsigned int i = 0; i < MAX_GPUS; i++)
+            for (int r = 0; r < THROTTLE_REASONS; r++)
+                throttle_accrued_ns[i][r] += throttle_rate(&config.gpus[i], r) * elapsed;
+    }
+    throttle_since = now;
+    throttle_started = 1;
+}
+
+static unsigned long long throttle_ns(const struct gpu *g, int reason)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    size_t index = (size_t)(g - config.gpus);
+    double accrued = throttle_accrued_ns[index][reason] +
+                     throttle_rate(g, reason) * seconds_since(&throttle_since, &now);
+    return g->throttle_start_ns[reason] + (unsigned long long)accrued;
+}
+
+static void default_throttle_fabric(struct gpu *g)
+{
+    g->throttle_supported = 1;
+    g->fabric_supported = 0; /* an A100: fabric info is Hopper's and later */
+    g->fabric_state = NVML_GPU_FABRIC_STATE_NOT_SUPPORTED;
+    g->fabric_status = NVML_SUCCESS;
+}
+
+static int parse_reason(const char *name)
+{
+    for (int r = 0; r < THROTTLE_REASONS; r++)
+        if (strcmp(name, throttle_names[r]) == 0)
+            return r;
+    fprintf(stderr, "fakenvml: unknown clock event reason %s\n", name);
+    return -1;
+}
+
+/* "8c3f...-..." or 32 hex digits, dashes anywhere, into 16 bytes; 0 if it is not that. */
+static int parse_uuid(const char *text, unsigned char out[NVML_GPU_FABRIC_UUID_LEN])
+{
+    unsigned char bytes[NVML_GPU_FABRIC_UUID_LEN];
+    int digits = 0;
+    for (const char *c = text; *c != '\0'; c++) {
+        if (*c == '-')
+            continue;
+        int v = *c >= '0' && *c <= '9'   ? *c - '0'
+                : *c >= 'a' && *c <= 'f' ? *c - 'a' + 10
+                : *c >= 'A' && *c <= 'F' ? *c - 'A' + 10
+                                         : -1;
+        if (v < 0 || digits >= 2 * NVML_GPU_FABRIC_UUID_LEN)
+            return 0;
+        if (digits % 2 == 0)
+            bytes[digits / 2] = (unsigned char)(v << 4);
+        else
+            bytes[digits / 2] |= (unsigned char)v;
+        digits++;
+    }
+    if (digits != 2 * NVML_GPU_FABRIC_UUID_LEN)
+        return 0;
+    memcpy(out, bytes, sizeof(bytes));
+    return 1;
+}
+
+static nvmlReturn_t parse_status(const char *text)
+{
+    if (*text >= '0' && *text <= '9')
+        return (nvmlReturn_t)strtol(text, NULL, 0);
+    if (strcmp(text, "SUCCESS") == 0 || strcmp(text, "NVML_SUCCESS") == 0)
+        return NVML_SUCCESS;
+    return parse_error(text);
+}
+
+static int apply_throttle_fabric(struct gpu *g, const char *key, const char *rest)
+{
+    if (strcmp(key, "clocks_event_durations") == 0) {
+        g->throttle_supported = (unsigned int)strtoul(rest, NULL, 0);
+        return 1;
+    }
+    if (strcmp(key, "clocks_event_rate") == 0) {
+        char name[64];
+        double rate;
+        int r;
+        if (sscanf(rest, "%63s %lf", name, &rate) == 2 && (r = parse_reason(name)) >= 0) {
+            g->throttle_rate_set[r] = 1;
+            g->throttle_rate[r] = rate > 0 ? rate : 0;
+        }
+        return 1;
+    }
+    if (strcmp(key, "clocks_event_ns") == 0) {
+        char name[64];
+        unsigned long long ns;
+        int r;
+        if (sscanf(rest, "%63s %llu", name, &ns) == 2 && (r = parse_reason(name)) >= 0)
+            g->throttle_start_ns[r] = ns;
+        return 1;
+    }
+    if (strcmp(key, "fabric") == 0) {
+        unsigned int state, clique, mask = 0, summary = 0;
+        char status[64], uuid[64];
+        if (strcmp(rest, "none") == 0) {
+            g->fabric_supported = 0;
+        } else if (sscanf(rest, "%u %63s %u %63s %u %u", &state, status, &clique, uuid, &mask,
+                          &summary) >= 4 &&
+                   parse_uuid(uuid, g->fabric_cluster_uuid)) {
+            g->fabric_supported = 1;
+            g->fabric_state = (unsigned char)state;
+            g->fabric_status = parse_status(status);
+            g->fabric_clique_id = clique;
+            g->fabric_health_mask = mask;
+            g->fabric_health_summary = (unsigned char)summary;
+        } else {
+            fprintf(stderr, "fakenvml: bad fabric line %s\n", rest);
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* The first fields every version shares, as the driver fills them. */
+#define FILL_FABRIC(info, g)                                                                      \
+    do {                                                                                        \
+        memcpy((info)->clusterUuid, (g)->fabric_cluster_uuid, NVML_GPU_FABRIC_UUID_LEN);         \
+        (info)->status = (g)->fabric_status;                                                    \
+        (info)->cliqueId = (g)->fabric_clique_id;                                               \
+        (info)->state = (g)->fabric_state;                                                      \
+    } while (0)
+
+EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device,
+                                               nvmlGpuFabricInfo_t *gpuFabricInfo)
+{
+    DEVICE_CALL(F_nvmlDeviceGetGpuFabricInfo, device)
+    OUT_OF(gpuFabricInfo)
+    if (!g->fabric_supported)
+        return end(NVML_ERROR_NOT_SUPPORTED);
+    FILL_FABRIC(gpuFabricInfo, g);
+    return end(NVML_SUCCESS);
+}
+
+/* v2 (what nvidia-ml-py passes) or v3 (nvml.h's nvmlGpuFabricInfoV_t, with healthSummary):
+ * only the caller's version's bytes are written. */
+EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device,
+                                                nvmlGpuFabricInfoV_t *gpuFabricInfo)
+{
+    DEVICE_CALL(F_nvmlDeviceGetGpuFabricInfoV, device)
+    OUT_OF(gpuFabricInfo)
+    unsigned int version = gpuFabricInfo->version;
+    if (version != nvmlGpuFabricInfo_v2 && version != nvmlGpuFabricInfo_v3)
+        return end(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    if (!g->fabric_supported)
+        return end(NVML_ERROR_NOT_SUPPORTED);
+    nvmlGpuFabricInfo_v2_t *v2 = (nvmlGpuFabricInfo_v2_t *)gpuFabricInfo;
+    FILL_FABRIC(v2, g);
+    v2->healthMask = g->fabric_health_mask;
+    if (version == nvmlGpuFabricInfo_v3)
+        gpuFabricInfo->healthSummary = g->fabric_health_summary;
     return end(NVML_SUCCESS);
 }
