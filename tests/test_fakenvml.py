@@ -21,12 +21,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fakenvml
-from fakenvml import FakeGpu
+from fakenvml import Fabric, FakeGpu
 from harness import free_port
 
 pytestmark = pytest.mark.slow
@@ -943,4 +944,164 @@ def test_mig_gpu_instance_gpm_and_the_structs_versions_through_the_bindings(
         "2 0.07 1",
         f"None 0.96 {len(H100_BUSY)}",
         "NvmlError NOT_FOUND",
+    ]
+
+
+# -- clock event reason durations and fabric info, read through pynvml itself ----------------
+# (not through gpu_exporter: the fake is the oracle the exporter's reading is checked against)
+
+THROTTLE_IDS = [*fakenvml.CLOCKS_EVENT_FIELDS.values(), 75]  # 75: PERF_POLICY_THERMAL
+READ_THROTTLE = (
+    "import json, pathlib, sys, time\n"
+    "import pynvml\n"
+    "sys.path.insert(0, 'tests')\n"
+    "import fakenvml\n"
+    "pynvml.nvmlInit()\n"
+    "def read(gpus, ids):\n"
+    "    start = time.monotonic()\n"
+    "    values = [[(v.nvmlReturn, v.valueType, v.value.ullVal) for v in\n"
+    "               pynvml.nvmlDeviceGetFieldValues(pynvml.nvmlDeviceGetHandleByIndex(i), ids)]\n"
+    "              for i in range(gpus)]\n"
+    "    return start, time.monotonic(), values\n"
+)
+ULL = 3  # NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED
+
+
+def _grew_at(before: Any, after: Any, gpu: int, entry: int, rate: float) -> bool:
+    """Whether that entry grew by ``rate`` (ns/s) times the time between the two reads: at
+    least from the first read's end to the second's start, at most from start to end."""
+    (s0, e0, values0), (s1, e1, values1) = before, after
+    (r0, t0, v0), (r1, t1, v1) = values0[gpu][entry], values1[gpu][entry]
+    assert (r0, t0, r1, t1) == (0, ULL, 0, ULL)
+    return rate * (s1 - e0) - 1 <= v1 - v0 <= rate * (e1 - s0) + 1
+
+
+def test_clock_event_durations_grow_at_their_rates_through_the_real_bindings(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "throttle.conf"
+    gpus = [
+        FakeGpu(
+            clocks_event_rates={"sw_power_cap": 2e8, "hw_therm_slowdown": 1e9},
+            clocks_event_ns={"sync_boost": 12_345},
+        ),
+        FakeGpu(),  # idle (the default): nothing grows
+        FakeGpu(utilization_gpu=80),  # under load: its power cap now and then
+        FakeGpu(health={"clocks_event_reasons": 0x4}),  # power capped now: all along
+        FakeGpu(utilization_gpu=80, clocks_event_durations=False),
+    ]
+    fakenvml.write_config(config, gpus)
+    out = _run_python(
+        fake_lib,
+        config,
+        READ_THROTTLE
+        + f"a = read(5, {THROTTLE_IDS}); time.sleep(0.3); b = read(5, {THROTTLE_IDS})\n"
+        "print(json.dumps([a, b]))\n",
+    )
+    a, b = json.loads(out)
+    sw_power_cap, sync_boost, sw_therm, hw_therm, hw_brake, perf_policy_thermal = range(6)
+    assert _grew_at(a, b, 0, sw_power_cap, 2e8) and _grew_at(a, b, 0, hw_therm, 1e9)
+    for read in (a, b):
+        assert read[2][0][sync_boost] == [0, ULL, 12_345]  # its value at load, growing at 0
+        assert read[2][0][sw_therm] == read[2][0][hw_brake] == [0, ULL, 0]
+        assert read[2][0][perf_policy_thermal] == read[2][0][sw_therm]
+        assert read[2][1] == [[0, ULL, 0]] * 6
+        assert [entry[2] for entry in read[2][2][1:]] == [0] * 5
+        assert [entry[0] for entry in read[2][4]] == [NOT_SUPPORTED] * 6
+    assert _grew_at(a, b, 2, sw_power_cap, fakenvml.LOADED_SW_POWER_CAP_NS_PER_S)
+    assert b[2][2][sw_power_cap][2] > a[2][2][sw_power_cap][2] > 0
+    assert _grew_at(a, b, 3, sw_power_cap, 1e9)
+
+
+def test_a_new_rate_counts_from_then_and_the_slowdown_ids_can_be_the_older_ones(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    """A duration never goes backwards when the file changes: the time so far stays at the old
+    rate. And the three slowdown durations can answer at 251-253 (nvml.h 13.0.39, nvidia-ml-py
+    12.575 to 13.580.65) instead of 269-271, which then answer NOT_SUPPORTED."""
+    config = tmp_path / "rates.conf"
+    fakenvml.write_config(config, [FakeGpu(clocks_event_rates={"hw_power_brake_slowdown": 1e9})])
+    out = _run_python(
+        fake_lib,
+        config,
+        READ_THROTTLE + "ids = [251, 252, 253, 269, 270, 271]\n"
+        "a = read(1, ids); time.sleep(0.2); b = read(1, ids)\n"
+        f"fakenvml.write_config(pathlib.Path({str(config)!r}), [fakenvml.FakeGpu(\n"
+        "    clocks_event_rates={'hw_power_brake_slowdown': 0})],\n"
+        "    clocks_event_slowdown_ids=(251, 252, 253))\n"
+        "c = read(1, ids); time.sleep(0.2); d = read(1, ids)\n"
+        "print(json.dumps([a, b, c, d]))\n",
+    )
+    a, b, c, d = json.loads(out)
+    assert [e[0] for e in a[2][0][:3]] == [NOT_SUPPORTED] * 3  # 251-253: power smoothing's
+    assert _grew_at(a, b, 0, 5, 1e9)
+    before = b[2][0][5][2]
+    assert [e[0] for e in c[2][0][3:]] == [NOT_SUPPORTED] * 3
+    assert c[2][0][:2] == d[2][0][:2] == [[0, ULL, 0]] * 2
+    assert c[2][0][2][2] >= before  # not back to 0, and what it grew until the change
+    assert d[2][0][2] == c[2][0][2]  # at 0 ns/s since
+
+
+FABRIC_V = (
+    "import ctypes, pathlib, sys\n"
+    "import pynvml\n"
+    "sys.path.insert(0, 'tests')\n"
+    "import fakenvml\n"
+    "pynvml.nvmlInit()\n"
+    "def fabric(i, info=None, function=pynvml.nvmlDeviceGetGpuFabricInfoV):\n"
+    "    info = pynvml.c_nvmlGpuFabricInfoV_t() if info is None else info\n"
+    "    try:\n"
+    "        function(pynvml.nvmlDeviceGetHandleByIndex(i), ctypes.byref(info))\n"
+    "    except pynvml.NVMLError as exc:\n"
+    "        return exc.value\n"
+    "    return info\n"
+)
+
+
+def test_fabric_info_through_the_real_bindings_and_not_supported_per_gpu(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "fabric.conf"
+    uuid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    gpus = [
+        FakeGpu(fabric=Fabric(clique_id=7, cluster_uuid=uuid, health_mask=0xAA, health_summary=1)),
+        FakeGpu(fabric="NOT_SUPPORTED"),  # overrides every_gpu's
+        FakeGpu(fabric=Fabric(state=fakenvml.FABRIC_STATE_IN_PROGRESS, clique_id=0)),
+        FakeGpu(fabric=Fabric(status="UNKNOWN")),  # registration failed
+        FakeGpu(fabric=Fabric(state=fakenvml.FABRIC_STATE_NOT_SUPPORTED, clique_id=0)),
+        FakeGpu(errors={"nvmlDeviceGetGpuFabricInfoV": "GPU_IS_LOST"}),
+    ]
+    fakenvml.write_config(config, gpus, every_gpu=FakeGpu(fabric=Fabric()))
+    out = _run_python(
+        fake_lib,
+        config,
+        FABRIC_V + "for i in range(6):\n"
+        "    f = fabric(i)\n"
+        "    print(f if isinstance(f, int) else (hex(f.version), bytes(f)[4:20].hex(), f.status,\n"
+        "          f.cliqueId, f.state, f.healthMask))\n"
+        # v3 (nvml.h's nvmlGpuFabricInfoV_t) adds healthSummary; a v2 call leaves it alone
+        "v3 = fabric(0, pynvml.c_nvmlGpuFabricInfo_v3_t())\n"
+        "v2 = pynvml.c_nvmlGpuFabricInfo_v3_t(); v2.version = pynvml.nvmlGpuFabricInfo_v2\n"
+        "v2.healthSummary = 0x5A; fabric(0, v2)\n"
+        "odd = pynvml.c_nvmlGpuFabricInfo_v3_t(); odd.version = 0x01000024\n"
+        "print(v3.healthSummary, v3.cliqueId, v2.healthSummary, v2.cliqueId, fabric(0, odd))\n"
+        # the deprecated unversioned call: nvmlGpuFabricInfo_t, no health
+        "v1 = fabric(0, pynvml.c_nvmlGpuFabricInfo_t(), pynvml.nvmlDeviceGetGpuFabricInfo)\n"
+        "print(bytes(v1)[:16].hex(), v1.status, v1.cliqueId, v1.state)\n"
+        # the default: NOT_SUPPORTED, as an A100 answers
+        f"fakenvml.write_config(pathlib.Path({str(config)!r}), [fakenvml.FakeGpu()])\n"
+        "print(fabric(0), fabric(0, pynvml.c_nvmlGpuFabricInfo_t(), pynvml.nvmlDeviceGetGpuFabricInfo))\n",
+    )
+    hex_uuid, default_uuid = uuid.replace("-", ""), Fabric().cluster_uuid.replace("-", "")
+    assert out.splitlines() == [
+        f"('0x2000024', '{hex_uuid}', 0, 7, 3, 170)",
+        "3",  # NVML_ERROR_NOT_SUPPORTED
+        f"('0x2000024', '{default_uuid}', 0, 0, 2, 0)",
+        f"('0x2000024', '{default_uuid}', 999, 1, 3, 0)",
+        f"('0x2000024', '{default_uuid}', 0, 0, 0, 0)",  # answered, its state NOT_SUPPORTED
+        "15",  # NVML_ERROR_GPU_IS_LOST
+        "1 7 90 7 25",  # 25: NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        f"{hex_uuid} 0 7 3",
+        "3 3",
     ]
