@@ -29,10 +29,10 @@ SYNTHETIC_PID_BASE = 4_000_000  # as in fakenvml.c
 
 
 # nvmlDeviceGetFieldValues ids of the clock event reason durations (ns since the driver
-# loaded), by fakenvml.c's reason names. The last three are nvml.h's since CUDA 13.0 Update 1
-# (nvidia-ml-py 13.580.82 and later); nvml.h 13.0.39 and nvidia-ml-py 12.575.51 to 13.580.65
-# say 251, 252, 253 (config_text's clocks_event_slowdown_ids). 75, NVML_FI_DEV_PERF_POLICY_THERMAL,
-# answers as sw_therm_slowdown too.
+# loaded), by fakenvml.c's reason names. The last three are nvml.h's since nvidia-nvml-dev
+# 13.0.87 and nvidia-ml-py's since 13.580.82; nvml.h 13.0.39 and nvidia-ml-py 12.575.51 to
+# 13.580.65 say 251, 252, 253 (config_text's clocks_event_slowdown_ids). 75,
+# NVML_FI_DEV_PERF_POLICY_THERMAL, answers as sw_therm_slowdown too.
 CLOCKS_EVENT_FIELDS = {
     "sw_power_cap": 74,  # NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP = ..._PERF_POLICY_POWER
     "sync_boost": 76,  # = NVML_FI_DEV_PERF_POLICY_SYNC_BOOST

@@ -1822,11 +1822,11 @@ static double throttle_accrued_ns[MAX_GPUS][THROTTLE_REASONS];
 static struct timespec throttle_since;
 static int throttle_started;
 
-/* The slowdown reasons' ids are 269, 270 and 271 in nvml.h since CUDA 13.0 Update 1 and in
- * nvidia-ml-py since 13.580.82; nvml.h 13.0.39 and nvidia-ml-py 12.575.51 to 13.580.65 number
- * them 251, 252 and 253, ids that power smoothing has now ("clocks_event_slowdown_ids"). Taken
- * as numbers, not from the header the library is built against, so the ids it answers do not
- * depend on which nvidia-nvml-dev is installed. */
+/* The slowdown reasons' ids are 269, 270 and 271 in nvml.h since nvidia-nvml-dev 13.0.87 and
+ * in nvidia-ml-py since 13.580.82; nvml.h 13.0.39 and nvidia-ml-py 12.575.51 to 13.580.65
+ * number them 251, 252 and 253, ids that power smoothing has now ("clocks_event_slowdown_ids").
+ * Taken as numbers, not from the header the library is built against, so the ids it answers
+ * do not depend on which nvidia-nvml-dev is installed. */
 static void default_slowdown_field_ids(void)
 {
     config.slowdown_field_ids[0] = 269;
