@@ -9,29 +9,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-CLOCKS = ("graphics", "sm", "memory", "video")
-TEMPERATURE_THRESHOLDS = ("slowdown", "shutdown", "gpu_max", "memory_max")
-# The label values of gpu_clocks_event_reasons, in the order they are exported.
-CLOCKS_EVENT_REASONS = (
-    "sw_power_cap",
-    "hw_slowdown",
-    "hw_thermal_slowdown",
-    "hw_power_brake",
-    "sw_thermal_slowdown",
-    "sync_boost",
-    "gpu_idle",
-    "applications_clocks_setting",
-    "display_clocks_setting",
-)
-ECC_ERRORS = ("corrected", "uncorrected")
-ECC_COUNTERS = ("volatile", "aggregate")
-RETIREMENT_CAUSES = ("multiple_single_bit", "double_bit")
-PCIE_LINKS = ("current", "max")
+from gpu_exporter.readings import CLOCKS as CLOCKS
+from gpu_exporter.readings import CLOCKS_EVENT_REASONS as CLOCKS_EVENT_REASONS
+from gpu_exporter.readings import ECC_COUNTERS as ECC_COUNTERS
+from gpu_exporter.readings import ECC_ERRORS as ECC_ERRORS
+from gpu_exporter.readings import NVLINK_ERRORS as NVLINK_ERRORS
+from gpu_exporter.readings import PCIE_LINKS as PCIE_LINKS
+
+# The label values, where the code that reads and exports them finds them (explicit re-exports).
+from gpu_exporter.readings import READINGS
+from gpu_exporter.readings import RETIREMENT_CAUSES as RETIREMENT_CAUSES
+from gpu_exporter.readings import TEMPERATURE_THRESHOLDS as TEMPERATURE_THRESHOLDS
+
 # Opt-in process attribution (--process-labels), in label order.
 PROCESS_LABELS = ("user", "command", "container", "slurm_job", "pod")
 VISIBILITIES = ("full", "partial", "none")  # process_visibility's answers
-# NVLink error counters, by the name used in the ``type`` label of gpu_nvlink_errors_total.
-NVLINK_ERRORS = ("crc_flit", "crc_data", "replay", "recovery")
 
 
 _SHOWN = (
@@ -62,14 +54,6 @@ class ProcessInfo:
     # The MIG instance the process runs in (None outside MIG, or on bindings without it).
     gpu_instance_id: int | None = None
     compute_instance_id: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RemappedRows:
-    correctable: int
-    uncorrectable: int
-    pending: bool
-    failed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,51 +148,10 @@ class GpuSample:
     memory_utilization_ratio: float | None = None  # 0–1: time memory was read or written
     power_draw_watts: float | None = None
     power_limit_watts: float | None = None
-    energy_joules: float | None = None  # since the driver loaded; only ever grows
-    temperature_celsius: float | None = None
-    memory_temperature_celsius: float | None = None  # HBM / memory die (field value)
-    fan_speed_ratio: float | None = None
-    clock_graphics_hz: float | None = None
-    clock_sm_hz: float | None = None
-    clock_memory_hz: float | None = None
-    clock_video_hz: float | None = None
     compute_processes: int | None = None  # None when the process list is unsupported
-
-    # Health. Counters are NVML's own (they only reset with the driver or a GPU reset).
-    clocks_event_reasons: tuple[str, ...] | None = None  # active reasons; () = none
-    clock_max_graphics_hz: float | None = None
-    clock_max_sm_hz: float | None = None
-    clock_max_memory_hz: float | None = None
-    clock_max_video_hz: float | None = None
-    temperature_slowdown_celsius: float | None = None
-    temperature_shutdown_celsius: float | None = None
-    temperature_gpu_max_celsius: float | None = None
-    temperature_memory_max_celsius: float | None = None
-    performance_state: int | None = None  # P0 (fastest) … P15
-    persistence_mode_enabled: bool | None = None
-    compute_mode: str | None = None  # default, exclusive_process, prohibited
-    ecc_mode_enabled: bool | None = None
-    ecc_errors_corrected_volatile: int | None = None
-    ecc_errors_corrected_aggregate: int | None = None
-    ecc_errors_uncorrected_volatile: int | None = None
-    ecc_errors_uncorrected_aggregate: int | None = None
-    remapped_rows_correctable: int | None = None
-    remapped_rows_uncorrectable: int | None = None
-    remapped_rows_pending: bool | None = None
-    remapped_rows_failed: bool | None = None
-    retired_pages_multiple_single_bit: int | None = None
-    retired_pages_double_bit: int | None = None
-    retired_pages_pending: bool | None = None
-    pcie_link_generation_current: int | None = None
-    pcie_link_generation_max: int | None = None
-    pcie_link_width_current: int | None = None
-    pcie_link_width_max: int | None = None
-    pcie_replay_errors: int | None = None
-    power_limit_default_watts: float | None = None
-    power_limit_min_watts: float | None = None
-    power_limit_max_watts: float | None = None
-    encoder_utilization_ratio: float | None = None
-    decoder_utilization_ratio: float | None = None
+    # Every other value of gpu_exporter.readings, in READINGS' order, read by name as an
+    # attribute (gpu.fan_speed_ratio); () when the device reported none of them.
+    readings: tuple[Any, ...] = ()
     # Each NVLink that answers (--collect.nvlink); None where the card has none.
     nvlink: tuple[NvLinkSample, ...] | None = None
 
@@ -250,6 +193,20 @@ class GpuSample:
     # again until NVML is re-initialised.
     fields_supported: tuple[tuple[str, bool], ...] = ()
 
+    def __getattr__(self, name: str) -> Any:
+        """A value of :attr:`readings` by its attribute name; None when absent."""
+        i = READING_INDEX.get(name)
+        if i is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        readings = object.__getattribute__(self, "readings")
+        return readings[i] if readings else None
+
+    @classmethod
+    def from_values(cls, **values: Any) -> GpuSample:
+        """A sample from attributes by name: its fields, and any of :data:`READING_NAMES`."""
+        kept = [values.pop(name, None) for name in READING_NAMES]
+        return cls(**values, readings=tuple(kept) if any(v is not None for v in kept) else ())
+
     @property
     def is_mig_device(self) -> bool:
         return self.parent_uuid is not None
@@ -277,6 +234,9 @@ class GpuSample:
         a panel is empty for this GPU; /metrics has them as gpu_exporter_field_supported 0)."""
         out: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
+            if name == "readings":
+                out.update((n, _json(getattr(self, n))) for n in READING_NAMES)
+                continue
             if name == "fields_supported":
                 out["unsupported_fields"] = [field for field, ok in self.fields_supported if not ok]
                 continue
@@ -287,10 +247,19 @@ class GpuSample:
                 value = [p.to_json() for p in value]
             elif name == "nvlink" and value is not None:
                 value = [asdict(link) for link in value]
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[name] = value
+            out[name] = _json(value)
         return out
+
+
+def _json(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+# The GpuSample attributes kept in GpuSample.readings: every reading without a field of its own.
+READING_NAMES = tuple(
+    r.attribute for r in READINGS if r.attribute not in GpuSample.__dataclass_fields__
+)
+READING_INDEX = {name: i for i, name in enumerate(READING_NAMES)}
 
 
 def all_devices(gpus: tuple[GpuSample, ...]) -> tuple[GpuSample, ...]:

@@ -26,7 +26,8 @@ from typing import Any
 
 import pynvml
 
-from gpu_exporter.model import Event, MemoryInfo, ProcessInfo, RemappedRows
+from gpu_exporter.model import Event, MemoryInfo, ProcessInfo
+from gpu_exporter.readings import FIELD_NUMBERS
 
 # Error names as used in the ``error`` label of gpu_exporter_nvml_errors_total: "GPU_IS_LOST".
 ERROR_NAMES: dict[int, str] = {
@@ -65,45 +66,13 @@ CLOCK_TYPES: dict[str, int] = {
     "memory": pynvml.NVML_CLOCK_MEM,
     "video": pynvml.NVML_CLOCK_VIDEO,
 }
-TEMPERATURE_GPU: int = pynvml.NVML_TEMPERATURE_GPU
 MEMORY_V2: int = pynvml.nvmlMemory_v2
 
-# nvmlClocksEventReason* bits (called nvmlClocksThrottleReason* before driver 535), by the
-# name used in the ``reason`` label of gpu_clocks_event_reasons.
-CLOCKS_EVENT_REASON_BITS: dict[str, int] = {
-    "gpu_idle": 0x1,
-    "applications_clocks_setting": 0x2,
-    "sw_power_cap": 0x4,
-    "hw_slowdown": 0x8,
-    "sync_boost": 0x10,
-    "sw_thermal_slowdown": 0x20,
-    "hw_thermal_slowdown": 0x40,
-    "hw_power_brake": 0x80,
-    "display_clocks_setting": 0x100,
-}
-TEMPERATURE_THRESHOLDS: dict[str, int] = {
-    "shutdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN,
-    "slowdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,
-    "memory_max": pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX,
-    "gpu_max": pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX,
-}
 COMPUTE_MODES: dict[int, str] = {
     pynvml.NVML_COMPUTEMODE_DEFAULT: "default",
     pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD: "exclusive_thread",
     pynvml.NVML_COMPUTEMODE_PROHIBITED: "prohibited",
     pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "exclusive_process",
-}
-ECC_ERROR_TYPES: dict[str, int] = {
-    "corrected": pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-    "uncorrected": pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-}
-ECC_COUNTERS: dict[str, int] = {
-    "volatile": pynvml.NVML_VOLATILE_ECC,
-    "aggregate": pynvml.NVML_AGGREGATE_ECC,
-}
-PAGE_RETIREMENT_CAUSES: dict[str, int] = {
-    "multiple_single_bit": pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
-    "double_bit": pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
 }
 PCIE_COUNTERS: dict[str, int] = {
     "tx": pynvml.NVML_PCIE_UTIL_TX_BYTES,
@@ -164,41 +133,20 @@ _GPM_METRIC = struct.Struct("=id")  # nvmlReturn_t, double value
 
 
 # -- field values: many values in one call (issue 31) ---------------------------------------
-# nvmlDeviceGetFieldValues ids this exporter asks for, by the header's name. Taken from the
-# header's numbers where older bindings lack the constant (NVML_FI_DEV_GPU_TEMP is newer
-# than nvidia-ml-py 13.615); a driver that does not know an id answers that entry alone.
+# nvmlDeviceGetFieldValues ids this exporter asks for, by the header's name: the rows' of
+# gpu_exporter.readings (its FIELD_NUMBERS), and NVLink's per-link counters (scopeId = the
+# link, each summed over the link's lanes), read by collect/fields.py's code. The header's
+# numbers, not the bindings': older bindings lack some, and gave others other numbers.
 FIELD_IDS: dict[str, int] = {
-    name: int(getattr(pynvml, name, number))
-    for name, number in (
-        ("NVML_FI_DEV_ECC_CURRENT", 1),
-        ("NVML_FI_DEV_ECC_SBE_VOL_TOTAL", 3),
-        ("NVML_FI_DEV_ECC_DBE_VOL_TOTAL", 4),
-        ("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", 5),
-        ("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", 6),
-        ("NVML_FI_DEV_RETIRED_SBE", 29),
-        ("NVML_FI_DEV_RETIRED_DBE", 30),
-        ("NVML_FI_DEV_RETIRED_PENDING", 31),
-        # Per NVLink (scopeId = the link): the counters summed over the link's lanes.
-        ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", 38),
-        ("NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", 45),
-        ("NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", 52),
-        ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", 59),
-        ("NVML_FI_DEV_MEMORY_TEMP", 82),
-        ("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 83),
-        ("NVML_FI_DEV_NVLINK_LINK_COUNT", 91),
-        ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", 94),
-        ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", 138),  # KiB, per link
-        ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", 139),
-        ("NVML_FI_DEV_REMAPPED_COR", 142),
-        ("NVML_FI_DEV_REMAPPED_UNC", 143),
-        ("NVML_FI_DEV_REMAPPED_PENDING", 144),
-        ("NVML_FI_DEV_REMAPPED_FAILURE", 145),
-        ("NVML_FI_DEV_NVLINK_GET_STATE", 165),  # per link: NVML_NVLINK_STATE_ACTIVE = 1
-        ("NVML_FI_DEV_POWER_AVERAGE", 185),  # mW over 1 s: Ampere and later except GA100
-        ("NVML_FI_DEV_POWER_INSTANT", 186),  # mW now: every card
-        ("NVML_FI_DEV_POWER_CURRENT_LIMIT", 190),  # the enforced limit, mW
-        ("NVML_FI_DEV_GPU_TEMP", 308),  # °C, sub-degree (drivers since 580)
-    )
+    **FIELD_NUMBERS,
+    "NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": 38,
+    "NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": 45,
+    "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": 52,
+    "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": 59,
+    "NVML_FI_DEV_NVLINK_LINK_COUNT": 91,
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX": 138,  # KiB, per link
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX": 139,
+    "NVML_FI_DEV_NVLINK_GET_STATE": 165,  # per link: NVML_NVLINK_STATE_ACTIVE = 1
 }
 FIELD_NAMES: dict[int, str] = {number: name for name, number in FIELD_IDS.items()}
 FIELD_VALUES = "nvmlDeviceGetFieldValues"
@@ -214,6 +162,12 @@ def field_function(field_id: int) -> str:
     'nvmlDeviceGetFieldValues(NVML_FI_DEV_MEMORY_TEMP)'
     """
     return f"{FIELD_VALUES}({FIELD_NAMES.get(field_id, field_id)})"
+
+
+def constant(name: str) -> int:
+    """The value of one of pynvml's constants, by name: ``NVML_CLOCK_SM`` → 1."""
+    value: int = getattr(pynvml, name)
+    return value
 
 
 def error_code(name: str) -> int:
@@ -426,7 +380,13 @@ class Nvml:
         """The PCI bus id as nvidia-smi prints it: ``00000000:3B:00.0``."""
         return _text(self._call("nvmlDeviceGetPciInfo", handle).busId)
 
-    # -- values, in base units -----------------------------------------------------------
+    # -- values -------------------------------------------------------------------------
+    def get(self, function: str, handle: Any, *constants: str) -> Any:
+        """pynvml's ``function(handle, *constants)``, its answer as pynvml gives it: a row of
+        :data:`gpu_exporter.readings.READINGS` names the getter, its constants by their
+        pynvml names, and the conversion to the base unit."""
+        return self._call(function, handle, *(constant(name) for name in constants))
+
     def memory(self, handle: Any, *, whole_gpu: bool = True) -> MemoryInfo:
         """Frame-buffer memory. ``used`` follows nvidia-smi ≥ 510: reserved memory excluded.
 
@@ -443,30 +403,6 @@ class Nvml:
                     self._memory_v2 = False
         m = self._call("nvmlDeviceGetMemoryInfo", handle)
         return MemoryInfo(int(m.total), int(m.used), int(m.free), None)
-
-    def utilization(self, handle: Any) -> tuple[float, float]:
-        """(GPU busy, memory-controller busy), each a ratio 0–1 over the driver's last period."""
-        u = self._call("nvmlDeviceGetUtilizationRates", handle)
-        return u.gpu / 100.0, u.memory / 100.0
-
-    def power_draw_watts(self, handle: Any) -> float:
-        return int(self._call("nvmlDeviceGetPowerUsage", handle)) / 1000.0
-
-    def power_limit_watts(self, handle: Any) -> float:
-        return int(self._call("nvmlDeviceGetEnforcedPowerLimit", handle)) / 1000.0
-
-    def energy_joules(self, handle: Any) -> float:
-        """Energy since the driver was loaded (NVML counts millijoules)."""
-        return int(self._call("nvmlDeviceGetTotalEnergyConsumption", handle)) / 1000.0
-
-    def temperature_celsius(self, handle: Any) -> float:
-        return float(self._call("nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU))
-
-    def fan_speed_ratio(self, handle: Any) -> float:
-        return int(self._call("nvmlDeviceGetFanSpeed", handle)) / 100.0
-
-    def clock_hz(self, handle: Any, clock: str) -> float:
-        return int(self._call("nvmlDeviceGetClockInfo", handle, CLOCK_TYPES[clock])) * 1e6
 
     def compute_processes(self, handle: Any) -> tuple[ProcessInfo, ...]:
         """Compute processes with their memory and MIG instance ids (the v3 struct).
@@ -513,7 +449,7 @@ class Nvml:
 
     # -- health ----------------------------------------------------------------------------
     def clocks_event_reasons(self, handle: Any) -> int:
-        """The bitmask of why clocks are held down (see :data:`CLOCKS_EVENT_REASON_BITS`).
+        """The bitmask of why clocks are held down (readings.CLOCKS_EVENT_REASON_BITS).
 
         Drivers before 535 only have the older name of the same call.
         """
@@ -527,13 +463,6 @@ class Nvml:
                 self._clocks_event_reasons_fn = "nvmlDeviceGetCurrentClocksThrottleReasons"
         return int(self._call(self._clocks_event_reasons_fn, handle))
 
-    def max_clock_hz(self, handle: Any, clock: str) -> float:
-        return int(self._call("nvmlDeviceGetMaxClockInfo", handle, CLOCK_TYPES[clock])) * 1e6
-
-    def temperature_threshold_celsius(self, handle: Any, threshold: str) -> float:
-        t = TEMPERATURE_THRESHOLDS[threshold]
-        return float(self._call("nvmlDeviceGetTemperatureThreshold", handle, t))
-
     def performance_state(self, handle: Any) -> int:
         """P-state 0 (fastest) to 15; ``Unsupported`` when the driver says "unknown"."""
         state = int(self._call("nvmlDeviceGetPerformanceState", handle))
@@ -543,50 +472,11 @@ class Nvml:
             )
         return state
 
-    def persistence_mode_enabled(self, handle: Any) -> bool:
-        return int(self._call("nvmlDeviceGetPersistenceMode", handle)) == 1
-
     def compute_mode(self, handle: Any) -> str:
         mode = int(self._call("nvmlDeviceGetComputeMode", handle))
         return COMPUTE_MODES.get(mode, str(mode))
 
-    def ecc_mode_enabled(self, handle: Any) -> bool:
-        current, _pending = self._call("nvmlDeviceGetEccMode", handle)
-        return int(current) == 1
-
-    def ecc_errors(self, handle: Any, error: str, counter: str) -> int:
-        return int(
-            self._call(
-                "nvmlDeviceGetTotalEccErrors",
-                handle,
-                ECC_ERROR_TYPES[error],
-                ECC_COUNTERS[counter],
-            )
-        )
-
-    def remapped_rows(self, handle: Any) -> RemappedRows:
-        corr, unc, pending, failure = self._call("nvmlDeviceGetRemappedRows", handle)
-        return RemappedRows(int(corr), int(unc), bool(pending), bool(failure))
-
-    def retired_pages(self, handle: Any, cause: str) -> int:
-        return len(self._call("nvmlDeviceGetRetiredPages", handle, PAGE_RETIREMENT_CAUSES[cause]))
-
-    def retired_pages_pending(self, handle: Any) -> bool:
-        return int(self._call("nvmlDeviceGetRetiredPagesPendingStatus", handle)) == 1
-
     # -- PCIe ------------------------------------------------------------------------------
-    def pcie_link_generation(self, handle: Any, link: str) -> int:
-        """The link's PCIe generation: ``link`` is ``"current"`` or ``"max"``."""
-        which = "Curr" if link == "current" else "Max"
-        return int(self._call(f"nvmlDeviceGet{which}PcieLinkGeneration", handle))
-
-    def pcie_link_width(self, handle: Any, link: str) -> int:
-        which = "Curr" if link == "current" else "Max"
-        return int(self._call(f"nvmlDeviceGet{which}PcieLinkWidth", handle))
-
-    def pcie_replay_errors(self, handle: Any) -> int:
-        return int(self._call("nvmlDeviceGetPcieReplayCounter", handle))
-
     def pcie_throughput_bytes_per_second(self, handle: Any, direction: str) -> float:
         """PCIe traffic over NVML's 20 ms sample window: the call blocks for about that long.
 
@@ -595,27 +485,7 @@ class Nvml:
         kb = int(self._call("nvmlDeviceGetPcieThroughput", handle, PCIE_COUNTERS[direction]))
         return kb * 1024.0
 
-    # -- power and engines -----------------------------------------------------------------
-    def power_limit_default_watts(self, handle: Any) -> float:
-        return int(self._call("nvmlDeviceGetPowerManagementDefaultLimit", handle)) / 1000.0
-
-    def power_limit_constraints_watts(self, handle: Any) -> tuple[float, float]:
-        low, high = self._call("nvmlDeviceGetPowerManagementLimitConstraints", handle)
-        return int(low) / 1000.0, int(high) / 1000.0
-
-    def encoder_utilization_ratio(self, handle: Any) -> float:
-        util, _period_us = self._call("nvmlDeviceGetEncoderUtilization", handle)
-        return int(util) / 100.0
-
-    def decoder_utilization_ratio(self, handle: Any) -> float:
-        util, _period_us = self._call("nvmlDeviceGetDecoderUtilization", handle)
-        return int(util) / 100.0
-
     # -- MIG -------------------------------------------------------------------------------
-    def mig_mode_enabled(self, handle: Any) -> bool:
-        current, _pending = self._call("nvmlDeviceGetMigMode", handle)
-        return int(current) == 1
-
     def max_mig_device_count(self, handle: Any) -> int:
         return int(self._call("nvmlDeviceGetMaxMigDeviceCount", handle))
 

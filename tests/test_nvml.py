@@ -9,6 +9,7 @@ import pytest
 
 from gpu_exporter import nvml
 from gpu_exporter.nvml import GpuLost, Nvml, NvmlError, NvmlUnavailable, Unsupported
+from gpu_exporter.readings import BY_ATTRIBUTE
 
 
 class FakeLib:
@@ -42,7 +43,7 @@ def raising(name: str) -> Any:
 def test_errors_are_classified(error: str, expected: type[Exception]) -> None:
     wrapper = Nvml(FakeLib(nvmlDeviceGetPowerUsage=raising(error)))
     with pytest.raises(expected) as info:
-        wrapper.power_draw_watts(object())
+        wrapper.get("nvmlDeviceGetPowerUsage", object())
     assert type(info.value) is expected
     assert info.value.error == error  # type: ignore[attr-defined]
     assert info.value.function == "nvmlDeviceGetPowerUsage"  # type: ignore[attr-defined]
@@ -57,9 +58,9 @@ def test_failures_are_counted_but_unsupported_is_not() -> None:
     )
     for _ in range(3):
         with pytest.raises(NvmlError):
-            wrapper.power_draw_watts(None)
+            wrapper.get("nvmlDeviceGetPowerUsage", None)
         with pytest.raises(Unsupported):
-            wrapper.fan_speed_ratio(None)
+            wrapper.get("nvmlDeviceGetFanSpeed", None)
     assert wrapper.error_counts() == {("nvmlDeviceGetPowerUsage", "UNKNOWN"): 3}
 
 
@@ -74,7 +75,14 @@ def test_non_nvml_exceptions_are_not_swallowed() -> None:
         raise ZeroDivisionError
 
     with pytest.raises(ZeroDivisionError):
-        Nvml(FakeLib(nvmlDeviceGetPowerUsage=broken)).power_draw_watts(None)
+        Nvml(FakeLib(nvmlDeviceGetPowerUsage=broken)).get("nvmlDeviceGetPowerUsage", None)
+
+
+def value(w: Nvml, attribute: str) -> Any:
+    """A value as its row of gpu_exporter.readings reads it: its getter, in the base unit."""
+    row = BY_ATTRIBUTE[attribute]
+    assert row.getter is not None and row.convert is not None
+    return row.convert(w.get(row.getter, None, *row.args))
 
 
 def test_units_are_converted_to_base_units() -> None:
@@ -91,12 +99,13 @@ def test_units_are_converted_to_base_units() -> None:
         nvmlDeviceGetPciInfo=lambda h: SimpleNamespace(busId=b"00000000:3B:00.0"),
     )
     w = Nvml(lib)
-    assert w.power_draw_watts(None) == pytest.approx(123.456)
-    assert w.power_limit_watts(None) == 400.0
-    assert w.energy_joules(None) == pytest.approx(9876.543)
-    assert w.utilization(None) == (0.87, 0.05)
-    assert w.fan_speed_ratio(None) == 0.45
-    assert w.clock_hz(None, "sm") == 1.41e9
+    assert value(w, "power_draw_watts") == pytest.approx(123.456)
+    assert value(w, "power_limit_watts") == 400.0
+    assert value(w, "energy_joules") == pytest.approx(9876.543)
+    assert (value(w, "utilization_ratio"), value(w, "memory_utilization_ratio")) == (0.87, 0.05)
+    assert value(w, "fan_speed_ratio") == 0.45
+    assert value(w, "clock_sm_hz") == 1.41e9
+    assert value(w, "clock_graphics_hz") == 0.0
     assert w.cuda_driver_version() == "12.4"
     assert w.name(None) == "NVIDIA A100-SXM4-80GB"  # bytes from older pynvml
     assert w.uuid(None) == "GPU-abc"  # str from newer pynvml

@@ -1,5 +1,9 @@
-"""The field table (which NVML call fills which :class:`~gpu_exporter.model.GpuSample`
-attributes, how often, under which ``--collect.<group>``), and reading it for one device.
+"""The fields (one NVML call each, filling :class:`~gpu_exporter.model.GpuSample` attributes,
+how often, under which ``--collect.<group>``), and reading them for one device.
+
+The fields are built from the rows of :data:`gpu_exporter.readings.READINGS` (rows of one
+name share a call: a getter, its batch entries); a row whose value needs code of its own
+(the memory struct, the process list, NVLink per link) is read by that code here.
 
 Cadences, as DCGM has them: :data:`FAST` every ``--interval``; :data:`SLOW` every
 ``--slow-interval`` (health counters and settings; between two slow reads the last value
@@ -33,28 +37,23 @@ from typing import Any, TypeVar
 
 from gpu_exporter import nvml as nvml_mod
 from gpu_exporter.collect.procinfo import ProcInfoCache
-from gpu_exporter.model import (
-    CLOCKS,
-    CLOCKS_EVENT_REASONS,
-    ECC_COUNTERS,
-    ECC_ERRORS,
-    NVLINK_ERRORS,
-    RETIREMENT_CAUSES,
-    TEMPERATURE_THRESHOLDS,
-    NvLinkSample,
-    ProcessSample,
-    process_visibility,
-)
+from gpu_exporter.model import NvLinkSample, ProcessSample, process_visibility
 from gpu_exporter.nvml import FIELD_IDS, GpuLost, Nvml, NvmlError, NvmlUnavailable, Unsupported
+from gpu_exporter.readings import (
+    CORE,
+    FAST,
+    GPM,
+    NVLINK_ERRORS,
+    ONCE,
+    READINGS,
+    SLOW,
+    Reading,
+)
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-FAST = "every sample"
-SLOW = "every --slow-interval"
-ONCE = "once"
-GPM = "every --gpm-interval"  # collect/gpm.py: two samples per device, that far apart
-CORE = ""  # no group: always read
+__all__ = ["CORE", "FAST", "GPM", "ONCE", "SLOW"]  # the cadences, where readers look for them
 
 # (device uuid, field) pairs that answered NOT_SUPPORTED: not asked again until re-init;
 # also (uuid, BY_GETTER + field): a batched field read by its getter (the driver does not
@@ -280,11 +279,6 @@ class Carry:
     fast: tuple[Field, ...]
 
 
-def _reasons(mask: int) -> tuple[str, ...]:
-    bits = nvml_mod.CLOCKS_EVENT_REASON_BITS
-    return interned(tuple(r for r in CLOCKS_EVENT_REASONS if mask & bits[r]))
-
-
 _INTERNED: dict[Any, Any] = {}
 
 
@@ -363,12 +357,7 @@ def _f(
     return Field(field, (names,) if isinstance(names, str) else names, read, when, group, batch)
 
 
-def _entries(*ids: str) -> Callable[[FieldReader], tuple[tuple[int, int], ...]]:
-    entries = tuple((FIELD_IDS[name], 0) for name in ids)
-    return lambda _r: entries
-
-
-def _every(convert: Callable[..., Any], *ids: str) -> Batched:
+def _every(convert: Callable[..., Any], *entries: tuple[int, int]) -> Batched:
     """Fields whose value needs every one of its entries: the first failing entry fails it."""
 
     def values(answers: list[Any]) -> Any:
@@ -377,22 +366,7 @@ def _every(convert: Callable[..., Any], *ids: str) -> Batched:
                 raise a
         return convert(*answers)
 
-    return Batched(_entries(*ids), values)
-
-
-def _fv(field: str, name: str, read: Reader | None, when: str, group: str, *ids: str,
-        convert: Callable[..., Any] = lambda v: v) -> Field:  # fmt: skip
-    """A field read as field values ``ids`` (``convert`` to base units), else by ``read``."""
-    return _f(field, name, read, when, group, _every(convert, *ids))
-
-
-def _power_draw(average: Any, instant: Any) -> float:
-    """What nvmlDeviceGetPowerUsage reports (its header): the 1 s average on Ampere and
-    later except GA100, the instant value on the others."""
-    for answer in (average, instant):
-        if not isinstance(answer, NvmlError):
-            return float(answer) / 1000.0
-    raise instant
+    return Batched(lambda _r: entries, values)
 
 
 def _link_count(n: int) -> int:
@@ -440,11 +414,6 @@ def _nvlinks(answers: list[Any]) -> tuple[NvLinkSample, ...]:
     return tuple(links)
 
 
-def _m(field: str, name: str, when: str, group: str) -> Field:
-    """A field read by the Nvml method of the same name as the GpuSample attribute."""
-    return _f(field, name, lambda n, _, h: getattr(n, name)(h), when, group)
-
-
 def _memory(whole_gpu: bool) -> Reader:
     def read(nvml: Nvml, _: ProcInfoCache | None, h: Any) -> tuple[Any, ...]:
         m = nvml.memory(h, whole_gpu=whole_gpu)
@@ -453,55 +422,6 @@ def _memory(whole_gpu: bool) -> Reader:
     return read
 
 
-def _utilization(n: Nvml, _: ProcInfoCache | None, h: Any) -> tuple[float, float]:
-    return n.utilization(h)
-
-
-def _clock(clock: str, maximum: bool = False) -> Field:
-    name, method = (
-        (f"clock_max_{clock}", "max_clock_hz") if maximum else (f"clock_{clock}", "clock_hz")
-    )
-    read: Reader = lambda n, _, h: getattr(n, method)(h, clock)  # noqa: E731
-    return _f(name, f"{name}_hz", read, ONCE if maximum else _CLOCK_CADENCE[clock], "clocks")
-
-
-# The SM (and graphics, the same domain) clock shows throttling and boost from one second to
-# the next; the memory and video clocks move with the P-state, itself a slow field.
-_CLOCK_CADENCE = {"graphics": FAST, "sm": FAST, "memory": SLOW, "video": SLOW}
-
-
-_ECC_IDS = {  # corrected = single-bit, uncorrected = double-bit
-    ("corrected", "volatile"): "NVML_FI_DEV_ECC_SBE_VOL_TOTAL",
-    ("uncorrected", "volatile"): "NVML_FI_DEV_ECC_DBE_VOL_TOTAL",
-    ("corrected", "aggregate"): "NVML_FI_DEV_ECC_SBE_AGG_TOTAL",
-    ("uncorrected", "aggregate"): "NVML_FI_DEV_ECC_DBE_AGG_TOTAL",
-}
-
-
-def _ecc(error: str, counter: str) -> Field:
-    name = f"ecc_errors_{error}_{counter}"
-    read: Reader = lambda n, _, h: n.ecc_errors(h, error, counter)  # noqa: E731
-    return _fv(name, name, read, SLOW, "health", _ECC_IDS[error, counter])
-
-
-def _threshold(t: str) -> Field:
-    read: Reader = lambda n, _, h: n.temperature_threshold_celsius(h, t)  # noqa: E731
-    return _f(f"temperature_threshold_{t}", f"temperature_{t}_celsius", read, ONCE, "temperature")
-
-
-def _link(what: str, link: str) -> Field:
-    name = f"pcie_link_{what}_{link}"  # Nvml.pcie_link_generation or pcie_link_width
-    read: Reader = lambda n, _, h: getattr(n, f"pcie_link_{what}")(h, link)  # noqa: E731
-    return _f(name, name, read, SLOW if link == "current" else ONCE, "pcie")
-
-
-def _retired(cause: str) -> Field:
-    name = f"retired_pages_{cause}"
-    fid = "NVML_FI_DEV_RETIRED_SBE" if cause == "multiple_single_bit" else "NVML_FI_DEV_RETIRED_DBE"
-    return _fv(name, name, lambda n, _, h: n.retired_pages(h, cause), SLOW, "health", fid)
-
-
-_MEMORY_FIELDS = tuple(f"memory_{x}_bytes" for x in ("total", "used", "free", "reserved"))
 _PROCESSES = _f("processes", "processes", lambda n, p, h: _processes(n, h, p), FAST, "processes")
 
 
@@ -532,81 +452,111 @@ def _read_by_gpm_module(n: Nvml, _: ProcInfoCache | None, h: Any) -> Any:
 
 
 GPM_FIELD = _f("gpm", tuple(nvml_mod.GPM_METRICS), _read_by_gpm_module, GPM, "gpm")
-_UTILIZATION = _f(
-    "utilization", ("utilization_ratio", "memory_utilization_ratio"), _utilization, FAST, CORE
-)
-# A MIG device answers only memory, utilization (not at all, in practice) and processes.
-MIG_FIELDS = (_f("memory", _MEMORY_FIELDS, _memory(False), FAST, CORE), _UTILIZATION, _PROCESSES)
 # How many MIG devices a GPU in MIG mode can have (read.py reads it before its devices).
 MIG_DEVICE_COUNT = _f(
     "mig_device_count", "mig_device_count", lambda n, _, h: n.max_mig_device_count(h), ONCE, CORE
 )
-# Field values in base units.
-_WATTS: Callable[[int], float] = lambda mw: mw / 1000.0  # noqa: E731
-_REMAPPED = (
-    "NVML_FI_DEV_REMAPPED_COR",
-    "NVML_FI_DEV_REMAPPED_UNC",
-    "NVML_FI_DEV_REMAPPED_PENDING",
-    "NVML_FI_DEV_REMAPPED_FAILURE",
-)
+# The NVLink link count: first, as the SLOW batch's NVLink entries need it (--collect.nvlink).
+_LINK_COUNT = _f("nvlink_link_count", (), None, ONCE, "nvlink",
+                 _every(_link_count, (FIELD_IDS["NVML_FI_DEV_NVLINK_LINK_COUNT"], 0)))  # fmt: skip
+
+# The fields of readings.READINGS that a getter row cannot read: code of their own, by field.
+_CODE: dict[str, Reader] = {
+    "memory": _memory(True),
+    "processes": _PROCESSES.read,  # type: ignore[dict-item]
+    "nvlink": None,  # type: ignore[dict-item]
+}
+_CODE_BATCH: dict[str, Batched] = {"nvlink": Batched(_nvlink_entries, _nvlinks)}
+
+
+def _getter(rows: tuple[Reading, ...]) -> Reader | None:
+    """One call of the rows' getter, each row's value from its answer."""
+    first = rows[0]
+    if first.getter is None:
+        return None
+    getter, args, method = first.getter, first.args, first.method
+    converts = tuple(r.convert or _same for r in rows)
+
+    def call(n: Nvml, h: Any) -> Any:
+        return getattr(n, method)(h) if method else n.get(getter, h, *args)
+
+    if len(rows) == 1:
+        convert = converts[0]
+        return lambda n, _, h: convert(call(n, h))
+
+    def read(n: Nvml, _: ProcInfoCache | None, h: Any) -> tuple[Any, ...]:
+        answer = call(n, h)
+        return tuple(convert(answer) for convert in converts)
+
+    return read
+
+
+def _batch(rows: tuple[Reading, ...]) -> Batched | None:
+    """The rows' field-value entries, in one batch of their cadence: every entry must
+    answer (but for a row given its failed entries), each row's value from its own."""
+    if not any(r.fields for r in rows):
+        return None
+    entries = tuple((FIELD_IDS[name], 0) for r in rows for name in r.fields)
+    spans = []
+    start = 0
+    for r in rows:
+        spans.append((r, start, start + len(r.fields)))
+        start += len(r.fields)
+
+    def values(answers: list[Any]) -> Any:
+        out = []
+        for r, a, b in spans:
+            mine = answers[a:b]
+            if not r.partial:
+                for answer in mine:
+                    if isinstance(answer, NvmlError):
+                        raise answer
+            out.append(r.from_fields(*mine) if r.from_fields is not None else mine[0])
+        return out[0] if len(out) == 1 else tuple(out)
+
+    return Batched(lambda _r: entries, values)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _fields_of_rows() -> tuple[Field, ...]:
+    """A field per NVML call of readings.READINGS (rows of one name share it), in their
+    order: a getter row's getter and batch entries, a code row's code (:data:`_CODE`)."""
+    by_name: dict[str, list[Reading]] = {}
+    for r in READINGS:
+        by_name.setdefault(r.name, []).append(r)
+    out = []
+    for name, listed in by_name.items():
+        if name == GPM_FIELD.field:
+            continue  # collect/gpm.py's
+        rows = tuple(listed)
+        names = tuple(r.attribute for r in rows)
+        when, group = rows[0].when, rows[0].group
+        if rows[0].code:
+            if name == "processes":  # its count, compute_processes, follows from the list
+                out.append(_PROCESSES)
+                out.append(_PROCESS_UTILIZATION)
+                continue
+            names = _MEMORY_FIELDS if name == "memory" else names
+            out.append(Field(name, names, _CODE[name], when, group, _CODE_BATCH.get(name)))
+            continue
+        out.append(Field(name, names, _getter(rows), when, group, _batch(rows)))
+    return tuple(out)
+
+
+_MEMORY_FIELDS = tuple(f"memory_{x}_bytes" for x in ("total", "used", "free", "reserved"))
 # A whole GPU, in the order read (MIG mode before processes: in MIG mode, processes are
-# read per MIG device instead), then the once-fields. Kept as a table, not in ruff's layout.
-GPU_FIELDS = (
-    # First: the SLOW batch's NVLink entries need the link count (--collect.nvlink).
-    _f("nvlink_link_count", (), None, ONCE, "nvlink",
-       _every(_link_count, "NVML_FI_DEV_NVLINK_LINK_COUNT")),
-    _f("memory", _MEMORY_FIELDS, _memory(True), FAST, CORE),
-    _UTILIZATION,
-    _m("mig_mode", "mig_mode_enabled", SLOW, CORE),
-    _f("power_draw", "power_draw_watts", lambda n, _, h: n.power_draw_watts(h), FAST, "power",
-       Batched(_entries("NVML_FI_DEV_POWER_AVERAGE", "NVML_FI_DEV_POWER_INSTANT"),
-               lambda a: _power_draw(*a))),
-    _fv("power_limit", "power_limit_watts", lambda n, _, h: n.power_limit_watts(h), SLOW,
-        "power", "NVML_FI_DEV_POWER_CURRENT_LIMIT", convert=_WATTS),
-    # Read as a health counter: one call takes ~3 ms on an H100 (docs/real-gpu.md), the
-    # other getters 2-10 µs; a counter loses nothing but resolution between two reads. In
-    # the slow batch only: a batch costs what its slowest field costs.
-    _fv("energy", "energy_joules", lambda n, _, h: n.energy_joules(h), SLOW, "power",
-        "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", convert=lambda mj: mj / 1000.0),
-    _fv("temperature", "temperature_celsius", lambda n, _, h: n.temperature_celsius(h), FAST,
-        "temperature", "NVML_FI_DEV_GPU_TEMP", convert=float),
-    _fv("memory_temperature", "memory_temperature_celsius", None, FAST, "temperature",
-        "NVML_FI_DEV_MEMORY_TEMP", convert=float),
-    _m("fan_speed", "fan_speed_ratio", SLOW, "temperature"),
-    *(_clock(clock) for clock in CLOCKS),
+# read per MIG device instead), then the once-fields.
+GPU_FIELDS = (_LINK_COUNT, *_fields_of_rows())
+_BY_NAME = {f.field: f for f in GPU_FIELDS}
+# A MIG device answers only memory, utilization (not at all, in practice) and processes.
+MIG_FIELDS = (
+    _f("memory", _MEMORY_FIELDS, _memory(False), FAST, CORE),
+    _BY_NAME["utilization"],
     _PROCESSES,
-    _PROCESS_UTILIZATION,
-    _f("clocks_event_reasons", "clocks_event_reasons",
-       lambda n, _, h: _reasons(n.clocks_event_reasons(h)), FAST, "clocks"),
-    _m("performance_state", "performance_state", SLOW, "clocks"),
-    _m("persistence_mode", "persistence_mode_enabled", SLOW, "health"),
-    _m("compute_mode", "compute_mode", SLOW, "health"),
-    _fv("ecc_mode", "ecc_mode_enabled", lambda n, _, h: n.ecc_mode_enabled(h), SLOW, "health",
-        "NVML_FI_DEV_ECC_CURRENT", convert=lambda v: v == 1),
-    *(_ecc(error, counter) for error in ECC_ERRORS for counter in ECC_COUNTERS),
-    _f("remapped_rows",
-       tuple(f"remapped_rows_{x}" for x in ("correctable", "uncorrectable", "pending", "failed")),
-       lambda n, _, h: dataclasses.astuple(n.remapped_rows(h)), SLOW, "health",
-       _every(lambda c, u, p, f: (c, u, p == 1, f == 1), *_REMAPPED)),
-    *(_retired(cause) for cause in RETIREMENT_CAUSES),
-    _fv("retired_pages_pending", "retired_pages_pending",
-        lambda n, _, h: n.retired_pages_pending(h), SLOW, "health",
-        "NVML_FI_DEV_RETIRED_PENDING", convert=lambda v: v == 1),
-    _link("generation", "current"),
-    _link("width", "current"),
-    _fv("pcie_replay_errors", "pcie_replay_errors", lambda n, _, h: n.pcie_replay_errors(h),
-        SLOW, "pcie", "NVML_FI_DEV_PCIE_REPLAY_COUNTER"),
-    _f("nvlink", "nvlink", None, SLOW, "nvlink", Batched(_nvlink_entries, _nvlinks)),
-    _m("encoder_utilization", "encoder_utilization_ratio", SLOW, "media"),
-    _m("decoder_utilization", "decoder_utilization_ratio", SLOW, "media"),
-    *(_clock(clock, maximum=True) for clock in CLOCKS),
-    *(_threshold(t) for t in TEMPERATURE_THRESHOLDS),
-    _m("power_limit_default", "power_limit_default_watts", ONCE, "power"),
-    _f("power_limit_constraints", ("power_limit_min_watts", "power_limit_max_watts"),
-       lambda n, _, h: n.power_limit_constraints_watts(h), ONCE, "power"),
-    _link("generation", "max"),
-    _link("width", "max"),
-)  # fmt: skip
+)
 # The fields read from field-value batches (one nvmlDeviceGetFieldValues call per cadence).
 BATCHED = tuple(f for f in GPU_FIELDS if f.batch is not None)
 # Every field by name, whole GPU or MIG device.

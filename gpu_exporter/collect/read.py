@@ -112,7 +112,7 @@ def _read_mig_devices(
         m = FieldReader(handle, uuid, r.unsupported, disabled=r.disabled)
         read_values(nvml, m, procinfo, whole_gpu=False)
         devices.append(
-            GpuSample(
+            GpuSample.from_values(
                 index=index,
                 uuid=uuid,
                 up=True,
@@ -216,7 +216,7 @@ def read_gpu(
     values = with_processes(r.values)
     if counters is not None and values.get("nvlink"):
         values = {**values, "nvlink": monotonic_nvlinks(counters, identity.uuid, values["nvlink"])}
-    sample = GpuSample(
+    sample = GpuSample.from_values(
         index=index,
         uuid=identity.uuid,
         up=True,

@@ -36,36 +36,10 @@ from gpu_exporter.counters import XidCounter
 from gpu_exporter.export.spec import GPU_VALUES, MetricSpec
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.podallocations import PodAllocations, resolve
+from gpu_exporter.readings import COUNT, GAUGE, READINGS, Conversion
 
-GAUGE, COUNTER = "gauge", "counter"
 HOSTNAME_LABELS = ("Hostname", "hostname")  # dcgm-exporter ≤ 4.5.3, and since its #655
 XID_NO_ERROR = "No Error"  # dcgm-exporter's err_msg for Xid 0 (none since start)
-
-
-@dataclass(frozen=True, slots=True)
-class Conversion:
-    """From gpu-exporter's base unit to dcgm-exporter's: times ``times``, divided by ``per``."""
-
-    unit: str  # dcgm-exporter's unit, as its help names it: "(in MHz)"
-    times: float = 1.0  # rounded to 6 decimals: a ratio of 0.57 is 57 %, not 56.99999999999999
-    per: float = 1.0  # exact where it is a power of two (MiB)
-
-    def __call__(self, value: float) -> float:
-        if self.times != 1.0:
-            value = round(value * self.times, 6)
-        return value / self.per if self.per != 1.0 else value
-
-
-MHZ = Conversion("MHz", per=1e6)  # from hertz
-MIB = Conversion("MiB", per=2**20)  # from bytes
-PERCENT = Conversion("%", times=100.0)  # from a ratio 0-1
-MILLIJOULES = Conversion("mJ", times=1000.0)  # from joules
-CELSIUS = Conversion("C")  # as its help writes it
-WATTS = Conversion("W")
-COUNT = Conversion("1")
-FLAG = Conversion("0/1")  # from a bool
-RATIO = Conversion("ratio")  # DCGM_FI_PROF_*: ratios 0-1, as gpu-exporter's
-BYTES_PER_SECOND = Conversion("B/s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,87 +64,18 @@ def _fields(spec: MetricSpec) -> tuple[str, ...]:
 
 SPEC_OF_FIELD = {field: spec for spec in GPU_VALUES for field in _fields(spec)}
 
-# dcgm-exporter's default counter set (etc/default-counters.csv), in its order, then the
-# DCGM_FI_PROF_* names its etc/dcp-metrics-included.csv has that GPM gives (Hopper and later;
-# absent on older cards, as DCGM's profiling fields are where DCGM cannot read them).
+# Every name of readings.READINGS' rows (dcgm-exporter's default counter set, and the
+# DCGM_FI_PROF_* names its etc/dcp-metrics-included.csv has that GPM gives: Hopper and later,
+# absent on older cards, as DCGM's profiling fields are where DCGM cannot read them), and the
+# last Xid, which the Xid listener counts.
 DCGM_METRICS: tuple[DcgmMetric, ...] = (
-    DcgmMetric("DCGM_FI_DEV_SM_CLOCK", GAUGE, "SM clock frequency (in MHz).", "clock_sm_hz", MHZ),
-    DcgmMetric("DCGM_FI_DEV_MEM_CLOCK", GAUGE, "Memory clock frequency (in MHz).",
-               "clock_memory_hz", MHZ),
-    DcgmMetric("DCGM_FI_DEV_MEMORY_TEMP", GAUGE, "Memory temperature (in C).",
-               "memory_temperature_celsius", CELSIUS),
-    DcgmMetric("DCGM_FI_DEV_GPU_TEMP", GAUGE, "GPU temperature (in C).",
-               "temperature_celsius", CELSIUS),
-    DcgmMetric("DCGM_FI_DEV_POWER_USAGE", GAUGE, "Power draw (in W).", "power_draw_watts", WATTS),
-    DcgmMetric("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", COUNTER,
-               "Total energy consumption since boot (in mJ).", "energy_joules", MILLIJOULES),
-    DcgmMetric("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", COUNTER, "Total number of PCIe retries.",
-               "pcie_replay_errors", COUNT),
-    DcgmMetric("DCGM_FI_DEV_GPU_UTIL", GAUGE, "GPU utilization (in %).",
-               "utilization_ratio", PERCENT),
-    DcgmMetric("DCGM_FI_DEV_MEM_COPY_UTIL", GAUGE, "Memory utilization (in %).",
-               "memory_utilization_ratio", PERCENT),
-    DcgmMetric("DCGM_FI_DEV_ENC_UTIL", GAUGE, "Encoder utilization (in %).",
-               "encoder_utilization_ratio", PERCENT),
-    DcgmMetric("DCGM_FI_DEV_DEC_UTIL", GAUGE, "Decoder utilization (in %).",
-               "decoder_utilization_ratio", PERCENT),
+    *(
+        DcgmMetric(r.dcgm.name, r.dcgm.type, r.dcgm.help, r.attribute, r.dcgm.conversion)
+        for r in READINGS
+        if r.dcgm is not None
+    ),
     DcgmMetric("DCGM_FI_DEV_XID_ERRORS", GAUGE, "Value of the last XID error encountered.",
                None, COUNT),
-    DcgmMetric("DCGM_FI_DEV_FB_FREE", GAUGE, "Framebuffer memory free (in MiB).",
-               "memory_free_bytes", MIB),
-    DcgmMetric("DCGM_FI_DEV_FB_USED", GAUGE, "Framebuffer memory used (in MiB).",
-               "memory_used_bytes", MIB),
-    DcgmMetric("DCGM_FI_DEV_FB_RESERVED", GAUGE, "Framebuffer memory reserved (in MiB).",
-               "memory_reserved_bytes", MIB),
-    DcgmMetric("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", COUNTER,
-               "Number of remapped rows for uncorrectable errors",
-               "remapped_rows_uncorrectable", COUNT),
-    DcgmMetric("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", COUNTER,
-               "Number of remapped rows for correctable errors",
-               "remapped_rows_correctable", COUNT),
-    DcgmMetric("DCGM_FI_DEV_ROW_REMAP_FAILURE", GAUGE, "Whether remapping of rows has failed",
-               "remapped_rows_failed", FLAG),
-    DcgmMetric("DCGM_FI_PROF_GR_ENGINE_ACTIVE", GAUGE,
-               "Ratio of time the graphics engine is active.", "graphics_active_ratio", RATIO),
-    DcgmMetric("DCGM_FI_PROF_SM_ACTIVE", GAUGE,
-               "The ratio of cycles an SM has at least 1 warp assigned.", "sm_active_ratio",
-               RATIO),
-    DcgmMetric("DCGM_FI_PROF_SM_OCCUPANCY", GAUGE,
-               "The ratio of number of warps resident on an SM.", "sm_occupancy_ratio", RATIO),
-    DcgmMetric("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", GAUGE,
-               "Ratio of cycles the tensor (HMMA) pipe is active.", "tensor_active_ratio", RATIO),
-    DcgmMetric("DCGM_FI_PROF_PIPE_TENSOR_HMMA_ACTIVE", GAUGE,
-               "Ratio of cycles the tensor (HMMA) pipe is active.", "tensor_hmma_active_ratio",
-               RATIO),
-    DcgmMetric("DCGM_FI_PROF_PIPE_TENSOR_IMMA_ACTIVE", GAUGE,
-               "Ratio of cycles the tensor (IMMA) pipe is active.", "tensor_imma_active_ratio",
-               RATIO),
-    DcgmMetric("DCGM_FI_PROF_PIPE_TENSOR_DFMA_ACTIVE", GAUGE,
-               "Ratio of cycles the tensor (DFMA) pipe is active.", "tensor_dfma_active_ratio",
-               RATIO),
-    DcgmMetric("DCGM_FI_PROF_PIPE_FP64_ACTIVE", GAUGE,
-               "Ratio of cycles the fp64 pipes are active.", "fp64_active_ratio", RATIO),
-    DcgmMetric("DCGM_FI_PROF_PIPE_FP32_ACTIVE", GAUGE,
-               "Ratio of cycles the fp32 pipes are active.", "fp32_active_ratio", RATIO),
-    DcgmMetric("DCGM_FI_PROF_PIPE_FP16_ACTIVE", GAUGE,
-               "Ratio of cycles the fp16 pipes are active.", "fp16_active_ratio", RATIO),
-    DcgmMetric("DCGM_FI_PROF_DRAM_ACTIVE", GAUGE,
-               "Ratio of cycles the device memory interface is active sending or receiving "
-               "data.", "dram_active_ratio", RATIO),
-    DcgmMetric("DCGM_FI_PROF_PCIE_TX_BYTES", GAUGE,
-               "The rate of data transmitted over the PCIe bus - including both protocol "
-               "headers and data payloads - in bytes per second.",
-               "pcie_transmit_bytes_per_second", BYTES_PER_SECOND),
-    DcgmMetric("DCGM_FI_PROF_PCIE_RX_BYTES", GAUGE,
-               "The rate of data received over the PCIe bus - including both protocol headers "
-               "and data payloads - in bytes per second.",
-               "pcie_receive_bytes_per_second", BYTES_PER_SECOND),
-    DcgmMetric("DCGM_FI_PROF_NVLINK_TX_BYTES", GAUGE,
-               "The rate of data transmitted over NVLink, in bytes per second.",
-               "nvlink_transmit_bytes_per_second", BYTES_PER_SECOND),
-    DcgmMetric("DCGM_FI_PROF_NVLINK_RX_BYTES", GAUGE,
-               "The rate of data received over NVLink, in bytes per second.",
-               "nvlink_receive_bytes_per_second", BYTES_PER_SECOND),
 )  # fmt: skip
 XID_ROW = next(m for m in DCGM_METRICS if m.field is None)
 SAMPLED_ROWS = tuple(m for m in DCGM_METRICS if m.field is not None)

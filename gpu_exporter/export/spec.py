@@ -1,13 +1,11 @@
 """The ``/metrics`` spec: one :class:`MetricSpec` per metric, and :data:`METRICS`, all of them.
 
-The single source of truth for names, types, labels, help text, units, the NVML function
-behind each value and when it is read (a GPU value's cadence and ``--collect.<group>`` are
-its field's, :mod:`gpu_exporter.collect.fields`): :mod:`gpu_exporter.export.collectors`
-builds the families from it, and :mod:`gpu_exporter.export.readme` the README's metric table
+Names, types, labels, help text, units, the NVML function behind each value and when it is
+read. A GPU value's family is derived from its rows in :data:`gpu_exporter.readings.READINGS`
+(:data:`GPU_VALUES`); the rest (identity, processes, NVLink per link, Xids, leases, the
+exporter's own) are entries here. :mod:`gpu_exporter.export.collectors` builds the families
+from it, and :mod:`gpu_exporter.export.readme` the README's metric table
 (``python -m gpu_exporter.export.readme``); a test keeps the two equal.
-
-This module is a declarative table, and longer than 400 lines for that reason alone: one
-entry per metric, the entry builders and three small value functions some entries name.
 """
 
 from __future__ import annotations
@@ -16,30 +14,26 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypedDict
 
-from gpu_exporter.collect.fields import CORE, FAST, FIELDS, ONCE
+from gpu_exporter.collect.fields import FIELDS
 from gpu_exporter.counters import (
     CHOOSE_RESULTS,
     REJECTION_REASONS,
     RELEASE_REASONS,
     RELOAD_RESULTS,
 )
-from gpu_exporter.model import (
-    CLOCKS,
-    CLOCKS_EVENT_REASONS,
-    ECC_COUNTERS,
-    ECC_ERRORS,
+from gpu_exporter.model import PROCESS_LABELS, GpuSample
+from gpu_exporter.readings import (
+    CORE,
+    FAST,
     NVLINK_ERRORS,
-    PCIE_LINKS,
-    PROCESS_LABELS,
-    RETIREMENT_CAUSES,
-    TEMPERATURE_THRESHOLDS,
-    GpuSample,
+    ONCE,
+    READINGS,
+    SAMPLED,
+    Family,
+    Reading,
 )
 
 GPU_LABELS = ("gpu", "uuid")
-SAMPLED = (
-    " Sampled in the background every --interval (see gpu_exporter_last_sample_timestamp_seconds)."
-)
 ON = "yes"
 AT_SCRAPE = "at scrape"
 KUBELET = "every 10 s, own thread"  # --kubernetes: collect/kubelet.py
@@ -104,46 +98,6 @@ def _read_as(*attributes: str, labels: tuple[str, ...] = ()) -> _When:
     return {"updated": whens[0] if len(set(whens)) == 1 else each, "group": read[0].group}
 
 
-def _gpu(
-    name: str, help: str, source: str, field: str, unit: str, type: str = "gauge", mig: bool = False
-) -> MetricSpec:
-    labels, when = GPU_LABELS, _read_as(field)
-    return MetricSpec(name, type, help + SAMPLED, labels, source, field, unit=unit, mig=mig, **when)
-
-
-def _labelled(
-    name: str,
-    help: str,
-    label: str,
-    source: str,
-    unit: str,
-    pairs: tuple[tuple[str, str], ...],
-    type: str = "gauge",
-    mig: bool = False,
-) -> MetricSpec:
-    labels = (*GPU_LABELS, label)
-    when = _read_as(*(a for _, a in pairs), labels=tuple(v for v, _ in pairs))
-    return MetricSpec(
-        name, type, help + SAMPLED, labels, source, per_label=pairs, unit=unit, mig=mig, **when
-    )
-
-
-def _reasons(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
-    if gpu.clocks_event_reasons is not None:
-        for reason in CLOCKS_EVENT_REASONS:
-            yield (reason,), 1.0 if reason in gpu.clocks_event_reasons else 0.0
-
-
-def _compute_mode(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
-    if gpu.compute_mode is not None:
-        yield (gpu.compute_mode,), 1.0
-
-
-def _via(fields: str, getter: str) -> str:
-    """The source of a value read as a field value, else by its getter (issue 31)."""
-    return f"nvmlDeviceGetFieldValues (NVML_FI_DEV_{fields}), else {getter}"
-
-
 def _nvlink(attribute: str) -> Values:
     def values(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
         for link in gpu.nvlink or ():
@@ -159,14 +113,6 @@ def _nvlink_errors(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
         for error, value in zip(NVLINK_ERRORS, link.errors(), strict=True):
             if value is not None:
                 yield (str(link.link), error), float(value)
-
-
-def _ecc_errors(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
-    for error in ECC_ERRORS:
-        for counter in ECC_COUNTERS:
-            value = getattr(gpu, f"ecc_errors_{error}_{counter}")
-            if value is not None:
-                yield (error, counter), float(value)
 
 
 GPU_INFO = MetricSpec(
@@ -209,158 +155,7 @@ GPU_DOWN_REASON = MetricSpec(
     details="lost: fell off the bus, needs a reset; timeout: an NVML call for it has not "
     "returned within --nvml-timeout.",
 )
-# GPM (Hopper and later; absent on older cards, never 0): ratios and byte rates over the last
-# --gpm-interval, as nvmlGpmMetricsGet gives them between two samples. Kept as a table.
-_GPM = "nvmlGpmSampleGet, nvmlGpmMetricsGet"
-_GPM_MIG = _GPM + " (MIG: nvmlGpmMigSampleGet)"
-GPM_VALUES: tuple[MetricSpec, ...] = (
-    _gpu("gpu_sm_active_ratio",
-         "Average share of the SMs busy over the last --gpm-interval (0-1): how much of the "
-         "card works, where gpu_utilization_ratio says only that some kernel ran.",
-         _GPM_MIG, "sm_active_ratio", "ratio", mig=True),
-    _gpu("gpu_sm_occupancy_ratio",
-         "Resident warps as a share of the SMs' maximum, over the last --gpm-interval (0-1).",
-         _GPM_MIG, "sm_occupancy_ratio", "ratio", mig=True),
-    _gpu("gpu_graphics_active_ratio",
-         "Share of the last --gpm-interval (0-1) in which the graphics or compute engine was "
-         "active.",
-         _GPM, "graphics_active_ratio", "ratio", mig=True),
-    _gpu("gpu_tensor_active_ratio",
-         "Share of the last --gpm-interval (0-1) in which the SMs ran any tensor-core "
-         "instructions.",
-         _GPM_MIG, "tensor_active_ratio", "ratio", mig=True),
-    _labelled("gpu_tensor_pipe_active_ratio",
-              "Share of the last --gpm-interval (0-1) in which the SMs ran tensor-core "
-              "instructions of one kind: hmma (floating point), imma (integer), dfma (FP64).",
-              "pipe", _GPM, "ratio",
-              tuple((k, f"tensor_{k}_active_ratio") for k in ("hmma", "imma", "dfma")),
-              mig=True),
-    _labelled("gpu_fp_pipe_active_ratio",
-              "Share of the last --gpm-interval (0-1) in which the SMs ran non-tensor floating "
-              "point instructions of one precision.",
-              "precision", _GPM, "ratio",
-              tuple((p, f"{p}_active_ratio") for p in ("fp64", "fp32", "fp16")), mig=True),
-    _gpu("gpu_dram_active_ratio",
-         "DRAM bandwidth used as a share of the maximum, over the last --gpm-interval (0-1).",
-         _GPM_MIG, "dram_active_ratio", "ratio", mig=True),
-    _labelled("gpu_pcie_traffic_bytes_per_second",
-              "PCIe traffic over the last --gpm-interval by direction (tx: from the GPU, rx: "
-              "to it), as GPM counts it.",
-              "direction", _GPM, "bytes/second",
-              (("tx", "pcie_transmit_bytes_per_second"),
-               ("rx", "pcie_receive_bytes_per_second")), mig=True),
-    _labelled("gpu_nvlink_traffic_bytes_per_second",
-              "NVLink traffic of all links together over the last --gpm-interval by direction "
-              "(tx: from the GPU, rx: to it), as GPM counts it.",
-              "direction", _GPM, "bytes/second",
-              (("tx", "nvlink_transmit_bytes_per_second"),
-               ("rx", "nvlink_receive_bytes_per_second")), mig=True),
-)  # fmt: skip
-# One GPU or MIG device value per row: name and help, then the NVML source, the GpuSample
-# field(s) and the unit (see _gpu, _labelled). Kept as a table, not in ruff's layout.
-GPU_VALUES: tuple[MetricSpec, ...] = (
-    _gpu("gpu_memory_total_bytes", "Total frame-buffer memory.",
-         "nvmlDeviceGetMemoryInfo_v2", "memory_total_bytes", "bytes", mig=True),
-    _gpu("gpu_memory_used_bytes",
-         "Frame-buffer memory in use, excluding the driver's reservation (as nvidia-smi >= 510).",
-         "nvmlDeviceGetMemoryInfo_v2", "memory_used_bytes", "bytes", mig=True),
-    _gpu("gpu_memory_free_bytes", "Frame-buffer memory free for allocations.",
-         "nvmlDeviceGetMemoryInfo_v2", "memory_free_bytes", "bytes", mig=True),
-    _gpu("gpu_memory_reserved_bytes", "Frame-buffer memory reserved by the driver.",
-         "nvmlDeviceGetMemoryInfo_v2", "memory_reserved_bytes", "bytes", mig=True),
-    _gpu("gpu_utilization_ratio",
-         "Fraction of the last sample period (0-1) in which a kernel was running "
-         "(absent in MIG mode: NVML does not report it).",
-         "nvmlDeviceGetUtilizationRates", "utilization_ratio", "ratio", mig=True),
-    _gpu("gpu_memory_utilization_ratio",
-         "Fraction of the last sample period (0-1) in which device memory was read or written.",
-         "nvmlDeviceGetUtilizationRates", "memory_utilization_ratio", "ratio", mig=True),
-    _gpu("gpu_power_draw_watts", "Power draw of the whole board.",
-         _via("POWER_AVERAGE/INSTANT", "nvmlDeviceGetPowerUsage"), "power_draw_watts", "watts"),
-    _gpu("gpu_power_limit_watts", "Power limit the driver enforces.",
-         _via("POWER_CURRENT_LIMIT", "nvmlDeviceGetEnforcedPowerLimit"),
-         "power_limit_watts", "watts"),
-    _gpu("gpu_power_limit_default_watts", "Power limit the board ships with.",
-         "nvmlDeviceGetPowerManagementDefaultLimit", "power_limit_default_watts", "watts"),
-    _gpu("gpu_energy_joules_total", "Energy consumed since the driver was loaded.",
-         _via("TOTAL_ENERGY_CONSUMPTION", "nvmlDeviceGetTotalEnergyConsumption"),
-         "energy_joules", "joules", type="counter"),
-    _gpu("gpu_temperature_celsius", "GPU core temperature.",
-         _via("GPU_TEMP", "nvmlDeviceGetTemperature"), "temperature_celsius", "celsius"),
-    _gpu("gpu_memory_temperature_celsius", "Memory (HBM) temperature.",
-         "nvmlDeviceGetFieldValues (NVML_FI_DEV_MEMORY_TEMP)", "memory_temperature_celsius",
-         "celsius"),
-    _labelled("gpu_temperature_threshold_celsius",
-              "Temperatures at which the GPU slows down, shuts down, and the highest GPU and "
-              "memory temperatures for normal operation.",
-              "threshold", "nvmlDeviceGetTemperatureThreshold", "celsius",
-              tuple((t, f"temperature_{t}_celsius") for t in TEMPERATURE_THRESHOLDS)),
-    _gpu("gpu_fan_speed_ratio",
-         "Fan speed as a fraction of its maximum (absent on passively cooled cards).",
-         "nvmlDeviceGetFanSpeed", "fan_speed_ratio", "ratio"),
-    _labelled("gpu_clock_hz", "Current clock frequency by clock domain.",
-              "clock", "nvmlDeviceGetClockInfo", "hertz",
-              tuple((c, f"clock_{c}_hz") for c in CLOCKS)),
-    _labelled("gpu_clock_max_hz", "Highest clock frequency by clock domain.",
-              "clock", "nvmlDeviceGetMaxClockInfo", "hertz",
-              tuple((c, f"clock_max_{c}_hz") for c in CLOCKS)),
-    MetricSpec("gpu_clocks_event_reasons", "gauge",
-               "1 for each reason the clocks are held below their maximum now, 0 for the others."
-               + SAMPLED,
-               (*GPU_LABELS, "reason"), "nvmlDeviceGetCurrentClocksEventReasons",
-               unit="0/1", values=_reasons, **_read_as("clocks_event_reasons"),
-               details="Reasons: power cap, thermal or hardware slowdown, power brake, idle …"),
-    _gpu("gpu_performance_state", "Performance state: 0 (P0, fastest) to 15 (P15, slowest).",
-         "nvmlDeviceGetPerformanceState", "performance_state", "P-state"),
-    _gpu("gpu_persistence_mode_enabled",
-         "1 if persistence mode is on (the driver stays loaded with no client).",
-         "nvmlDeviceGetPersistenceMode", "persistence_mode_enabled", "0/1"),
-    MetricSpec("gpu_compute_mode", "gauge",
-               "Always 1; the compute mode (default, exclusive_process, prohibited) is the mode "
-               "label." + SAMPLED,
-               (*GPU_LABELS, "mode"), "nvmlDeviceGetComputeMode",
-               unit="1 (info)", values=_compute_mode, **_read_as("compute_mode")),
-    _gpu("gpu_ecc_mode_enabled", "1 if ECC is on for the frame-buffer memory.",
-         _via("ECC_CURRENT", "nvmlDeviceGetEccMode"), "ecc_mode_enabled", "0/1"),
-    MetricSpec("gpu_ecc_errors_total", "counter",
-               "Memory ECC errors: corrected or uncorrected, since the driver loaded (volatile) or "
-               "over the card's life (aggregate)." + SAMPLED,
-               (*GPU_LABELS, "error", "counter"),
-               _via("ECC_*_TOTAL", "nvmlDeviceGetTotalEccErrors"),
-               unit="errors", values=_ecc_errors, **_read_as("ecc_errors_corrected_volatile")),
-    _labelled("gpu_remapped_rows_total",
-              "Memory rows remapped because of correctable or uncorrectable errors (Ampere and "
-              "later).",
-              "cause", _via("REMAPPED_*", "nvmlDeviceGetRemappedRows"), "rows",
-              (("correctable", "remapped_rows_correctable"),
-               ("uncorrectable", "remapped_rows_uncorrectable")), type="counter"),
-    _gpu("gpu_remapped_rows_pending",
-         "1 if a row remapping is pending: reset the GPU to apply it.",
-         _via("REMAPPED_PENDING", "nvmlDeviceGetRemappedRows"), "remapped_rows_pending", "0/1"),
-    _gpu("gpu_remapped_rows_failed", "1 if a row remapping failed: the GPU needs service.",
-         _via("REMAPPED_FAILURE", "nvmlDeviceGetRemappedRows"), "remapped_rows_failed", "0/1"),
-    _labelled("gpu_retired_pages_total",
-              "Memory pages retired for multiple single-bit or for double-bit ECC errors "
-              "(before Ampere).",
-              "cause", _via("RETIRED_SBE/DBE", "nvmlDeviceGetRetiredPages"), "pages",
-              tuple((c, f"retired_pages_{c}") for c in RETIREMENT_CAUSES), type="counter"),
-    _gpu("gpu_retired_pages_pending",
-         "1 if a page retirement is pending: reboot or reset to apply it.",
-         _via("RETIRED_PENDING", "nvmlDeviceGetRetiredPagesPendingStatus"),
-         "retired_pages_pending", "0/1"),
-    _labelled("gpu_pcie_link_generation",
-              "PCIe link generation: current (idle links drop to a lower one) and max.",
-              "link", "nvmlDeviceGetCurrPcieLinkGeneration, nvmlDeviceGetMaxPcieLinkGeneration",
-              "generation",
-              tuple((link, f"pcie_link_generation_{link}") for link in PCIE_LINKS)),
-    _labelled("gpu_pcie_link_width",
-              "PCIe link width in lanes: current (below max: a link trained down) and max.",
-              "link", "nvmlDeviceGetCurrPcieLinkWidth, nvmlDeviceGetMaxPcieLinkWidth", "lanes",
-              tuple((link, f"pcie_link_width_{link}") for link in PCIE_LINKS)),
-    _gpu("gpu_pcie_replay_errors_total",
-         "PCIe replays (retransmissions after link errors) since the driver loaded.",
-         _via("PCIE_REPLAY_COUNTER", "nvmlDeviceGetPcieReplayCounter"),
-         "pcie_replay_errors", "replays", type="counter"),
+_NVLINK = (
     MetricSpec("gpu_nvlink_up", "gauge",
                "1 for each NVLink that is active, 0 for one that is not." + SAMPLED,
                (*GPU_LABELS, "link"), "nvmlDeviceGetFieldValues (NVML_FI_DEV_NVLINK_GET_STATE)",
@@ -390,18 +185,73 @@ GPU_VALUES: tuple[MetricSpec, ...] = (
                **_read_as("nvlink"),
                details="Summed over the link's lanes; never goes backwards (as the byte "
                "counters)."),
-    _gpu("gpu_encoder_utilization_ratio", "Fraction of time (0-1) the video encoder was busy.",
-         "nvmlDeviceGetEncoderUtilization", "encoder_utilization_ratio", "ratio"),
-    _gpu("gpu_decoder_utilization_ratio", "Fraction of time (0-1) the video decoder was busy.",
-         "nvmlDeviceGetDecoderUtilization", "decoder_utilization_ratio", "ratio"),
-    _gpu("gpu_compute_processes",
-         "Compute processes with a context on the GPU, as far as this process can see them.",
-         "nvmlDeviceGetComputeRunningProcesses", "compute_processes", "processes", mig=True),
-    _gpu("gpu_mig_mode_enabled",
-         "1 if MIG mode is on: the GPU is split into the MIG devices of gpu_mig_info.",
-         "nvmlDeviceGetMigMode", "mig_mode_enabled", "0/1"),
-    *GPM_VALUES,
 )  # fmt: skip
+
+
+def _source(rows: list[Reading]) -> str:
+    """Where the rows' values come from, for the docs: their field values, else getters."""
+    getters = list(dict.fromkeys(r.getter for r in rows if r.getter))
+    ids = [i.removeprefix("NVML_FI_DEV_") for r in rows for i in r.fields]
+    if not ids:
+        return ", ".join(getters)
+    fields = f"nvmlDeviceGetFieldValues (NVML_FI_DEV_{'/'.join(ids)})"
+    return f"{fields}, else {', '.join(getters)}" if getters else fields
+
+
+def _values_of(rows: list[Reading]) -> Values:
+    """Each row's value with its label values (or its series), where the value is there."""
+
+    def values(gpu: GpuSample) -> Iterator[tuple[tuple[str, ...], float]]:
+        for r in rows:
+            value = getattr(gpu, r.attribute)
+            if value is None:
+                continue
+            if r.series is not None:
+                yield from r.series(value)
+            else:
+                yield tuple(v for _, v in r.labels), float(value)
+
+    return values
+
+
+def _spec(family: Family, rows: list[Reading]) -> MetricSpec:
+    """A family of readings.READINGS as the exposition and the README have it."""
+    labels = tuple(name for name, _ in rows[0].labels)
+    whens = [r.when for r in rows]
+    each = "; ".join(f"{r.labels[0][1]}: {r.when}" for r in rows if r.labels)
+    updated = whens[0] if len(set(whens)) == 1 else each
+    field, values = None, None
+    per_label: tuple[tuple[str, str], ...] = ()
+    if rows[0].series is None and not labels:
+        field = rows[0].attribute
+    elif rows[0].series is None and len(labels) == 1:
+        per_label = tuple((r.labels[0][1], r.attribute) for r in rows)
+    else:
+        values = _values_of(rows)
+    return MetricSpec(
+        family.name, family.type, family.help + SAMPLED, (*GPU_LABELS, *labels),
+        family.source or _source(rows), field, per_label, family.unit, family.default, values,
+        family.mig, details=family.details, updated=updated, group=rows[0].group,
+    )  # fmt: skip
+
+
+def _gpu_values() -> tuple[MetricSpec, ...]:
+    """Every family of readings.READINGS in table order, NVLink's (code) where its row is."""
+    families: dict[Family, list[Reading]] = {}
+    out: list[MetricSpec | Family] = []
+    for r in READINGS:
+        if r.attribute == "nvlink":
+            out.extend(_NVLINK)
+        elif r.family is not None:
+            if r.family not in families:
+                out.append(r.family)
+            families.setdefault(r.family, []).append(r)
+    return tuple(x if isinstance(x, MetricSpec) else _spec(x, families[x]) for x in out)
+
+
+# One GPU or MIG device value per family of readings.READINGS, and NVLink's.
+GPU_VALUES: tuple[MetricSpec, ...] = _gpu_values()
+GPM_VALUES = tuple(spec for spec in GPU_VALUES if spec.group == "gpm")
 GPU_MIG_INFO = MetricSpec(
     "gpu_mig_info",
     "gauge",

@@ -15,7 +15,7 @@ from typing import Any, Final
 
 from gpu_exporter.choose.filters import Window
 from gpu_exporter.choose.refusal import ApiError
-from gpu_exporter.model import GpuSample
+from gpu_exporter.model import READING_NAMES, GpuSample
 from gpu_exporter.outbound import base_url, is_http
 
 URL_LABEL: Final = "gpu_exporter_url"
@@ -123,9 +123,9 @@ def host_from_snapshot(
     url: str, name: str, snapshot: Any, held: Any, max_age_seconds: float
 ) -> Host:
     """A :class:`Host` from an exporter's ``/gpus`` and ``/leases`` answers."""
-    known = {f.name for f in fields(GpuSample)}
+    known = {f.name for f in fields(GpuSample)} | set(READING_NAMES)
     gpus = tuple(
-        GpuSample(**{k: v for k, v in g.items() if k in known})
+        GpuSample.from_values(**{k: v for k, v in g.items() if k in known})
         for g in snapshot["gpus"]
         if not str(g.get("uuid", "")).startswith("MIG-")
     )

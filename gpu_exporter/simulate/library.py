@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from gpu_exporter import nvml
+from gpu_exporter.readings import READINGS, Reading, Simulated
 from gpu_exporter.simulate.models import COMPUTE_MODES, MIG_FUNCTIONS
 from gpu_exporter.simulate.scenario import (
     DEFAULT_CUDA_DRIVER_VERSION,
@@ -124,6 +125,25 @@ class SimulatedMachine:
             gpu.energy_mj += power_w * (now - gpu.energy_at) * 1000
         gpu.energy_at = now
         return int(gpu.energy_mj)
+
+    def utilization(self, gpu: SimGpu) -> SimpleNamespace | None:
+        """nvmlDeviceGetUtilizationRates' struct; None in MIG mode (NVML reports none)."""
+        if gpu.mig:
+            return None
+        s = self.state(gpu.index)
+        return SimpleNamespace(gpu=s.utilization_gpu, memory=s.utilization_memory)
+
+    def max_clock_mhz(self, gpu: SimGpu, clock_type: int) -> int:
+        m = gpu.model
+        return {
+            nvml.CLOCK_TYPES["graphics"]: m.max_sm_clock_mhz,
+            nvml.CLOCK_TYPES["sm"]: m.max_sm_clock_mhz,
+            nvml.CLOCK_TYPES["memory"]: m.max_memory_clock_mhz,
+            nvml.CLOCK_TYPES["video"]: round(m.max_sm_clock_mhz * 0.85),
+        }[clock_type]
+
+    def temperature_threshold(self, gpu: SimGpu, threshold: int) -> int:
+        return gpu.model.temperature_thresholds[threshold]
 
     # -- plumbing ------------------------------------------------------------------------------
     def release_hangs(self) -> None:
@@ -264,23 +284,6 @@ class SimulatedNvml(SimulatedMachine):
             version=version, total=total, reserved=reserved, used=used, free=free
         )
 
-    def nvmlDeviceGetUtilizationRates(self, gpu: SimGpu) -> SimpleNamespace:
-        gpu = self._gpu("nvmlDeviceGetUtilizationRates", gpu)
-        if gpu.mig:  # NVML reports no utilization for a GPU in MIG mode
-            raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
-        s = self.state(gpu.index)
-        return SimpleNamespace(gpu=s.utilization_gpu, memory=s.utilization_memory)
-
-    def nvmlDeviceGetTemperature(self, gpu: SimGpu, sensor: int) -> int:
-        gpu = self._gpu("nvmlDeviceGetTemperature", gpu)
-        if sensor != nvml.TEMPERATURE_GPU:
-            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
-        return self.state(gpu.index).temperature_c
-
-    def nvmlDeviceGetClockInfo(self, gpu: SimGpu, clock_type: int) -> int:
-        gpu = self._gpu("nvmlDeviceGetClockInfo", gpu)
-        return self.state(gpu.index).clocks_mhz[clock_type]
-
     def nvmlDeviceGetComputeRunningProcesses(
         self, handle: SimGpu | SimMig
     ) -> list[SimpleNamespace]:
@@ -298,39 +301,6 @@ class SimulatedNvml(SimulatedMachine):
             for processes, gi, ci in found
             for pid, used in processes
         ]
-
-    def nvmlDeviceGetMaxClockInfo(self, gpu: SimGpu, clock_type: int) -> int:
-        gpu = self._gpu("nvmlDeviceGetMaxClockInfo", gpu)
-        m = gpu.model
-        return {
-            nvml.CLOCK_TYPES["graphics"]: m.max_sm_clock_mhz,
-            nvml.CLOCK_TYPES["sm"]: m.max_sm_clock_mhz,
-            nvml.CLOCK_TYPES["memory"]: m.max_memory_clock_mhz,
-            nvml.CLOCK_TYPES["video"]: round(m.max_sm_clock_mhz * 0.85),
-        }[clock_type]
-
-    def nvmlDeviceGetTemperatureThreshold(self, gpu: SimGpu, threshold: int) -> int:
-        gpu = self._gpu("nvmlDeviceGetTemperatureThreshold", gpu)
-        if not 0 <= threshold < 4:
-            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
-        return gpu.model.temperature_thresholds[threshold]
-
-    def nvmlDeviceGetTotalEccErrors(self, gpu: SimGpu, error_type: int, counter_type: int) -> int:
-        gpu = self._gpu("nvmlDeviceGetTotalEccErrors", gpu)
-        errors = {v: k for k, v in nvml.ECC_ERROR_TYPES.items()}[error_type]
-        counter = {v: k for k, v in nvml.ECC_COUNTERS.items()}[counter_type]
-        value: int = getattr(gpu.health, f"ecc_{errors}_{counter}")
-        return value
-
-    def nvmlDeviceGetRetiredPages(self, gpu: SimGpu, cause: int) -> list[int]:
-        gpu = self._gpu("nvmlDeviceGetRetiredPages", gpu)
-        h = gpu.health
-        count = (
-            h.retired_pages_multiple_single_bit
-            if cause == nvml.PAGE_RETIREMENT_CAUSES["multiple_single_bit"]
-            else h.retired_pages_double_bit
-        )
-        return [0x1000 * (k + 1) for k in range(count)]  # page addresses
 
     def nvmlDeviceGetPcieThroughput(self, gpu: SimGpu, counter: int) -> int:
         """KB/s over a 20 ms window; blocks for ``pcie_sample_seconds`` like the driver."""
@@ -373,17 +343,17 @@ class SimulatedNvml(SimulatedMachine):
     def _field_value(self, gpu: SimGpu, field_id: int, scope: int) -> tuple[int, float]:
         """(nvmlValueType_t, value) of one field of ``gpu``; raises a pynvml error."""
         name = nvml.FIELD_NAMES.get(field_id, "")
-        getter = _FIELD_GETTERS.get(name)
-        if getter is not None:  # the same value: the getter's faults and refusals apply
-            self._faults(getter, gpu.index)
-            if getter in gpu.model.unsupported or getter in gpu.unsupported:
+        row = _ROW_OF_FIELD.get(name)
+        if row is not None:
+            if row.getter is not None:  # the same value: the getter's faults and refusals apply
+                self._faults(row.getter, gpu.index)
+                if row.getter in gpu.model.unsupported or row.getter in gpu.unsupported:
+                    raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+            answer = row.simulate_field or _SIMULATED[row.getter, row.args]
+            value = answer(self, gpu, *(nvml.constant(c) for c in row.args))
+            if value is None:
                 raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
-        if name in _FIELD_READINGS:
-            return 3, _FIELD_READINGS[name](self, gpu)
-        if name == "NVML_FI_DEV_GPU_TEMP":
-            return 0, float(self.state(gpu.index).temperature_c)
-        if name == "NVML_FI_DEV_MEMORY_TEMP" and gpu.model.memory_temperature:
-            return 1, self.state(gpu.index).temperature_c + 6
+            return (0, value) if isinstance(value, float) else (3, value)
         links = gpu.model.nvlinks
         if name == "NVML_FI_DEV_NVLINK_LINK_COUNT" and links:
             return 1, links
@@ -600,86 +570,49 @@ def _reading(function: str, read: Callable[[SimulatedNvml, SimGpu], Any]) -> Cal
 
 
 # The functions that take a whole GPU and answer one figure of its state now, its model or
-# its health: one row each, made methods of SimulatedNvml below.
+# its health, that no row of gpu_exporter.readings answers (code of their own).
 _READINGS: dict[str, Callable[[SimulatedNvml, SimGpu], Any]] = {
     "nvmlDeviceGetPciInfo": lambda m, g: SimpleNamespace(busId=g.pci_bus_id.encode()),
-    "nvmlDeviceGetPowerUsage": lambda m, g: m.state(g.index).power_usage_mw,
-    "nvmlDeviceGetEnforcedPowerLimit": lambda m, g: m.state(g.index).power_limit_mw,
-    "nvmlDeviceGetTotalEnergyConsumption": lambda m, g: m.energy_mj(g.index),
-    "nvmlDeviceGetFanSpeed": lambda m, g: m.state(g.index).fan_percent,
-    "nvmlDeviceGetCurrentClocksEventReasons": lambda m, g: m.state(g.index).clocks_event_reasons,
     "nvmlDeviceGetCurrentClocksThrottleReasons": lambda m, g: m.state(g.index).clocks_event_reasons,
-    "nvmlDeviceGetPerformanceState": lambda m, g: m.state(g.index).performance_state,
-    "nvmlDeviceGetPersistenceMode": lambda m, g: 1 if g.model.persistence_mode else 0,
     "nvmlDeviceGetComputeMode": lambda m, g: COMPUTE_MODES[g.compute_mode],
-    "nvmlDeviceGetEccMode": lambda m, g: [1, 1],
-    "nvmlDeviceGetRemappedRows": lambda m, g: (
-        g.health.remapped_rows_correctable,
-        g.health.remapped_rows_uncorrectable,
-        int(g.health.remapped_rows_pending),
-        int(g.health.remapped_rows_failed),
-    ),
-    "nvmlDeviceGetRetiredPagesPendingStatus": lambda m, g: int(g.health.retired_pages_pending),
-    "nvmlDeviceGetCurrPcieLinkGeneration": lambda m, g: m.state(g.index).pcie_generation,
-    "nvmlDeviceGetMaxPcieLinkGeneration": lambda m, g: g.model.pcie_generation,
-    "nvmlDeviceGetCurrPcieLinkWidth": lambda m, g: m.state(g.index).pcie_width,
-    "nvmlDeviceGetMaxPcieLinkWidth": lambda m, g: g.model.pcie_width,
-    "nvmlDeviceGetPcieReplayCounter": lambda m, g: g.health.pcie_replays,
-    "nvmlDeviceGetPowerManagementDefaultLimit": lambda m, g: round(
-        g.model.power_limit_watts * 1000
-    ),
-    # a quarter of the limit … the limit
-    "nvmlDeviceGetPowerManagementLimitConstraints": lambda m, g: [
-        round(g.model.power_limit_watts * 250),
-        round(g.model.power_limit_watts * 1000),
-    ],
-    "nvmlDeviceGetEncoderUtilization": lambda m, g: [m.state(g.index).encoder_percent, 167000],
-    "nvmlDeviceGetDecoderUtilization": lambda m, g: [m.state(g.index).decoder_percent, 167000],
-    "nvmlDeviceGetMigMode": lambda m, g: [int(bool(g.mig))] * 2,
     "nvmlDeviceGetMaxMigDeviceCount": lambda m, g: 7,
     "nvmlDeviceGetSupportedEventTypes": lambda m, g: g.model.supported_events,
 }
 for _name, _read in _READINGS.items():
     setattr(SimulatedNvml, _name, _reading(_name, _read))
 
-# Field values that are a getter's value in another unit or shape: the getter whose refusal
-# (the model's unsupported set) refuses the field too, and the value in the field's unit.
-_FIELD_GETTERS: dict[str, str] = {
-    "NVML_FI_DEV_POWER_AVERAGE": "nvmlDeviceGetPowerUsage",
-    "NVML_FI_DEV_POWER_INSTANT": "nvmlDeviceGetPowerUsage",
-    "NVML_FI_DEV_POWER_CURRENT_LIMIT": "nvmlDeviceGetEnforcedPowerLimit",
-    "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": "nvmlDeviceGetTotalEnergyConsumption",
-    "NVML_FI_DEV_GPU_TEMP": "nvmlDeviceGetTemperature",
-    "NVML_FI_DEV_ECC_CURRENT": "nvmlDeviceGetEccMode",
-    **dict.fromkeys(
-        (f"NVML_FI_DEV_ECC_{b}_{c}_TOTAL" for b in ("SBE", "DBE") for c in ("VOL", "AGG")),
-        "nvmlDeviceGetTotalEccErrors",
-    ),
-    "NVML_FI_DEV_RETIRED_SBE": "nvmlDeviceGetRetiredPages",
-    "NVML_FI_DEV_RETIRED_DBE": "nvmlDeviceGetRetiredPages",
-    "NVML_FI_DEV_RETIRED_PENDING": "nvmlDeviceGetRetiredPagesPendingStatus",
-    **dict.fromkeys(
-        (f"NVML_FI_DEV_REMAPPED_{x}" for x in ("COR", "UNC", "PENDING", "FAILURE")),
-        "nvmlDeviceGetRemappedRows",
-    ),
-    "NVML_FI_DEV_PCIE_REPLAY_COUNTER": "nvmlDeviceGetPcieReplayCounter",
+# What a row of gpu_exporter.readings says the simulated GPU answers: its getter's answer by
+# (getter, constants), and the row of each field id.
+_SIMULATED: dict[tuple[str | None, tuple[str, ...]], Simulated] = {
+    (r.getter, r.args): r.simulate for r in READINGS if r.simulate is not None
 }
-_FIELD_READINGS: dict[str, Callable[[SimulatedNvml, SimGpu], Any]] = {
-    "NVML_FI_DEV_POWER_AVERAGE": lambda m, g: m.state(g.index).power_usage_mw,
-    "NVML_FI_DEV_POWER_INSTANT": lambda m, g: m.state(g.index).power_usage_mw,
-    "NVML_FI_DEV_POWER_CURRENT_LIMIT": lambda m, g: m.state(g.index).power_limit_mw,
-    "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": lambda m, g: m.energy_mj(g.index),
-    "NVML_FI_DEV_ECC_CURRENT": lambda m, g: 1,
-    "NVML_FI_DEV_ECC_SBE_VOL_TOTAL": lambda m, g: g.health.ecc_corrected_volatile,
-    "NVML_FI_DEV_ECC_DBE_VOL_TOTAL": lambda m, g: g.health.ecc_uncorrected_volatile,
-    "NVML_FI_DEV_ECC_SBE_AGG_TOTAL": lambda m, g: g.health.ecc_corrected_aggregate,
-    "NVML_FI_DEV_ECC_DBE_AGG_TOTAL": lambda m, g: g.health.ecc_uncorrected_aggregate,
-    "NVML_FI_DEV_RETIRED_SBE": lambda m, g: g.health.retired_pages_multiple_single_bit,
-    "NVML_FI_DEV_RETIRED_DBE": lambda m, g: g.health.retired_pages_double_bit,
-    "NVML_FI_DEV_RETIRED_PENDING": lambda m, g: int(g.health.retired_pages_pending),
-    "NVML_FI_DEV_REMAPPED_COR": lambda m, g: g.health.remapped_rows_correctable,
-    "NVML_FI_DEV_REMAPPED_UNC": lambda m, g: g.health.remapped_rows_uncorrectable,
-    "NVML_FI_DEV_REMAPPED_PENDING": lambda m, g: int(g.health.remapped_rows_pending),
-    "NVML_FI_DEV_REMAPPED_FAILURE": lambda m, g: int(g.health.remapped_rows_failed),
-    "NVML_FI_DEV_PCIE_REPLAY_COUNTER": lambda m, g: g.health.pcie_replays,
-}
+_ROW_OF_FIELD: dict[str, Reading] = {name: r for r in READINGS for name in r.fields}
+
+
+def _answering(function: str) -> Callable[..., Any]:
+    """The pynvml function ``function(gpu, *constants, *rest)``: the call checked, then the
+    row of those constants answers it (another constant is an invalid argument, as the
+    driver's); what follows the constants (a struct to fill) is the row's too."""
+    rows = {
+        tuple(nvml.constant(c) for c in args): simulate
+        for (getter, args), simulate in _SIMULATED.items()
+        if getter == function
+    }
+    n = len(next(iter(rows)))  # the rows of one getter name as many constants
+
+    def call(self: SimulatedNvml, handle: SimGpu, *constants: Any) -> Any:
+        gpu = self._gpu(function, handle)
+        simulate = rows.get(tuple(constants[:n]))
+        if simulate is None:
+            raise nvml.make_error(nvml.error_code("INVALID_ARGUMENT"))
+        value = simulate(self, gpu, *constants)
+        if value is None:
+            raise nvml.make_error(nvml.error_code("NOT_SUPPORTED"))
+        return value
+
+    call.__name__ = call.__qualname__ = function
+    return call
+
+
+for _getter in {getter for getter, _ in _SIMULATED if getter is not None}:
+    setattr(SimulatedNvml, _getter, _answering(_getter))

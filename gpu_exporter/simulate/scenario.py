@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_exporter import nvml
+from gpu_exporter.readings import CLOCKS_EVENT_REASON_BITS
 from gpu_exporter.simulate.models import COMPUTE_MODES, DEFAULT_MODEL, MODELS, Model
 
 if sys.version_info >= (3, 11):
@@ -155,7 +156,7 @@ class Health:
             raise ValueError(f"unknown health keys {sorted(unknown)}; known: {sorted(known)}")
         reasons = tuple(table.get("clocks_event_reasons", ()))
         for reason in reasons:
-            if reason not in nvml.CLOCKS_EVENT_REASON_BITS:
+            if reason not in CLOCKS_EVENT_REASON_BITS:
                 raise ValueError(f"unknown clocks event reason {reason!r}")
         return cls(**{**table, "clocks_event_reasons": reasons})
 

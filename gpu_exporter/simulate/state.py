@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_exporter import nvml
+from gpu_exporter.readings import CLOCKS_EVENT_REASON_BITS
 from gpu_exporter.simulate.scenario import SimGpu
 
 
@@ -80,11 +81,11 @@ def gpu_state(gpu: SimGpu, t: float) -> GpuState:
     sm = _int(m.max_sm_clock_mhz * min(1.0, 0.5 + util)) if busy else 210
     reasons = 0
     if not busy:
-        reasons |= nvml.CLOCKS_EVENT_REASON_BITS["gpu_idle"]
+        reasons |= CLOCKS_EVENT_REASON_BITS["gpu_idle"]
     elif util >= 0.9:
-        reasons |= nvml.CLOCKS_EVENT_REASON_BITS["sw_power_cap"]
+        reasons |= CLOCKS_EVENT_REASON_BITS["sw_power_cap"]
     for reason in gpu.health.clocks_event_reasons:
-        reasons |= nvml.CLOCKS_EVENT_REASON_BITS[reason]
+        reasons |= CLOCKS_EVENT_REASON_BITS[reason]
     return GpuState(
         memory_total=m.memory_total_bytes,
         memory_reserved=m.memory_reserved_bytes,
