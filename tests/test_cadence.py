@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from readmegen import costs, readme_region
 
 from conftest import Stack, build_stack, fake_proc, sim_of
 from gpu_exporter.collect import fields, groups
@@ -183,11 +184,10 @@ def test_one_reader_thread_reads_every_gpu() -> None:
 
 
 def test_readme_groups_table_is_generated() -> None:
+    """Its calls from the field table, its series measured (scripts/generate_readme.py)."""
     readme = (ROOT / "README.md").read_text()
-    start = readme.index("<!-- groups-table:start -->\n") + len("<!-- groups-table:start -->\n")
-    end = readme.index("<!-- groups-table:end -->")
-    assert readme[start:end] == groups_table(), (
-        "README groups table is out of date: run `python -m gpu_exporter.export.readme`"
+    assert readme_region(readme, "groups-table") == groups_table(costs()), (
+        "README groups table is out of date: run `python scripts/generate_readme.py`"
     )
 
 

@@ -189,7 +189,7 @@ def test_readme_metric_table_is_generated_from_the_spec() -> None:
     start = readme.index("<!-- metrics-table:start -->") + len("<!-- metrics-table:start -->\n")
     end = readme.index("<!-- metrics-table:end -->")
     assert readme[start:end] == metrics_table(), (
-        "README metric table is out of date: run `python -m gpu_exporter.export.readme` and paste it"
+        "README metric table is out of date: run `python scripts/generate_readme.py`"
     )
 
 

@@ -1,8 +1,10 @@
-"""What ``/metrics`` costs (issue 15): series and bytes per GPU against the README's figures,
-no bloat series, and no missing ones — every known label value of a counter at 0 from the start.
+"""What ``/metrics`` costs (issue 15): series and bytes per GPU, no bloat series, and no
+missing ones — every known label value of a counter at 0 from the start.
 
-Measured through a real socket on ``--simulate a100``: 8 idle A100s reporting every health
-field a real A100 reports (ECC, remapped rows, clock event reasons, PCIe).
+The README's figures are generated (``scripts/generate_readme.py`` measures them on simulated
+exporters in this process, on a clock that stands still); here they are kept equal to the
+README and checked against a real socket on ``--simulate a100``: idle A100s reporting every
+health field a real A100 reports (ECC, remapped rows, clock event reasons, PCIe).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from readmegen import costs, generator, readme_region
 
 from gpu_exporter.counters import CHOOSE_RESULTS, REJECTION_REASONS, RELEASE_REASONS
+from gpu_exporter.export.readme import costs_paragraph
 from gpu_exporter.simulate import Load, Scenario, SimulatedNvml
 from served import served
 
@@ -57,62 +61,64 @@ def a100(count: int = 8, processes: int = 0) -> Scenario:
     return replace(base, gpus=gpus)
 
 
-@dataclass(frozen=True)
-class Figures:
-    """What the README says /metrics costs."""
-
-    series_per_gpu: int
-    kb_per_gpu: float
-    series_per_host: int  # the exporter's own, whatever the GPUs
-    kb_per_host: float
-    series_8: int
-    kb_8: float
-
-
-def readme_figures() -> Figures:
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    per_gpu = re.search(r"A GPU costs \*\*(\d+) series and ([\d.]+) KB\*\*", readme)
-    host = re.search(r"own series add (\d+) series and ([\d.]+) KB per host", readme)
-    eight = re.search(r"8 A100s: \*\*(\d+) series, ([\d.]+) KB\*\*", readme)
-    assert per_gpu and host and eight, "README lost its series-per-GPU sentence"
-    return Figures(
-        int(per_gpu[1]),
-        float(per_gpu[2]),
-        int(host[1]),
-        float(host[2]),
-        int(eight[1]),
-        float(eight[2]),
+def test_the_readme_says_what_a_gpu_costs_as_measured() -> None:
+    """The paragraph is generated: a figure edited by hand, or a series added without
+    running the generator, fails here."""
+    readme = (ROOT / "README.md").read_text()
+    assert readme_region(readme, "costs") == costs_paragraph(costs()), (
+        'README\'s "What a GPU costs" is out of date: run `python scripts/generate_readme.py`'
     )
 
 
-def test_series_and_bytes_per_gpu_are_what_the_readme_says() -> None:
-    eight, sixteen = scrape(a100(8)), scrape(a100(16))
-    series_per_gpu = (sixteen.series - eight.series) / 8
-    kb_per_gpu = (sixteen.bytes - eight.bytes) / 8 / 1000
-    print(
-        f"8 GPUs: {eight.series} series, {eight.bytes} bytes; per GPU: {series_per_gpu}, "
-        f"{kb_per_gpu:.2f} KB"
-    )
+def test_every_generated_part_of_the_readme_is_up_to_date() -> None:
+    assert generator().main(["--check"]) == 0
+
+
+def test_no_doc_keeps_a_copy_of_the_measured_figures() -> None:
+    """The figures are in the README's generated parts only: a doc that typed them would go
+    stale with the next series (docs/decisions.md, docs/design.md refer to the README)."""
+    c = costs()
+    figures = {f"{c.series_per_gpu} series", f"{c.series} series", f"{c.host_series} series"}
+    figures |= {f"{n / 1000:.1f} KB" for n in (c.bytes_per_gpu, c.bytes, c.host_bytes)}
+    readme = (ROOT / "README.md").read_text()
+    for name in ("costs", "groups-table", "metrics-table"):
+        start, end = generator().region(readme, name)
+        readme = readme[:start] + readme[end:]
+    docs = {"README.md": readme}
+    docs |= {name: (ROOT / name).read_text() for name in ("docs/decisions.md", "docs/design.md")}
+    typed = {
+        name: [f for f in figures if f in " ".join(text.split())] for name, text in docs.items()
+    }
+    assert typed == {name: [] for name in docs}
+
+
+def test_a_real_socket_serves_what_was_measured() -> None:
+    """The figures measured in process (a clock that stands still) against a served
+    exporter on the real clock: series exactly, bytes within a few per cent (a power draw
+    of 61.3 or 61.35 W, a timestamp's digits, the process_* values)."""
+    one, eight = scrape(a100(1)), scrape(a100(8))
+    measured = costs()
+    series_per_gpu = (eight.series - one.series) / 7
+    bytes_per_gpu = (eight.bytes - one.bytes) / 7
+    print(f"8 GPUs: {eight.series} series, {eight.bytes} bytes; per GPU: {bytes_per_gpu} bytes")
     # The issue's limits, with every series of the scrape counted against the 8 GPUs.
     assert eight.series / 8 <= MAX_SERIES_PER_GPU
     assert eight.bytes <= MAX_BYTES_8_GPUS
-    readme = readme_figures()
-    assert series_per_gpu == readme.series_per_gpu
-    assert eight.series == readme.series_8
-    assert eight.series - 8 * readme.series_per_gpu == readme.series_per_host
-    # Bytes move a little with the values (a power draw of 61.3 or 61.35 W): within 3 %.
-    assert abs(kb_per_gpu - readme.kb_per_gpu) <= 0.03 * readme.kb_per_gpu, kb_per_gpu
-    assert abs(eight.bytes / 1000 - readme.kb_8) <= 0.03 * readme.kb_8, eight.bytes
-    host_kb = (eight.bytes - 8000 * kb_per_gpu) / 1000
-    assert abs(host_kb - readme.kb_per_host) <= 0.05 * readme.kb_per_host, host_kb
+    assert measured.gpus == 8
+    assert series_per_gpu == measured.series_per_gpu
+    assert eight.series == measured.series
+    assert one.series - series_per_gpu == measured.host_series
+    assert abs(bytes_per_gpu - measured.bytes_per_gpu) <= 0.03 * measured.bytes_per_gpu
+    assert abs(eight.bytes - measured.bytes) <= 0.03 * measured.bytes
+    host_bytes = one.bytes - bytes_per_gpu
+    assert abs(host_bytes - measured.host_bytes) <= 0.05 * measured.host_bytes, host_bytes
 
 
-def test_a_process_costs_three_series() -> None:
+def test_a_process_costs_what_the_readme_says() -> None:
     busy = scrape(a100(8, processes=2))
     idle = scrape(a100(8))
     # its memory, and its SM and memory-controller utilization
-    assert busy.series - idle.series == 3 * 16
-    assert "three series per compute process" in (ROOT / "README.md").read_text()
+    assert busy.series - idle.series == costs().per_process * 16
 
 
 def test_field_supported_is_only_the_unsupported_fields() -> None:

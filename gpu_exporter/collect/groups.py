@@ -27,8 +27,8 @@ GROUPS: dict[str, str] = {
     "traffic, every --gpm-interval",
 }
 
-# Groups off unless asked for with --collect.<group>: NVLink is 7 series per link (84 on an
-# A100-SXM4, 126 on an H100 SXM), more than the rest of a GPU's series together.
+# Groups off unless asked for with --collect.<group>: NVLink's series per link outnumber the
+# rest of a GPU's together (the README's "What a GPU costs", measured).
 OFF_BY_DEFAULT: tuple[str, ...] = ("nvlink",)
 
 
