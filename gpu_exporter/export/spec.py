@@ -5,7 +5,7 @@ read. A GPU value's family is derived from its rows in :data:`gpu_exporter.readi
 (:data:`GPU_VALUES`); the rest (identity, processes, NVLink per link, Xids, leases, the
 exporter's own) are entries here. :mod:`gpu_exporter.export.collectors` builds the families
 from it, and :mod:`gpu_exporter.export.readme` the README's metric table
-(``python -m gpu_exporter.export.readme``); a test keeps the two equal.
+(``scripts/generate_readme.py``); a test keeps the two equal.
 """
 
 from __future__ import annotations
