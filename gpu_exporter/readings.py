@@ -95,6 +95,14 @@ FIELD_NUMBERS: Final[dict[str, int]] = {
     "NVML_FI_DEV_POWER_INSTANT": 186,  # mW now: every card
     "NVML_FI_DEV_POWER_CURRENT_LIMIT": 190,  # the enforced limit, mW
     "NVML_FI_DEV_GPU_TEMP": 308,  # °C, sub-degree (drivers since 580)
+    # How long each reason has held the clocks down since the driver loaded, in ns. The
+    # thermal and power-brake ones were 251-253 in headers before 13.0.87 (since given to
+    # power smoothing): the current numbers, never the bindings'.
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP": 74,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST": 76,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": 269,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": 270,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": 271,
 }
 
 SAMPLED: Final = (
@@ -204,7 +212,7 @@ class Reading:
         return self.attribute
 
 
-_UNITS = ("_bytes", "_ratio", "_watts", "_joules", "_celsius", "_hz", "_enabled")
+_UNITS = ("_bytes", "_ratio", "_watts", "_joules", "_celsius", "_hz", "_enabled", "_seconds")
 
 
 def _same(value: Any) -> Any:
@@ -471,6 +479,37 @@ def _remapped(
                    simulate_field=_health(f"remapped_rows_{what}", int))  # fmt: skip
 
 
+_EVENT_DURATION = Family(
+    "gpu_clocks_event_duration_seconds_total",
+    "How long each reason has held the clocks below their maximum since the driver loaded.",
+    "seconds",
+    COUNTER,
+    details="rate() is the share of the time a reason held the clocks down: "
+    'rate(gpu_clocks_event_duration_seconds_total{reason="hw_thermal_slowdown"}[5m]) > 0.1 is '
+    "a card throttled for heat a tenth of the time. Absent where the driver does not report "
+    "it (drivers before 535, consumer cards).",
+)
+# reason (gpu_clocks_event_reasons' label) → its duration's field id; the simulated card
+# spends this share of its time under the reason (a datacenter card; none on the others).
+_EVENT_DURATIONS = {
+    "sw_power_cap": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP", 0.05),
+    "sync_boost": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST", 0.0),
+    "sw_thermal_slowdown": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN", 0.01),
+    "hw_thermal_slowdown": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN", 0.0),
+    "hw_power_brake": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN", 0.0),
+}
+
+
+def _event_duration(reason: str) -> Reading:
+    """Nanoseconds the reason held the clocks down, in the slow field-value batch."""
+    fid, share = _EVENT_DURATIONS[reason]
+    return Reading(f"clocks_event_duration_{reason}_seconds", _EVENT_DURATION,
+                   (("reason", reason),), SLOW, "clocks", fields=(fid,),
+                   from_fields=lambda ns: ns / 1e9, simulate_field=lambda m, g, *_: (
+                       round(m.elapsed() * share * 1e9) if g.model.memory_temperature else None
+                   ))  # fmt: skip
+
+
 @functools.lru_cache(maxsize=512)  # one tuple per mask: the 600-snapshot history shares them
 def _reasons(mask: int) -> tuple[str, ...]:
     """The reasons set in an nvmlClocksEventReason* bitmask, in label order."""
@@ -574,6 +613,7 @@ READINGS: tuple[Reading, ...] = (
             (("reason", ""),), group="clocks", getter="nvmlDeviceGetCurrentClocksEventReasons",
             convert=_reasons, method="clocks_event_reasons", series=_each_reason,
             simulate=_state("clocks_event_reasons")),
+    *(_event_duration(reason) for reason in _EVENT_DURATIONS),
     Reading("performance_state",
             Family("gpu_performance_state",
                    "Performance state: 0 (P0, fastest) to 15 (P15, slowest).", "P-state",

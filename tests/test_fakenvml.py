@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import fakenvml
 from fakenvml import Fabric, FakeGpu
+from gpu_exporter.readings import READINGS
 from harness import free_port
 
 pytestmark = pytest.mark.slow
@@ -593,14 +594,21 @@ def test_a_full_scrape_is_the_same_batched_and_one_call_per_field(
     )
     ex_b, ex_s = _gpu_samples(batched), _gpu_samples(single)
 
+    # Values NVML gives as field values only (memory temperature, the clock-event durations):
+    # present batched, unsupported one by one; every other value the same either way.
+    only = [r for r in READINGS if r.fields and r.getter is None]
+    families = {r.family.name for r in only if r.family is not None}
+
+    def field_only(k: tuple[str, tuple[tuple[str, str], ...]]) -> bool:
+        return k[0] in families or any(("field", r.name) in k[1] for r in only)
+
     def memory_temperature(k: tuple[str, tuple[tuple[str, str], ...]]) -> bool:
         return k[0] == "gpu_memory_temperature_celsius" or ("field", "memory_temperature") in k[1]
 
-    # Memory temperature is a field value only: present batched, unsupported one by one.
     assert [v for k, v in ex_b.items() if memory_temperature(k)] == [35, 35, 35]
-    assert [v for k, v in ex_s.items() if memory_temperature(k)] == [0, 0, 0]
-    assert {k: v for k, v in ex_b.items() if not memory_temperature(k)} == {
-        k: v for k, v in ex_s.items() if not memory_temperature(k)
+    assert [v for k, v in ex_s.items() if field_only(k)] == [0] * 3 * len(only)
+    assert {k: v for k, v in ex_b.items() if not field_only(k)} == {
+        k: v for k, v in ex_s.items() if not field_only(k)
     }
     assert len(ex_b) > 3 * 50
     # The values that moved into the batch, for the record.
@@ -1108,3 +1116,45 @@ def test_fabric_info_through_the_real_bindings_and_not_supported_per_gpu(
         f"{hex_uuid} 0 7 3",
         "3 3",
     ]
+
+
+# -- issue 36: values added through one row of gpu_exporter/readings.py ------------------------
+
+
+def test_the_exporter_counts_each_clock_event_reason_in_seconds_and_none_where_unsupported(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    """NVML's cumulative ns per reason as gpu_clocks_event_duration_seconds_total, from the
+    slow field-value batch; a card whose driver refuses them has no such series (and says
+    so in gpu_exporter_field_supported), the others keep theirs, nothing counts as an error."""
+    still = dict.fromkeys(fakenvml.CLOCKS_EVENT_FIELDS, 0.0)  # exact values: nothing grows
+    ex = start_exporter(
+        [
+            FakeGpu(
+                clocks_event_rates=still,
+                clocks_event_ns={"sw_power_cap": 3_000_000_000, "hw_therm_slowdown": 500_000_000},
+            ),
+            FakeGpu(clocks_event_rates=still, clocks_event_durations=False),
+        ]
+    )
+    s = ex.samples()
+    durations = {
+        (labels["gpu"], labels["reason"]): value
+        for (name, pairs), value in s.items()
+        if name == "gpu_clocks_event_duration_seconds_total"
+        for labels in (dict(pairs),)
+    }
+    assert durations == {
+        ("0", "sw_power_cap"): 3.0,
+        ("0", "sync_boost"): 0.0,
+        ("0", "sw_thermal_slowdown"): 0.0,
+        ("0", "hw_thermal_slowdown"): 0.5,
+        ("0", "hw_power_brake"): 0.0,
+    }
+    unsupported = {
+        dict(pairs)["field"]
+        for (name, pairs), _ in s.items()
+        if name == "gpu_exporter_field_supported" and dict(pairs)["gpu"] == "1"
+    }
+    assert "clocks_event_duration_sw_power_cap" in unsupported
+    assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]
