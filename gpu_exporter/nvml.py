@@ -132,6 +132,26 @@ _GPM_REQUEST, _GPM_LAYOUT = _gpm_request()
 _GPM_METRIC = struct.Struct("=id")  # nvmlReturn_t, double value
 
 
+# -- the NVLink fabric --------------------------------------------------------------------
+class _FabricInfo(ctypes.Structure):
+    """nvmlGpuFabricInfo_v2_t as nvml.h lays it out: the bindings' own struct is missing
+    before nvidia-ml-py 12.550, and wrong in layout or in its UUID before 13.580."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("clusterUuid", ctypes.c_uint8 * 16),
+        ("status", ctypes.c_int),  # nvmlReturn_t of the fabric probe
+        ("cliqueId", ctypes.c_uint),
+        ("state", ctypes.c_uint),  # nvmlGpuFabricState_t (a char in C, then padding)
+        ("healthMask", ctypes.c_uint),
+    ]
+
+
+_FABRIC_INFO_V2 = ctypes.sizeof(_FabricInfo) | 2 << 24  # NVML_STRUCT_VERSION(GpuFabricInfo, 2)
+FABRIC_STATE_NOT_SUPPORTED = 0  # NVML_GPU_FABRIC_STATE_*: 1 not started, 2 in progress, 3 done
+_NOT_SUPPORTED_CODE = pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
 # -- field values: many values in one call (issue 31) ---------------------------------------
 # nvmlDeviceGetFieldValues ids this exporter asks for, by the header's name: the rows' of
 # gpu_exporter.readings (its FIELD_NUMBERS), and NVLink's per-link counters (scopeId = the
@@ -475,6 +495,16 @@ class Nvml:
     def compute_mode(self, handle: Any) -> str:
         mode = int(self._call("nvmlDeviceGetComputeMode", handle))
         return COMPUTE_MODES.get(mode, str(mode))
+
+    def gpu_fabric_info(self, handle: Any) -> _FabricInfo:
+        """The GPU's registration with the NVLink fabric (NVSwitch systems: state, status,
+        clique id); :class:`Unsupported` where there is none, whether the call refuses
+        (before Hopper, a lone GPU) or answers the state NOT_SUPPORTED (an H100 PCIe)."""
+        info = _FabricInfo(version=_FABRIC_INFO_V2)
+        self._call("nvmlDeviceGetGpuFabricInfoV", handle, ctypes.byref(info))
+        if info.state == FABRIC_STATE_NOT_SUPPORTED:
+            raise Unsupported("nvmlDeviceGetGpuFabricInfoV", _NOT_SUPPORTED_CODE, "no fabric")
+        return info
 
     # -- PCIe ------------------------------------------------------------------------------
     def pcie_throughput_bytes_per_second(self, handle: Any, direction: str) -> float:

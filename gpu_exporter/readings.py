@@ -510,6 +510,24 @@ def _event_duration(reason: str) -> Reading:
                    ))  # fmt: skip
 
 
+def _fabric(m: Any, g: Any, info: Any) -> int | None:
+    """nvmlDeviceGetGpuFabricInfoV on a simulated card: an H100 SXM (GPM and NVLink) is in an
+    NVSwitch fabric, registered (state 3, status 0) in clique 1; the others have none."""
+    if not (g.model.gpm and g.model.nvlinks):
+        return None
+    info = getattr(info, "_obj", info)  # ctypes.byref(struct)
+    info.state, info.status, info.cliqueId = 3, 0, 1
+    return 0
+
+
+def _fabric_row(attribute: str, family: Family, part: str) -> Reading:
+    """One figure of the GPU's registration with the NVLink fabric (one call for all)."""
+    return Reading(attribute, family, when=SLOW, group="health",
+                   getter="nvmlDeviceGetGpuFabricInfoV", method="gpu_fabric_info",
+                   convert=lambda info: int(getattr(info, part)), field="fabric",
+                   simulate=_fabric if part == "state" else None)  # fmt: skip
+
+
 @functools.lru_cache(maxsize=512)  # one tuple per mask: the 600-snapshot history shares them
 def _reasons(mask: int) -> tuple[str, ...]:
     """The reasons set in an nvmlClocksEventReason* bitmask, in label order."""
@@ -671,6 +689,23 @@ READINGS: tuple[Reading, ...] = (
             dcgm=Dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", COUNTER,
                       "Total number of PCIe retries.", COUNT),
             simulate=_health("pcie_replays")),
+    _fabric_row("fabric_state",
+                Family("gpu_fabric_state",
+                       "The GPU's registration with the NVLink fabric of an NVSwitch system: 1 "
+                       "not started, 2 in progress, 3 completed (absent without a fabric).",
+                       "state",
+                       details="Alert on `gpu_fabric_state != 3` or `gpu_fabric_status != 0`: "
+                       "a GPU out of its fabric runs jobs without NVLink to its peers."),
+                "state"),
+    _fabric_row("fabric_status",
+                Family("gpu_fabric_status",
+                       "The fabric probe's result once completed: 0 success, else NVML's error "
+                       "code (nvmlReturn_t).", "nvmlReturn_t"),
+                "status"),
+    _fabric_row("fabric_clique_id",
+                Family("gpu_fabric_clique_id",
+                       "The fabric clique (NVLink partition) the GPU belongs to.", "id"),
+                "cliqueId"),
     Reading("nvlink", None, when=SLOW, group="nvlink",
             code="collect/fields.py (field values per link; export/spec.py's gpu_nvlink_*)"),
     Reading("encoder_utilization_ratio",

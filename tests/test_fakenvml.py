@@ -437,7 +437,8 @@ def test_an_a100_reports_every_health_field_and_xid_events(
     assert v("gpu_temperature_threshold_celsius", threshold="slowdown") == 89
     assert v("gpu_clock_max_hz", clock="sm") == 1410e6
     assert v("gpu_power_limit_default_watts") == 400
-    # The only fields an A100-SXM4 does not report: the fan, and retired pages (it remaps rows).
+    # The only fields an A100-SXM4 does not report: the fan, retired pages (it remaps rows),
+    # and GPM and the fabric registration (Hopper and later).
     unsupported = {
         dict(k[1])["field"]
         for k in s
@@ -445,7 +446,8 @@ def test_an_a100_reports_every_health_field_and_xid_events(
     }
     assert unsupported == {
         "fan_speed",
-        "gpm",  # Hopper and later
+        "gpm",
+        "fabric",
         "retired_pages_multiple_single_bit",
         "retired_pages_double_bit",
         "retired_pages_pending",
@@ -1157,4 +1159,41 @@ def test_the_exporter_counts_each_clock_event_reason_in_seconds_and_none_where_u
         if name == "gpu_exporter_field_supported" and dict(pairs)["gpu"] == "1"
     }
     assert "clocks_event_duration_sw_power_cap" in unsupported
+    assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]
+
+
+def test_the_fabric_state_status_and_clique_where_the_gpu_has_a_fabric_and_none_elsewhere(
+    start_exporter: Callable[..., Exporter],
+) -> None:
+    """nvmlDeviceGetGpuFabricInfoV through the real bindings: a registered card, one whose
+    probe failed, and absent both where the call refuses and where it answers the state
+    NOT_SUPPORTED (an H100 PCIe); no error counted for either."""
+    ex = start_exporter(
+        [
+            FakeGpu(fabric=fakenvml.Fabric(clique_id=7)),
+            FakeGpu(fabric="NOT_SUPPORTED"),
+            FakeGpu(fabric=fakenvml.Fabric(state=fakenvml.FABRIC_STATE_NOT_SUPPORTED)),
+            FakeGpu(fabric=fakenvml.Fabric(state=fakenvml.FABRIC_STATE_IN_PROGRESS, status=3)),
+        ]
+    )
+    s = ex.samples()
+    fabric = {
+        (name, dict(pairs)["gpu"]): value
+        for (name, pairs), value in s.items()
+        if name.startswith("gpu_fabric_")
+    }
+    assert fabric == {
+        ("gpu_fabric_state", "0"): 3,
+        ("gpu_fabric_status", "0"): 0,
+        ("gpu_fabric_clique_id", "0"): 7,
+        ("gpu_fabric_state", "3"): 2,
+        ("gpu_fabric_status", "3"): 3,
+        ("gpu_fabric_clique_id", "3"): 1,
+    }
+    unsupported = {
+        dict(pairs)["gpu"]
+        for (name, pairs), _ in s.items()
+        if name == "gpu_exporter_field_supported" and dict(pairs)["field"] == "fabric"
+    }
+    assert unsupported == {"1", "2"}
     assert not [k for k in s if k[0] == "gpu_exporter_nvml_errors_total"]

@@ -31,10 +31,11 @@ PACKAGE = ROOT / "gpu_exporter"
 # The limits for the default /metrics of 8 A100-like GPUs: issue 15's 70 series a GPU and
 # 60 KB, plus what later issues asked for since: memory temperature and the GPM marker
 # (`field_supported{field="gpm"} 0` on a card without it; issue 25) 1.9 KB, the withheld
-# and store_busy host series (issue 28) 0.3 KB; the clock-event durations (5 counters a GPU;
-# issue 36) 5 series and 5 KB.
+# and store_busy host series (issue 28) 0.3 KB; the clock-event durations (5 counters a GPU)
+# and the fabric marker (`field_supported{field="fabric"} 0` on a card without NVSwitch;
+# issue 36) 6 series and 6 KB.
 MAX_SERIES_PER_GPU = 75
-MAX_BYTES_8_GPUS = 67_000
+MAX_BYTES_8_GPUS = 68_000
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,11 @@ def test_field_supported_is_only_the_unsupported_fields() -> None:
         line for line in m.text.splitlines() if line.startswith("gpu_exporter_field_supported{")
     ]
     fields = {re.search(r'field="([^"]+)"', line)[1] for line in lines if 'gpu="3"' in line}  # type: ignore[index]
-    # An SXM A100 has no fan, retires rows, not pages, and has no GPM (Hopper and later).
+    # An SXM A100 has no fan, retires rows, not pages, and has no GPM (Hopper and later) nor
+    # a fabric (NVSwitch systems of Hopper and later).
     assert fields == {
         "gpm",
+        "fabric",
         "fan_speed",
         "retired_pages_multiple_single_bit",
         "retired_pages_double_bit",
