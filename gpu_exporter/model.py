@@ -7,7 +7,7 @@ absent (this GPU cannot report it, or the call failed this time) — never a sta
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_exporter.readings import CLOCKS as CLOCKS
 from gpu_exporter.readings import CLOCKS_EVENT_REASONS as CLOCKS_EVENT_REASONS
@@ -193,13 +193,9 @@ class GpuSample:
     # again until NVML is re-initialised.
     fields_supported: tuple[tuple[str, bool], ...] = ()
 
-    def __getattr__(self, name: str) -> Any:
-        """A value of :attr:`readings` by its attribute name; None when absent."""
-        i = READING_INDEX.get(name)
-        if i is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        readings = object.__getattribute__(self, "readings")
-        return readings[i] if readings else None
+    if TYPE_CHECKING:  # each name of READING_NAMES is a property (below), typed Any
+
+        def __getattr__(self, name: str) -> Any: ...
 
     @classmethod
     def from_values(cls, **values: Any) -> GpuSample:
@@ -235,7 +231,8 @@ class GpuSample:
         out: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
             if name == "readings":
-                out.update((n, _json(getattr(self, n))) for n in READING_NAMES)
+                values = map(_json, self.readings or _NO_READINGS)
+                out.update(zip(READING_NAMES, values, strict=True))
                 continue
             if name == "fields_supported":
                 out["unsupported_fields"] = [field for field, ok in self.fields_supported if not ok]
@@ -259,7 +256,15 @@ def _json(value: Any) -> Any:
 READING_NAMES = tuple(
     r.attribute for r in READINGS if r.attribute not in GpuSample.__dataclass_fields__
 )
-READING_INDEX = {name: i for i, name in enumerate(READING_NAMES)}
+_NO_READINGS = (None,) * len(READING_NAMES)
+
+
+def _reading(i: int) -> property:
+    return property(lambda self: self.readings[i] if self.readings else None)
+
+
+for _i, _name in enumerate(READING_NAMES):  # gpu.fan_speed_ratio: a value of its readings
+    setattr(GpuSample, _name, _reading(_i))
 
 
 def all_devices(gpus: tuple[GpuSample, ...]) -> tuple[GpuSample, ...]:

@@ -19,8 +19,9 @@ from gpu_exporter.collect import fields
 from gpu_exporter.export.dcgm import DCGM_METRICS
 from gpu_exporter.export.spec import GPU_VALUES
 from gpu_exporter.model import READING_NAMES, GpuSample
-from gpu_exporter.readings import READINGS, Reading
+from gpu_exporter.readings import READINGS
 from gpu_exporter.simulate import Load, SimGpu, SimulatedNvml
+from gpu_exporter.valuerow import Reading
 
 BY_FIELD: dict[str, list[Reading]] = {}
 for _r in READINGS:

@@ -39,16 +39,8 @@ from gpu_exporter import nvml as nvml_mod
 from gpu_exporter.collect.procinfo import ProcInfoCache
 from gpu_exporter.model import NvLinkSample, ProcessSample, process_visibility
 from gpu_exporter.nvml import FIELD_IDS, GpuLost, Nvml, NvmlError, NvmlUnavailable, Unsupported
-from gpu_exporter.readings import (
-    CORE,
-    FAST,
-    GPM,
-    NVLINK_ERRORS,
-    ONCE,
-    READINGS,
-    SLOW,
-    Reading,
-)
+from gpu_exporter.readings import NVLINK_ERRORS, READINGS
+from gpu_exporter.valuerow import CORE, FAST, GPM, ONCE, SLOW, Reading
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -36,7 +36,8 @@ from gpu_exporter.counters import XidCounter
 from gpu_exporter.export.spec import GPU_VALUES, MetricSpec
 from gpu_exporter.model import GpuSample, Snapshot
 from gpu_exporter.podallocations import PodAllocations, resolve
-from gpu_exporter.readings import COUNT, GAUGE, READINGS, Conversion
+from gpu_exporter.readings import READINGS
+from gpu_exporter.valuerow import COUNT, GAUGE, Conversion
 
 HOSTNAME_LABELS = ("Hostname", "hostname")  # dcgm-exporter ≤ 4.5.3, and since its #655
 XID_NO_ERROR = "No Error"  # dcgm-exporter's err_msg for Xid 0 (none since start)

@@ -22,16 +22,8 @@ from gpu_exporter.counters import (
     RELOAD_RESULTS,
 )
 from gpu_exporter.model import PROCESS_LABELS, GpuSample
-from gpu_exporter.readings import (
-    CORE,
-    FAST,
-    NVLINK_ERRORS,
-    ONCE,
-    READINGS,
-    SAMPLED,
-    Family,
-    Reading,
-)
+from gpu_exporter.readings import NVLINK_ERRORS, READINGS
+from gpu_exporter.valuerow import CORE, FAST, ONCE, SAMPLED, Family, Reading
 
 GPU_LABELS = ("gpu", "uuid")
 ON = "yes"

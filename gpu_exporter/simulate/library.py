@@ -23,7 +23,7 @@ from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from gpu_exporter import nvml
-from gpu_exporter.readings import READINGS, Reading, Simulated
+from gpu_exporter.readings import READINGS
 from gpu_exporter.simulate.models import COMPUTE_MODES, MIG_FUNCTIONS
 from gpu_exporter.simulate.scenario import (
     DEFAULT_CUDA_DRIVER_VERSION,
@@ -36,6 +36,7 @@ from gpu_exporter.simulate.scenario import (
     XidEvent,
 )
 from gpu_exporter.simulate.state import GpuState, MigState, gpm_values, gpu_state, mig_state
+from gpu_exporter.valuerow import Reading, Simulated
 
 _M = TypeVar("_M", bound="SimulatedMachine")
 
