@@ -912,19 +912,10 @@ def _expected_calls() -> int:
 
 
 def _calls(when: str) -> int:
-    """NVML calls per GPU to read the fields of cadence ``when`` (default groups, MIG off):
-    one per getter, one for all the field values (issue 31)."""
-    from gpu_exporter.collect.fields import FIELDS
-    from gpu_exporter.collect.groups import OFF_BY_DEFAULT
+    """NVML calls per GPU to read the fields of cadence ``when`` (default groups, MIG off)."""
+    from gpu_exporter.collect.groups import calls_per_gpu
 
-    # (not those read only when another is non-empty: the processes' utilization, with none)
-    read = [
-        f
-        for f in FIELDS.values()
-        if f.when == when and f.group not in OFF_BY_DEFAULT and f.needs is None
-    ]
-    getters = sum(1 for f in read if f.batch is None and f.field != "mig_device_count")
-    return getters + any(f.batch is not None for f in read)
+    return calls_per_gpu(when)
 
 
 def slow_calls_per_sample() -> float:

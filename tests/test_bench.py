@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 import fakenvml
+from gpu_exporter.collect.groups import calls_per_gpu
+from gpu_exporter.valuerow import FAST, SLOW
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,21 +50,23 @@ def test_quick_bench_measures_every_group_and_regenerates_the_table(tmp_path: Pa
     # 2. sampling: exactly the fast calls of every device, and nothing else (issue 31: the
     # handle kept; power and temperatures in one field-value batch; memory and video clocks,
     # fan, encoder and decoder every --slow-interval): memory, utilization, the batch, two
-    # clocks, clocks event reasons, processes = 7 per GPU (no process, so no process
-    # utilization; no GPM: the "h100" fake has it); the 12 slow calls (11 getters and the
-    # slow batch) every 30 s: at most 8 x 12 / 30 more per sample.
+    # clocks, clocks event reasons, processes per GPU (no process, so no process
+    # utilization; no GPM: the "h100" fake has it); the slow calls (their getters and the
+    # slow batch) every 30 s on top. Both counted from the field table (issue 36).
+    fast, slow = calls_per_gpu(FAST), calls_per_gpu(SLOW)
     sampling = report["sampling"]["gpu-exporter"]
-    assert sampling["expected_calls_per_sample"] == 1 + 8 * 7
-    assert 57 <= sampling["nvml_calls_per_sample"] <= 57 + 8 * 12 / 30 + 0.01
-    assert sampling["slow_calls_per_sample"] == 8 * 12 / 30
+    assert sampling["expected_calls_per_sample"] == 1 + 8 * fast
+    assert 1 + 8 * fast <= sampling["nvml_calls_per_sample"] <= 1 + 8 * fast + 8 * slow / 30 + 0.01
+    assert sampling["slow_calls_per_sample"] == 8 * slow / 30
     assert set(sampling["nvml_calls_by_function"]) >= {"nvmlDeviceGetMemoryInfo_v2"}
     assert "nvmlDeviceGetUUID" not in sampling["nvml_calls_by_function"]  # read once only
     assert "nvmlDeviceGetHandleByIndex_v2" not in sampling["nvml_calls_by_function"]
     # 2. calls per GPU per sample (--quick: 8 GPUs with 16 processes; no peer here)
     (calls,) = report["calls"]
     assert (calls["gpus"], calls["processes"]) == (8, 16)
-    # (7 as above, and the processes' utilization: these cards have processes)
-    assert 8 <= calls["gpu-exporter"]["nvml_calls_per_gpu_per_sample"] <= 8 + 12 / 30 + 0.01
+    # (as above, and the processes' utilization: these cards have processes)
+    per_gpu = calls["gpu-exporter"]["nvml_calls_per_gpu_per_sample"]
+    assert fast + 1 <= per_gpu <= fast + 1 + slow / 30 + 0.01
     # 3. /choose against the no-op baseline
     for route in ("choose", "healthz"):
         assert report["choose"][route]["requests"] > 0, route

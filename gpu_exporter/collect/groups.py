@@ -48,6 +48,16 @@ def fields_of(group: str, when: str | None = None) -> tuple[str, ...]:
     return tuple(name for name, f in FIELDS.items() if f.group == group and when in (None, f.when))
 
 
+def calls_per_gpu(when: str, disabled: Iterable[str] = OFF_BY_DEFAULT) -> int:
+    """NVML calls per GPU to read the fields of cadence ``when`` (MIG off): one per getter,
+    one for all the field values (issue 31); not the fields read only when another is
+    non-empty (the processes' utilization, with none), nor the MIG device count."""
+    off = set(disabled)
+    read = [f for f in FIELDS.values() if f.when == when and f.group not in off and not f.needs]
+    getters = sum(1 for f in read if f.batch is None and f.field != "mig_device_count")
+    return getters + any(f.batch is not None for f in read)
+
+
 def getter_fields(group: str, when: str | None = None) -> tuple[str, ...]:
     """The fields of one group (and cadence) read by a getter of their own, one NVML call
     each; the others are entries of their cadence's field-value batch."""
