@@ -24,6 +24,7 @@ never mistaken for free memory.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -49,9 +50,7 @@ def _bytes(value: float) -> str:
     return format_bytes(int(value))
 
 
-def _ratio(value: float) -> str:
-    return f"{value:.2f}"
-
+_ratio = "{:.2f}".format  # a bound method: a refusal is formatted for every GPU that fails
 
 BYTES = Unit("_bytes", int, _bytes)
 RATIO = Unit("_ratio", float, _ratio)
@@ -88,6 +87,15 @@ class Limit:
     # The most the figure can ever be on a card, and what it is called (free memory: the
     # total less the driver's reservation), for never_reasons.
     ceiling: tuple[str, Callable[[GpuSample], float | None]] | None = None
+    # The GpuSample attribute the limit is compared with (a share: the field's ratio
+    # property), and the comparison that fails it: set once, read for every GPU.
+    compared: str = dataclasses.field(init=False)
+    op: str = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        compared = self.field.replace("_bytes", "_ratio") if self.of_total else self.field
+        object.__setattr__(self, "compared", compared)
+        object.__setattr__(self, "op", ">" if self.most else "<")
 
     @property
     def series(self) -> str:
@@ -103,16 +111,6 @@ class Limit:
             if self.fallback is None
             else (*own, (self.fallback.field, "gpu_" + self.fallback.field))
         )
-
-    @property
-    def compared(self) -> str:
-        """The GpuSample attribute the limit is compared with (a share: its ratio property)."""
-        return self.field.replace("_bytes", "_ratio") if self.of_total else self.field
-
-    @property
-    def op(self) -> str:
-        """The comparison of figure and limit that fails it."""
-        return ">" if self.most else "<"
 
     def fails(self, value: float, limit: float) -> bool:
         return value > limit if self.most else value < limit
@@ -155,7 +153,7 @@ class Bound:
 
     def reason(self, gpu: GpuSample, defaulted: tuple[str, ...]) -> str | None:
         """Why ``gpu`` fails it; None when it passes. An unknown figure fails, unless the
-        limit came from the defaults."""
+        limit came from the defaults. (:func:`rejection_reasons` tests a known figure itself.)"""
         what, value = self.limit.judged(gpu)
         if value is None:
             return None if self.name in defaulted else f"{what} unknown"
@@ -245,9 +243,13 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     if filters.model is not None and filters.model.lower() not in (gpu.name or "").lower():
         reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
     for bound in filters.limits:
-        reason = bound.reason(gpu, filters.defaulted)
-        if reason is not None:
-            reasons.append(reason)
+        limit = bound.limit
+        value = getattr(gpu, limit.compared)
+        if value is None:  # unknown, or judged by its fallback
+            if (reason := bound.reason(gpu, filters.defaulted)) is not None:
+                reasons.append(reason)
+        elif value > bound.value if limit.most else value < bound.value:
+            reasons.append(limit.refusal(limit.what, value, bound.name, bound.value))
     return tuple(reasons)
 
 
