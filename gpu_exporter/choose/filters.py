@@ -83,7 +83,7 @@ class Limit:
     of_total: bool = False  # a share of memory_total_bytes: compared as the field's _ratio
     fallback: Fallback | None = None  # where a card has no such figure
     reports: str | None = None  # the field NVML may not support (fields_supported's name)
-    fixed: bool = False  # no job changes it (total memory): never_reasons judges it
+    fixed: bool = False  # no job changes it (total memory): never_reasons judges it, not idle_for
     # The most the figure can ever be on a card, and what it is called (free memory: the
     # total less the driver's reservation), for never_reasons.
     ceiling: tuple[str, Callable[[GpuSample], float | None]] | None = None
