@@ -57,6 +57,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import fleet_store  # noqa: E402  (bench/fleet_store.py: the fleet in a real store)
 
 from gpu_exporter.choose.filters import Filters  # noqa: E402
+from gpu_exporter.choose.request import filters_of  # noqa: E402
 from gpu_exporter.fleet.queries import full_queries, needed_metrics, scraped_query  # noqa: E402
 from gpu_exporter.fleet.ranking import rank_fleet  # noqa: E402
 from gpu_exporter.fleet.reading import get_json, parse_full, query  # noqa: E402
@@ -73,7 +74,7 @@ SM_CHOICE = "n=2 max_sm_active=20% sort=sm_active"  # by GPM (a third of the hos
 
 
 # The choice measured: what a job script typically asks for.
-FILTERS = Filters(min_free_bytes=40 * GIB, max_util_ratio=0.1, max_procs=0)
+FILTERS = filters_of(min_free=40 * GIB, max_util=0.1, max_procs=0)
 
 
 def synthetic_answers(
@@ -233,7 +234,7 @@ def run(hosts: int, repeat: int) -> dict[str, Any]:
     cases = {
         "n=1": (1, Filters(), False),
         "n=2 min_free=40GiB max_util=10% max_procs=0": (2, FILTERS, False),
-        "n=16 spread": (16, Filters(max_util_ratio=0.1), True),
+        "n=16 spread": (16, filters_of(max_util=0.1), True),
     }
     for label, (n, filters, spread) in cases.items():
         ms, ranking = median_ms(

@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_exporter.choose.filters import Filters, rejection_reasons
+from gpu_exporter.choose.filters import rejection_reasons
+from gpu_exporter.choose.request import filters_of
 from gpu_exporter.collect.cache import SnapshotCache
 from gpu_exporter.collect.sampler import Sampler
 from gpu_exporter.model import initial_snapshot
@@ -30,8 +31,8 @@ from gpu_exporter.simulate.scenario import Scenario, bundled_scenarios
 
 H100 = "NVIDIA H100 80GB HBM3"
 MINUTES, STEP_S = 10, 5.0
-BY_UTIL = Filters(max_util_ratio=0.5, max_mem_used_ratio=0.5)
-BY_SM = Filters(max_sm_active_ratio=0.5, max_mem_used_ratio=0.5)
+BY_UTIL = filters_of(max_util=0.5, max_mem_used=0.5)
+BY_SM = filters_of(max_sm_active=0.5, max_mem_used=0.5)
 
 
 class _Clock:

@@ -66,27 +66,25 @@ _WORDS = {
 
 def _words(failing: bool) -> list[str]:
     try:
-        return [_WORDS[x.reason][failing].format(pct=f"{v * 100:g} %") for x, v in shipped_limits()]
+        return [_WORDS[b.key][failing].format(pct=f"{b.value * 100:g} %") for b in shipped_limits()]
     except KeyError as exc:
         raise SystemExit(f"--choose-defaults {exc}: no words for it in {__file__}") from None
 
 
-def shipped_limits() -> list[tuple[Any, float]]:
-    """The shipped ``--choose-defaults`` as the store's limits: (Limit, value) each."""
+def shipped_limits() -> list[Any]:
+    """The shipped ``--choose-defaults`` as limits (:class:`~gpu_exporter.choose.filters.Bound`)."""
     sys.path.insert(0, str(ROOT))
     from dataclasses import fields
 
     from gpu_exporter.choose.defaults import SHIPPED_DEFAULTS
     from gpu_exporter.choose.request import parse_choose_args
-    from gpu_exporter.fleet.queries import LIMITS
 
     filters = parse_choose_args(SHIPPED_DEFAULTS).filters
-    covered = {limit.attr for limit in LIMITS} | {"defaulted"}
     for f in fields(filters):
         value = getattr(filters, f.name)
-        if f.name not in covered and value != f.default:
+        if f.name not in ("limits", "defaulted") and value != f.default:
             raise SystemExit(f"--choose-defaults {f.name} cannot be written as a recording rule")
-    return [(x, v) for x in LIMITS if (v := getattr(filters, x.attr)) is not None]
+    return list(filters.limits)
 
 
 def free_words() -> str:
@@ -96,10 +94,12 @@ def free_words() -> str:
 
 def free_rule() -> str:
     """``gpu:gpu_free:bool``: 1 for each whole card a plain ``/choose?n=1`` would hand out."""
+    limits = shipped_limits()
     from gpu_exporter.config import DEFAULT_CHOOSE_DEFAULTS
+    from gpu_exporter.fleet.queries import failing
 
     unless = "".join(
-        f"\n                unless {GPU_KEY} ({x.failing(v)})" for x, v in shipped_limits()
+        f"\n                unless {GPU_KEY} ({failing(b.limit, b.value)})" for b in limits
     )
     return f"""      # A GPU is free when a plain /choose?n=1 would hand it out under the shipped
       # --choose-defaults ({DEFAULT_CHOOSE_DEFAULTS}): up, not leased (whole or shared by

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from gpu_exporter.choose.filters import Filters, rejection_reasons
 from gpu_exporter.choose.rank import GIB, NotEnoughGpus, choose, rank, sort_key
+from gpu_exporter.choose.request import filters_of
 from gpu_exporter.choose.selectors import selector_matches
 from gpu_exporter.model import GpuSample
 
@@ -54,7 +55,7 @@ def test_down_gpus_are_never_chosen() -> None:
 
 
 def test_filters_and_reasons() -> None:
-    f = Filters(min_free_bytes=8 * GIB, max_util_ratio=0.3, exclude=("GPU-00000003",))
+    f = filters_of(min_free=8 * GIB, max_util=0.3, exclude=("GPU-00000003",))
     assert rejection_reasons(gpu(0, 4, 0.5), f) == (
         "free memory 4.0 GiB < min_free 8.0 GiB",
         "utilization 0.50 > max_util 0.30",
@@ -112,10 +113,10 @@ gpu_lists = st.lists(
     max_size=12,
 ).map(lambda specs: [gpu(i, f, u, up) for i, (f, u, up) in enumerate(specs)])
 filters = st.builds(
-    Filters,
-    st.one_of(st.none(), st.integers(0, 80 * GIB)),
-    st.one_of(st.none(), st.floats(0, 1)),
-    st.lists(st.integers(0, 12).map(str), max_size=3).map(tuple),
+    filters_of,
+    min_free=st.one_of(st.none(), st.integers(0, 80 * GIB)),
+    max_util=st.one_of(st.none(), st.floats(0, 1)),
+    exclude=st.lists(st.integers(0, 12).map(str), max_size=3).map(tuple),
 )
 
 

@@ -30,7 +30,7 @@ from fleets import (
 from gpu_exporter import client
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.refusal import ApiError
-from gpu_exporter.choose.request import parse_cluster_args
+from gpu_exporter.choose.request import filters_of, parse_cluster_args
 from gpu_exporter.client import Choice
 from gpu_exporter.client.choosing import http_claimer
 from gpu_exporter.fleet.inventory import Fleet, Host
@@ -164,7 +164,7 @@ def test_all_n_gpus_come_from_one_host_whose_weakest_pick_is_best() -> None:
         "http://c:9400",
         "http://b:9400",
     ]
-    busy_ok = rank_fleet(fleet, 1, Filters(max_util_ratio=0.5, min_free_bytes=70 * GIB))
+    busy_ok = rank_fleet(fleet, 1, filters_of(max_util=0.5, min_free=70 * GIB))
     assert [c.host.url for c in busy_ok.candidates] == ["http://a:9400"]
     assert [g.index for g in busy_ok.candidates[0].qualified] == [0]
 
@@ -216,14 +216,14 @@ def test_idle_for_uses_the_worst_figure_of_the_window() -> None:
         worst("utilization_ratio", 0.0, 2),
     ]
     fleet = fleet_of(results, idle_for_seconds=300)
-    ranking = rank_fleet(fleet, 1, Filters(max_util_ratio=0.1))
+    ranking = rank_fleet(fleet, 1, filters_of(max_util=0.1))
     assert [g.index for g in ranking.candidates[0].qualified] == [0]
-    reasons = rank_fleet(fleet, 3, Filters(max_util_ratio=0.1)).passed_over[0][1]
+    reasons = rank_fleet(fleet, 3, filters_of(max_util=0.1)).passed_over[0][1]
     assert "gpu 1: within the last 300 s: utilization 0.80 > max_util 0.10" in reasons
     assert "gpu 2: within the last 300 s: down" in reasons
     # History that does not reach back far enough proves nothing.
     results["window"][0] = worst("oldest", NOW - 100)
-    short = rank_fleet(fleet_of(results, idle_for_seconds=300), 1, Filters(max_util_ratio=0.1))
+    short = rank_fleet(fleet_of(results, idle_for_seconds=300), 1, filters_of(max_util=0.1))
     assert not short.candidates
     assert "only 160 s of history for idle_for 300 s" in short.passed_over[0][1]
 
@@ -236,12 +236,12 @@ def test_queries_ask_only_for_what_the_choice_needs() -> None:
     assert "gpu_info" not in plain["values"]  # the biggest series, only when needed
     assert "gpu_info" in fleet_queries(Filters(model="A100"), "free", None)["values"]
     assert "gpu_info" in fleet_queries(Filters(exclude=("3b:00.0",)), "free", None)["values"]
-    full = fleet_queries(Filters(max_procs=0, max_util_ratio=0.1), "power", 300)
+    full = fleet_queries(filters_of(max_procs=0, max_util=0.1), "power", 300)
     assert "gpu_compute_processes" in full["values"] and "gpu_power_limit_watts" in full["values"]
     assert "max_over_time(gpu_utilization_ratio[300s])" in full["window"]
     assert "max_over_time(gpu_compute_processes[300s])" in full["window"]
     assert "min_over_time(gpu_memory_free_bytes" not in full["window"]
-    narrowed = fleet_queries(Filters(max_util_ratio=0.1), "free", 300, 'job="shared"')
+    narrowed = fleet_queries(filters_of(max_util=0.1), "free", 300, 'job="shared"')
     assert narrowed["values"].endswith('", job="shared"}')
     assert narrowed["scraped"].endswith('gpu_exporter_last_sample_timestamp_seconds{job="shared"})')
     assert 'max_over_time(gpu_utilization_ratio{job="shared"}[300s])' in narrowed["window"]
@@ -598,11 +598,11 @@ def test_sm_activity_is_gpms_where_a_card_has_it_and_utilization_where_not() -> 
         return [(c.host.name, x.index) for c in ranking.candidates for x in c.qualified]
 
     # By utilization none is at most 10 %; by SM activity the H100 is.
-    assert picks(Filters(max_util_ratio=0.1)) == []
-    assert picks(Filters(max_sm_active_ratio=0.1)) == [("g", 0)]
+    assert picks(filters_of(max_util=0.1)) == []
+    assert picks(filters_of(max_sm_active=0.1)) == [("g", 0)]
     # The A100s are judged by their utilization: g's (20 %) fails 18 %, u's (15 %) passes.
-    assert sorted(picks(Filters(max_sm_active_ratio=0.18))) == [("g", 0), ("u", 0)]
-    refused = rank_fleet(fleet, 2, Filters(max_sm_active_ratio=0.18)).passed_over
+    assert sorted(picks(filters_of(max_sm_active=0.18))) == [("g", 0), ("u", 0)]
+    refused = rank_fleet(fleet, 2, filters_of(max_sm_active=0.18)).passed_over
     assert (
         "gpu 1: utilization (no GPM) 0.20 > max_sm_active 0.18"
         in dict((h.name, why) for h, why in refused)["g"]
@@ -617,10 +617,10 @@ def test_sm_activity_is_gpms_where_a_card_has_it_and_utilization_where_not() -> 
 def test_sm_activity_is_asked_only_when_the_choice_needs_it() -> None:
     assert "gpu_sm_active_ratio" not in fleet_queries(Filters(), "util", 300)["values"]
     assert "gpu_sm_active_ratio" not in fleet_queries(Filters(), "free", None)["values"]
-    for filters, sort in [(Filters(max_sm_active_ratio=0.2), "free"), (Filters(), "sm_active")]:
+    for filters, sort in [(filters_of(max_sm_active=0.2), "free"), (Filters(), "sm_active")]:
         values = fleet_queries(filters, sort, None)["values"]
         assert "gpu_sm_active_ratio" in values and "gpu_utilization_ratio" in values
-    window = fleet_queries(Filters(max_sm_active_ratio=0.2), "free", 300, 'job="a"')["window"]
+    window = fleet_queries(filters_of(max_sm_active=0.2), "free", 300, 'job="a"')["window"]
     # The worst of each over the window: SM activity, and utilization for the cards without GPM.
     assert (
         'max_over_time(gpu_sm_active_ratio{job="a"}[300s]), "fleet_field", "sm_active_ratio"'
@@ -631,7 +631,7 @@ def test_sm_activity_is_asked_only_when_the_choice_needs_it() -> None:
         in window
     )
     assert window.count("gpu_utilization_ratio") == 1  # with max_util too, asked once
-    both = fleet_queries(Filters(max_sm_active_ratio=0.2, max_util_ratio=0.5), "free", 300)
+    both = fleet_queries(filters_of(max_sm_active=0.2, max_util=0.5), "free", 300)
     assert both["window"].count("gpu_utilization_ratio") == 1
 
 
@@ -660,18 +660,18 @@ def test_idle_for_judges_sm_activity_and_the_fallback_by_their_worst_in_the_wind
         worst("utilization_ratio", 0.6, ("u:9400", 0)),  # busy a minute ago: no GPM, judged by it
     ]
     fleet = fleet_of(results, idle_for_seconds=300)
-    ranking = rank_fleet(fleet, 1, Filters(max_sm_active_ratio=0.3))
+    ranking = rank_fleet(fleet, 1, filters_of(max_sm_active=0.3))
     assert [(c.host.name, [x.index for x in c.qualified]) for c in ranking.candidates] == [
         ("g", [1])
     ]
-    why = {h.name: r for h, r in rank_fleet(fleet, 2, Filters(max_sm_active_ratio=0.3)).passed_over}
+    why = {h.name: r for h, r in rank_fleet(fleet, 2, filters_of(max_sm_active=0.3)).passed_over}
     assert "gpu 0: within the last 300 s: SM activity 0.40 > max_sm_active 0.30" in why["g"]
     assert "within the last 300 s: utilization (no GPM) 0.60 > max_sm_active 0.30" in why["u"]
 
 
 def test_the_fleet_takes_max_sm_active_and_the_chosen_host_checks_it_again() -> None:
     args = {"n": "1", "max_sm_active": "10%", "sort": "sm_active", "lease": "0"}
-    assert parse_cluster_args(args).choose.filters.max_sm_active_ratio == 0.1
+    assert parse_cluster_args(args).choose.filters.get("max_sm_active") == 0.1
     seen: dict[str, Any] = {}
 
     def fake_choose(n: int, url: str, **kwargs: Any) -> Choice:

@@ -22,6 +22,8 @@ import pytest
 from fleets import NOW, fixed_claimer, pack, scraped, series
 from gpu_exporter import client
 from gpu_exporter.choose.filters import Filters
+from gpu_exporter.choose.request import filters_of
+from gpu_exporter.choose.values import OfTotal
 from gpu_exporter.fleet.packing import (
     FIELDS,
     MIB,
@@ -199,14 +201,14 @@ def test_the_packing_is_exact_and_unpacks() -> None:
 
 
 def test_only_what_the_packing_tests_exactly_is_packed() -> None:
-    assert packable(Filters(min_free_bytes=40 * GIB, max_procs=0, model="A100"), "free", None, 60)
-    assert not packable(Filters(min_free_bytes=40 * 10**9), "free", None, 60)  # not whole MiB
-    assert not packable(Filters(max_procs=9), "free", None, 60)  # capped at 9
-    assert not packable(Filters(min_total_bytes=80 * GIB), "free", None, 60)
-    assert packable(Filters(max_mem_used_ratio=0.5, max_mem_util_ratio=1.0), "free", None, 60)
-    assert not packable(Filters(max_mem_used_ratio=0.505), "free", None, 60)  # not whole %
-    assert not packable(Filters(max_mem_util_ratio=0.5), "free", None, 60)  # not packed
-    assert not packable(Filters(min_free_ratio=0.25), "free", None, 60)
+    assert packable(filters_of(min_free=40 * GIB, max_procs=0, model="A100"), "free", None, 60)
+    assert not packable(filters_of(min_free=40 * 10**9), "free", None, 60)  # not whole MiB
+    assert not packable(filters_of(max_procs=9), "free", None, 60)  # capped at 9
+    assert not packable(filters_of(min_total=80 * GIB), "free", None, 60)
+    assert packable(filters_of(max_mem_used=0.5, max_mem_util=1.0), "free", None, 60)
+    assert not packable(filters_of(max_mem_used=0.505), "free", None, 60)  # not whole %
+    assert not packable(filters_of(max_mem_util=0.5), "free", None, 60)  # not packed
+    assert not packable(filters_of(min_free=OfTotal(0.25)), "free", None, 60)
     assert not packable(Filters(), "power", None, 60) and not packable(Filters(), "free", 60, 60)
     assert not packable(Filters(include=("0",)), "free", None, 60)
     assert not packable(Filters(), "free", None, 4)  # the rule records lags past 5 s only
@@ -221,13 +223,13 @@ def test_the_packed_read_chooses_exactly_as_every_series_does(seed: int) -> None
     results = random_fleet(rnd)
     full_fleet = parse_full(results, NOW, 60)
     for _ in range(6):
-        filters = Filters(
-            min_free_bytes=rnd.choice((None, 40 * GIB, 40 * GIB - MIB, 41 * GIB, 70 * GIB)),
-            max_util_ratio=rnd.choice((None, 0.0, 0.1, 0.105, 0.5, 1.0)),
-            max_mem_used_ratio=rnd.choice((None, 0.3, 0.5, 0.51, 1.0)),
+        filters = filters_of(
+            min_free=rnd.choice((None, 40 * GIB, 40 * GIB - MIB, 41 * GIB, 70 * GIB)),
+            max_util=rnd.choice((None, 0.0, 0.1, 0.105, 0.5, 1.0)),
+            max_mem_used=rnd.choice((None, 0.3, 0.5, 0.51, 1.0)),
             max_procs=rnd.choice((None, 0, 1, 2)),
             model=rnd.choice((None, None, "a100", "H100")),
-            max_sm_active_ratio=rnd.choice((None, None, 0.0, 0.01, 0.1, 0.25, 0.5)),
+            max_sm_active=rnd.choice((None, None, 0.0, 0.01, 0.1, 0.25, 0.5)),
         )
         n, spread = rnd.choice((1, 2, 3, 4)), rnd.random() < 0.3
         sort = rnd.choice(("free", "util", "sm_active"))
@@ -356,7 +358,7 @@ def test_refusal_reasons_are_counted_in_the_store() -> None:
         {"metric": {"fleet_reason": "down"}, "value": [NOW, "1000"]},
         {"metric": {"fleet_reason": "min_free"}, "value": [NOW, "35000"]},
     ]
-    text = reasons_text(samples, Filters(min_free_bytes=40 * GIB))
+    text = reasons_text(samples, filters_of(min_free=40 * GIB))
     assert text == (
         "of 100,000 GPUs (counted in the store; one may fail several filters): "
         "1,000 down, 35,000 with free memory < min_free 40.0 GiB"
@@ -367,19 +369,19 @@ def test_sm_activity_is_tested_in_the_store_with_utilization_where_a_card_has_no
     judged = (
         '(gpu_sm_active_ratio{pool="a"} or on(instance, job, uuid) gpu_utilization_ratio{pool="a"})'
     )
-    query = packed_query(Filters(max_util_ratio=0.5, max_sm_active_ratio=0.125), 'pool="a"')
+    query = packed_query(filters_of(max_util=0.5, max_sm_active=0.125), 'pool="a"')
     assert query == (
         '((gpu_fleet:packed{pool="a"} < 510000000000000) % 1000000000) '
         f"and on(instance, job, uuid) ({judged} <= 0.125)"
     )
-    assert packable(Filters(max_sm_active_ratio=0.125), "sm_active", None, 60)
-    assert sm_active_query(Filters(max_sm_active_ratio=0.125), 'pool="a"') == (
+    assert packable(filters_of(max_sm_active=0.125), "sm_active", None, 60)
+    assert sm_active_query(filters_of(max_sm_active=0.125), 'pool="a"') == (
         'gpu_sm_active_ratio{pool="a"} and on(instance, job, uuid) ('
-        + packed_query(Filters(max_sm_active_ratio=0.125), 'pool="a"')
+        + packed_query(filters_of(max_sm_active=0.125), 'pool="a"')
         + ")"
     )
     whole = '{uuid!~"MIG-.*", pool="a"}'
-    counted = reasons_query(Filters(max_sm_active_ratio=0.2), 'pool="a"')
+    counted = reasons_query(filters_of(max_sm_active=0.2), 'pool="a"')
     assert (
         f"label_replace(count((gpu_sm_active_ratio{whole} or on(instance, job, uuid) "
         f'gpu_utilization_ratio{whole}) > 0.2), "fleet_reason", "max_sm_active", "", "")'
@@ -388,7 +390,7 @@ def test_sm_activity_is_tested_in_the_store_with_utilization_where_a_card_has_no
         {"metric": {"fleet_reason": "gpus"}, "value": [NOW, "100"]},
         {"metric": {"fleet_reason": "max_sm_active"}, "value": [NOW, "60"]},
     ]
-    assert reasons_text(samples, Filters(max_sm_active_ratio=0.2)) == (
+    assert reasons_text(samples, filters_of(max_sm_active=0.2)) == (
         "of 100 GPUs (counted in the store; one may fail several filters): "
         "60 with SM activity (utilization without GPM) > max_sm_active 0.20"
     )
@@ -467,9 +469,9 @@ def test_leaving_out_the_gpus_that_surely_fail_never_changes_a_ranking() -> None
     fleet = Fleet(tuple(hosts), "prometheus", NOW)
     for n, filters in (
         (1, Filters()),
-        (2, Filters(min_free_bytes=40 * GIB, max_util_ratio=0.1, max_procs=0)),
-        (3, Filters(max_util_ratio=0.5, max_mem_util_ratio=0.5, defaulted=("max_util",))),
-        (2, Filters(max_util_ratio=0.5, max_mem_used_ratio=0.5, defaulted=("max_mem_used",))),
+        (2, filters_of(min_free=40 * GIB, max_util=0.1, max_procs=0)),
+        (3, filters_of(max_util=0.5, max_mem_util=0.5, defaulted=("max_util",))),
+        (2, filters_of(max_util=0.5, max_mem_used=0.5, defaulted=("max_mem_used",))),
     ):
         ranking = rank_fleet(fleet, n, filters)
         for candidate in ranking.candidates:

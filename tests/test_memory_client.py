@@ -207,8 +207,8 @@ def test_cluster_choose_takes_mem_and_hands_it_to_the_claim() -> None:
     req = parse_cluster_args(args, defaults={"max_util": "50%", "max_mem_used": "50%"})
     assert req.choose.mem_bytes == 8 * GIB
     # mem= takes the load default, not the memory one (issue 27: the admission rule's).
-    assert req.choose.filters.max_util_ratio == 0.5
-    assert req.choose.filters.max_mem_used_ratio is None
+    assert req.choose.filters.get("max_util") == 0.5
+    assert req.choose.filters.get("max_mem_used") is None
     seen: dict[str, Any] = {}
 
     def fake_choose(n: int, url: str, **kwargs: Any) -> client.Choice:

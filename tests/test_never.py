@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from gpu_exporter.choose.filters import Filters, never_enough
 from gpu_exporter.choose.memory import memory_fit
 from gpu_exporter.choose.rank import NotEnoughGpus, choose
+from gpu_exporter.choose.request import filters_of
 from gpu_exporter.model import GpuSample, ProcessSample
 from gpu_exporter.simulate import DEFAULT_MODEL as A100
 from gpu_exporter.simulate import Load, SimGpu, SimulatedNvml
@@ -82,11 +83,11 @@ def hosts(draw: st.DrawFn) -> list[GpuSample]:
 def requests(draw: st.DrawFn) -> tuple[int, Filters, int | None]:
     selectors = st.lists(st.sampled_from(("0", "1", "3", "GPU-0002", "5")), max_size=3)
     mig = draw(st.sampled_from(("deny", "deny", "allow", "only")))
-    filters = Filters(
-        min_free_bytes=draw(st.sampled_from((None, 20 * GIB, 79 * GIB, 90 * GIB))),
-        min_total_bytes=draw(st.sampled_from((None, 40 * GIB))),
-        max_util_ratio=draw(st.sampled_from((None, 0.5))),
-        max_mem_used_ratio=draw(st.sampled_from((None, 0.5))),
+    filters = filters_of(
+        min_free=draw(st.sampled_from((None, 20 * GIB, 79 * GIB, 90 * GIB))),
+        min_total=draw(st.sampled_from((None, 40 * GIB))),
+        max_util=draw(st.sampled_from((None, 0.5))),
+        max_mem_used=draw(st.sampled_from((None, 0.5))),
         max_procs=draw(st.sampled_from((None, 0))),
         model=draw(st.sampled_from((None, "h100"))),
         include=tuple(draw(selectors)),
@@ -177,7 +178,7 @@ def test_the_issues_cases_are_refused_at_once() -> None:
     assert "gpu 6: mem=20.0 GiB can never fit" in said
     # n=7&max_procs=0: one card cannot list its processes
     blind = [*eight[:7], dataclasses.replace(eight[7], fields_supported=(("processes", False),))]
-    said = never_enough(blind, 8, Filters(max_procs=0)) or ""
+    said = never_enough(blind, 8, filters_of(max_procs=0)) or ""
     assert "gpu 7: cannot report its processes (max_procs)" in said
     # n=8&mig=allow where one answer holds at most one MIG device
     mig = GpuSample(

@@ -1,10 +1,13 @@
 """Which GPUs a ``/choose`` request's filters accept, and why not the others: pure functions.
 
 :class:`Filters` is what a request asks of a GPU (:mod:`gpu_exporter.choose.request` builds it
-from the query string). :func:`rejection_reasons` says why a GPU does not qualify now,
-:func:`window_reasons` why it did not throughout ``idle_for`` (a :class:`Window`), and
-:func:`never_reasons` / :func:`never_enough` what no amount of waiting can cure. Ordering the
-GPUs that qualify, and picking ``n``, is :mod:`gpu_exporter.choose.rank`'s.
+from the query string): its numeric limits, each a :class:`Bound` carrying its parameter's
+:class:`Limit` (the row :data:`~gpu_exporter.choose.params.PARAMS` gives it), and the few
+filters that are code (``include``, ``exclude``, ``model``, ``mig``). :func:`rejection_reasons`
+says why a GPU does not qualify now, :func:`window_reasons` why it did not throughout
+``idle_for`` (a :class:`Window`), and :func:`never_reasons` / :func:`never_enough` what no
+amount of waiting can cure. Ordering the GPUs that qualify, and picking ``n``, is
+:mod:`gpu_exporter.choose.rank`'s.
 
 MIG (``mig=``): ``deny`` (default) hands out whole cards only, and a card in MIG mode is not
 one (CUDA would see only its MIG devices); ``allow`` adds every MIG device as a candidate of
@@ -21,7 +24,8 @@ never mistaken for free memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpu_exporter.choose.selectors import selector_matches
@@ -32,21 +36,145 @@ MIG_MODES = ("deny", "allow", "only")
 
 
 @dataclass(frozen=True, slots=True)
+class Unit:
+    """How a limit's figure is read and shown: bytes, a ratio, a share of the total, a count."""
+
+    suffix: str  # after the parameter's name in a waiter's filters: min_free_bytes
+    kind: Callable[[float], float]  # the figure's type (int or float): how a store's value is read
+    show: Callable[[float], str]  # a figure or a limit in a refusal
+    share: bool = False  # of the card's total: "free memory 0.20 of total < min_free 0.25"
+    counted: bool = False  # a number of things: "3 compute processes > max_procs 2"
+
+
+def _bytes(value: float) -> str:
+    return format_bytes(int(value))
+
+
+_ratio = "{:.2f}".format  # a bound method: a refusal is formatted for every GPU that fails
+
+BYTES = Unit("_bytes", int, _bytes)
+RATIO = Unit("_ratio", float, _ratio)
+SHARE = Unit("_ratio", float, _ratio, share=True)  # a size parameter given in % (min_free=25%)
+COUNT = Unit("", int, str, counted=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """The figure a card without the limit's own is judged by (SM activity: utilization)."""
+
+    field: str  # its GpuSample field (and, with gpu_ before it, its series)
+    what: str  # "utilization"
+    lacking: str  # what such a card lacks: "GPM"
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """A numeric filter's predicate on a GPU: one figure at most (or at least) a number.
+
+    A :class:`~gpu_exporter.choose.params.Param` carries it; every place that judges the
+    filter reads it from here: the check and its refusal here, the unsupported field in
+    :func:`never_reasons`, the store's series and comparison in :mod:`gpu_exporter.fleet`.
+    """
+
+    what: str  # the figure, as a refusal names it: "free memory"
+    field: str  # the GpuSample field its series (gpu_ + field) fills: "memory_free_bytes"
+    unit: Unit
+    most: bool = True  # at most the limit (False: at least)
+    of_total: bool = False  # a share of memory_total_bytes: compared as the field's _ratio
+    fallback: Fallback | None = None  # where a card has no such figure
+    reports: str | None = None  # the field NVML may not support (fields_supported's name)
+    fixed: bool = False  # no job changes it (total memory): never_reasons judges it, not idle_for
+    # The most the figure can ever be on a card, and what it is called (free memory: the
+    # total less the driver's reservation), for never_reasons.
+    ceiling: tuple[str, Callable[[GpuSample], float | None]] | None = None
+    # The GpuSample attribute the limit is compared with (a share: the field's ratio
+    # property), and the comparison that fails it: set once, read for every GPU.
+    compared: str = dataclasses.field(init=False)
+    op: str = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        compared = self.field.replace("_bytes", "_ratio") if self.of_total else self.field
+        object.__setattr__(self, "compared", compared)
+        object.__setattr__(self, "op", ">" if self.most else "<")
+
+    @property
+    def series(self) -> str:
+        """The exporter's series for the figure: ``gpu_memory_free_bytes``."""
+        return "gpu_" + self.field
+
+    @property
+    def figures(self) -> tuple[tuple[str, str], ...]:
+        """(GpuSample field, series) of every figure it reads: its own, its fallback's."""
+        own = ((self.field, self.series),)
+        return (
+            own
+            if self.fallback is None
+            else (*own, (self.fallback.field, "gpu_" + self.fallback.field))
+        )
+
+    def fails(self, value: float, limit: float) -> bool:
+        return value > limit if self.most else value < limit
+
+    def judged(self, gpu: GpuSample) -> tuple[str, float | None]:
+        """What ``gpu`` is judged by, and its name: its figure, else its fallback's."""
+        value = getattr(gpu, self.compared)
+        if value is None and self.fallback is not None:
+            fallback = self.fallback
+            return f"{fallback.what} (no {fallback.lacking})", getattr(gpu, fallback.field)
+        return self.what, value
+
+    def refusal(self, what: str, value: float, name: str, limit: float) -> str:
+        """``utilization 0.90 > max_util 0.50``: why ``value`` fails ``limit``."""
+        show = self.unit.show
+        if self.unit.counted:
+            return f"{show(value)} {what} {self.op} {name} {show(limit)}"
+        of_total = " of total" if self.unit.share else ""
+        return f"{what} {show(value)}{of_total} {self.op} {name} {show(limit)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A limit as a request gives it: the parameter, its :class:`Limit`, its number."""
+
+    name: str  # the parameter: "min_free"
+    limit: Limit
+    value: float
+
+    @property
+    def key(self) -> str:
+        """What the limit is counted as (the store's ``fleet_reason``): ``min_free_share``
+        for ``min_free=25%``, else the parameter's name."""
+        return self.name + ("_share" if self.limit.unit.share else "")
+
+    @property
+    def shown_as(self) -> str:
+        """Its name in a waiter's filters: ``min_free_bytes``, ``max_util_ratio``."""
+        return self.name + self.limit.unit.suffix
+
+    def reason(self, gpu: GpuSample, defaulted: tuple[str, ...]) -> str | None:
+        """Why ``gpu`` fails it; None when it passes. An unknown figure fails, unless the
+        limit came from the defaults. (:func:`rejection_reasons` tests a known figure itself.)"""
+        what, value = self.limit.judged(gpu)
+        if value is None:
+            return None if self.name in defaulted else f"{what} unknown"
+        if self.limit.fails(value, self.value):
+            return self.limit.refusal(what, value, self.name, self.value)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class Filters:
-    min_free_bytes: int | None = None
-    max_util_ratio: float | None = None
+    limits: tuple[Bound, ...] = ()  # the numeric limits given, in PARAMS order
     exclude: tuple[str, ...] = ()  # NVML indices, UUIDs (or their prefixes), PCI bus ids
-    min_total_bytes: int | None = None
-    max_mem_util_ratio: float | None = None
-    max_procs: int | None = None  # 0: no compute process at all
     model: str | None = None  # case-insensitive substring of the name
     include: tuple[str, ...] = ()  # when given, only these GPUs
     mig: str = "deny"  # deny | allow | only (see MIG_MODES)
     max_mig_devices: int | None = None  # most MIG devices one answer may name (None: any)
     defaulted: tuple[str, ...] = ()  # parameters from the defaults: unknown values pass them
-    max_mem_used_ratio: float | None = None  # memory in use ÷ total (occupancy)
-    min_free_ratio: float | None = None  # free memory ÷ total (min_free=25%)
-    max_sm_active_ratio: float | None = None  # GPM SM activity (utilization without GPM)
+
+    def get(self, key: str) -> float | None:
+        """The number a limit was given, by its :attr:`Bound.key`; None when not given."""
+        return next((b.value for b in self.limits if b.key == key), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +225,10 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     """Why ``gpu`` does not qualify; empty when it does.
 
     >>> g = GpuSample(index=0, uuid="GPU-0", up=True)  # reports no utilization
-    >>> rejection_reasons(g, Filters(max_util_ratio=0.5))
+    >>> at_most_half = (Bound("max_util", Limit("utilization", "utilization_ratio", RATIO), 0.5),)
+    >>> rejection_reasons(g, Filters(at_most_half))
     ('utilization unknown',)
-    >>> rejection_reasons(g, Filters(max_util_ratio=0.5, defaulted=("max_util",)))
+    >>> rejection_reasons(g, Filters(at_most_half, defaulted=("max_util",)))
     ()
     """
     if not gpu.up:
@@ -107,62 +236,20 @@ def rejection_reasons(gpu: GpuSample, filters: Filters) -> tuple[str, ...]:
     mig_reason = _mig_reason(gpu, filters.mig)
     if mig_reason is not None:
         return (mig_reason,)
-    # Each check is skipped outright when its filter is unset: this runs for every GPU of a
-    # fleet (bench/cluster.py ranks 10,000).
+    # Only the filters given are checked: this runs for every GPU of a fleet
+    # (bench/cluster.py ranks 10,000).
     reasons: list[str] = []
-    d = filters.defaulted
     _identity_reasons(reasons, gpu, filters)
     if filters.model is not None and filters.model.lower() not in (gpu.name or "").lower():
         reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
-    if filters.min_free_bytes is not None:
-        _limit(reasons, "free memory", gpu.memory_free_bytes, filters.min_free_bytes, "min_free", d)
-    if filters.min_free_ratio is not None:
-        _share(reasons, "free memory", gpu.memory_free_ratio, filters.min_free_ratio, "min_free", d)
-    if filters.min_total_bytes is not None:
-        _limit(
-            reasons, "total memory", gpu.memory_total_bytes, filters.min_total_bytes, "min_total", d
-        )
-    if filters.max_util_ratio is not None:
-        _limit(
-            reasons,
-            "utilization",
-            gpu.utilization_ratio,
-            filters.max_util_ratio,
-            "max_util",
-            d,
-            True,
-        )
-    if filters.max_mem_used_ratio is not None:
-        _limit(
-            reasons,
-            "memory used",
-            gpu.memory_used_ratio,
-            filters.max_mem_used_ratio,
-            "max_mem_used",
-            d,
-            True,
-        )
-    if filters.max_mem_util_ratio is not None:
-        _limit(
-            reasons,
-            "memory utilization",
-            gpu.memory_utilization_ratio,
-            filters.max_mem_util_ratio,
-            "max_mem_util",
-            d,
-            True,
-        )
-    if filters.max_sm_active_ratio is not None:
-        what = "SM activity" if gpu.sm_active_ratio is not None else "utilization (no GPM)"
-        limit = filters.max_sm_active_ratio
-        _limit(reasons, what, sm_activity(gpu), limit, "max_sm_active", d, True)
-    if filters.max_procs is not None:
-        procs = gpu.compute_processes
-        if procs is None:  # an unsupported process list never reads as "idle"
-            if "max_procs" not in filters.defaulted:
-                reasons.append("compute processes unknown")
-        elif procs > filters.max_procs:
-            reasons.append(f"{procs} compute processes > max_procs {filters.max_procs}")
+    for bound in filters.limits:
+        limit = bound.limit
+        value = getattr(gpu, limit.compared)
+        if value is None:  # unknown, or judged by its fallback
+            if (reason := bound.reason(gpu, filters.defaulted)) is not None:
+                reasons.append(reason)
+        elif value > bound.value if limit.most else value < bound.value:
+            reasons.append(limit.refusal(limit.what, value, bound.name, bound.value))
     return tuple(reasons)
 
 
@@ -184,15 +271,10 @@ def _identity_reasons(reasons: list[str], gpu: GpuSample, filters: Filters) -> N
         reasons.append("excluded")
 
 
-# The fields each filter reads (GpuSample.fields_supported's names): a filter the request
-# gave on a field the device answered NOT_SUPPORTED for can never pass there.
-_FILTER_FIELDS = (
-    ("max_util", "max_util_ratio", "utilization"),
-    ("max_mem_util", "max_mem_util_ratio", "utilization"),
-    ("max_procs", "max_procs", "processes"),
-    ("min_free", "min_free_bytes", "memory"),
-    ("max_mem_used", "max_mem_used_ratio", "memory"),
-)
+def usable_memory(gpu: GpuSample) -> int | None:
+    """The most memory a card can ever have free: its total less the driver's reservation."""
+    total = gpu.memory_total_bytes
+    return None if total is None else total - (gpu.memory_reserved_bytes or 0)
 
 
 def never_reasons(
@@ -202,9 +284,11 @@ def never_reasons(
     ``headroom`` kept free), whatever its load; empty when it might.
 
     Only what no job changes counts: the device's kind (whole card or MIG device, MIG mode),
-    ``include``/``exclude``, its model, its total memory less the driver's reservation (against
-    ``min_total``, ``min_free`` and ``mem``), and what it cannot report (a field NVML answered
-    NOT_SUPPORTED for, utilization in MIG mode) where the request filters on it. A GPU that
+    ``include``/``exclude``, its model, the limits on a figure no job changes
+    (:attr:`Limit.fixed`) or beyond the most it can reach (:attr:`Limit.ceiling`), its total
+    memory less the driver's reservation against ``mem``, and what it cannot report (a field
+    NVML answered NOT_SUPPORTED for, utilization in MIG mode) where a limit reads it
+    (:attr:`Limit.reports`). A GPU that
     is down, or a figure that failed once, might still come good.
     """
     mig_reason = _mig_reason(gpu, filters.mig)
@@ -217,26 +301,31 @@ def never_reasons(
             reasons.append("model unknown")
         elif gpu.name and filters.model.lower() not in gpu.name.lower():
             reasons.append(f"model {gpu.name!r} does not contain {filters.model!r}")
-    total = gpu.memory_total_bytes
-    if total is not None:
-        usable = total - (gpu.memory_reserved_bytes or 0)
-        _limit(reasons, "total memory", total, filters.min_total_bytes, "min_total", ())
-        _limit(reasons, "usable memory", usable, filters.min_free_bytes, "min_free", ())
-        if mem is not None and usable - headroom < mem:
-            reasons.append(
-                f"mem={format_bytes(mem)} can never fit: its total less the driver's "
-                f"reservation and {format_bytes(headroom)} headroom is "
-                f"{format_bytes(max(0, usable - headroom))}"
-            )
+    # What no job changes: the card's own figures (its total memory), then the most a figure
+    # can ever reach there (free memory: the total less the driver's reservation).
+    for bound in filters.limits:
+        if bound.limit.fixed:
+            _never(reasons, bound, bound.limit.what, getattr(gpu, bound.limit.compared))
+    for bound in filters.limits:
+        if bound.limit.ceiling is not None:
+            what, ceiling = bound.limit.ceiling
+            _never(reasons, bound, what, ceiling(gpu))
+    usable = usable_memory(gpu)
+    if mem is not None and usable is not None and usable - headroom < mem:
+        reasons.append(
+            f"mem={format_bytes(mem)} can never fit: its total less the driver's "
+            f"reservation and {format_bytes(headroom)} headroom is "
+            f"{format_bytes(max(0, usable - headroom))}"
+        )
     if mem is not None and (gpu.is_mig_device or gpu.mig_mode_enabled or gpu.mig_devices):
         reasons.append("memory leases take shares of whole cards, not MIG")
     unsupported = {field for field, ok in gpu.fields_supported if not ok}
     if gpu.is_mig_device or gpu.mig_mode_enabled:
         unsupported.add("utilization")  # NVML reports none for MIG (README, MIG)
-    for param, attribute, field in _FILTER_FIELDS:
-        given = getattr(filters, attribute) is not None and param not in filters.defaulted
-        if given and field in unsupported:
-            reasons.append(f"cannot report its {field} ({param})")
+    for bound in filters.limits:  # a field NVML answered NOT_SUPPORTED for stays unknown
+        field = bound.limit.reports
+        if field is not None and field in unsupported and bound.name not in filters.defaulted:
+            reasons.append(f"cannot report its {field} ({bound.name})")
     return tuple(reasons)
 
 
@@ -280,42 +369,10 @@ def never_enough(
     )
 
 
-def _limit(
-    reasons: list[str],
-    what: str,
-    value: float | None,
-    limit: float | None,
-    param: str,
-    defaulted: tuple[str, ...],
-    most: bool = False,
-) -> None:
-    """Add why ``value`` misses ``limit`` (above it if ``most``, else below it); an unknown
-    ``value`` misses unless ``param`` came from the defaults."""
-    if limit is None:
-        return
-    if value is None:
-        if param not in defaulted:
-            reasons.append(f"{what} unknown")
-    elif most and value > limit:
-        reasons.append(f"{what} {value:.2f} > {param} {limit:.2f}")
-    elif not most and value < limit:
-        reasons.append(f"{what} {format_bytes(int(value))} < {param} {format_bytes(int(limit))}")
-
-
-def _share(
-    reasons: list[str],
-    what: str,
-    value: float | None,
-    least: float,
-    param: str,
-    defaulted: tuple[str, ...],
-) -> None:
-    """Add why a share of the total ``value`` is below ``least`` (as :func:`_limit`)."""
-    if value is None:
-        if param not in defaulted:
-            reasons.append(f"{what} unknown")
-    elif value < least:
-        reasons.append(f"{what} {value:.2f} of total < {param} {least:.2f}")
+def _never(reasons: list[str], bound: Bound, what: str, value: float | None) -> None:
+    """Add why ``value``, a figure no job changes (or the most it can reach), fails ``bound``."""
+    if value is not None and bound.limit.fails(value, bound.value):
+        reasons.append(bound.limit.refusal(what, value, bound.name, bound.value))
 
 
 def window_reasons(gpu: GpuSample, filters: Filters, window: Window) -> tuple[str, ...]:

@@ -1,8 +1,9 @@
 """``/choose`` and ``/cluster/choose`` parameters: each described once, without Flask.
 
 :data:`PARAMS` is the one list of them. Each :class:`Param` carries its name, its reader
-(:mod:`gpu_exporter.choose.values`), its help text and its JSON schema, and says where it
-applies. Everything else is built from it:
+(:mod:`gpu_exporter.choose.values`), its help text and its JSON schema, says where it
+applies and, for a numeric limit, its predicate on a GPU
+(:class:`~gpu_exporter.choose.filters.Limit`). Everything else is built from it:
 
 * the parsers, :func:`~gpu_exporter.choose.request.parse_choose_args` and
   :func:`~gpu_exporter.choose.request.parse_cluster_args` (:mod:`gpu_exporter.choose.request`),
@@ -11,7 +12,9 @@ applies. Everything else is built from it:
 * the OpenAPI document's parameter lists (:mod:`gpu_exporter.web.openapi`);
 * the filter flags of ``gpu-exporter choose`` and ``run`` (:mod:`gpu_exporter.client.commands`),
   the filters choosing locally can apply (:data:`LOCAL_FILTERS`) and those a host checks again
-  when a cluster choice claims there (:data:`POINT_FILTERS`).
+  when a cluster choice claims there (:data:`POINT_FILTERS`);
+* from a limit's row: the check and its refusal (:mod:`gpu_exporter.choose.filters`), and the
+  fleet's PromQL, its reading of the store and its count of reasons (:mod:`gpu_exporter.fleet`).
 
 Every refusal is a :class:`~gpu_exporter.choose.refusal.ApiError` carrying the HTTP status,
 a code and the parameter.
@@ -28,7 +31,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from gpu_exporter.choose.filters import MIG_MODES
+from gpu_exporter.choose.filters import (
+    BYTES,
+    COUNT,
+    MIG_MODES,
+    RATIO,
+    SHARE,
+    Fallback,
+    Limit,
+    usable_memory,
+)
 from gpu_exporter.choose.memory import CUDA_CONTEXT_BYTES, MEM_ENV_NAMES
 from gpu_exporter.choose.rank import SORTS
 from gpu_exporter.choose.refusal import ApiError
@@ -111,6 +123,10 @@ class Param:
     # Its --choose-defaults value applies to mem= requests too: load, not memory (a memory
     # lease's memory is the admission rule's, choose/memory.py).
     mem_default: bool = False
+    # A numeric limit on one of a GPU's figures: its predicate, from which the check, its
+    # refusal and the fleet's PromQL are derived (choose/filters.py's Limit). A size
+    # parameter may also take a share of the total (25%): its SHARE limit then applies.
+    limits: tuple[Limit, ...] = ()
 
     @property
     def option(self) -> str:
@@ -189,6 +205,17 @@ PARAMS: tuple[Param, ...] = (
         flag=("SIZE", "free memory at least this: 8GiB, 500MB (8G means GiB), or 25% of total"),
         local=True,
         recheck=True,
+        limits=(
+            Limit(
+                "free memory",
+                "memory_free_bytes",
+                BYTES,
+                most=False,
+                reports="memory",
+                ceiling=("usable memory", usable_memory),
+            ),
+            Limit("free memory", "memory_free_bytes", SHARE, most=False, of_total=True),
+        ),
     ),
     Param(
         "min_total",
@@ -199,6 +226,7 @@ PARAMS: tuple[Param, ...] = (
         flag=("SIZE", "total memory at least this"),
         local=True,
         recheck=True,
+        limits=(Limit("total memory", "memory_total_bytes", BYTES, most=False, fixed=True),),
     ),
     Param(
         "max_util",
@@ -211,6 +239,7 @@ PARAMS: tuple[Param, ...] = (
         local=True,
         recheck=True,
         mem_default=True,
+        limits=(Limit("utilization", "utilization_ratio", RATIO, reports="utilization"),),
     ),
     Param(
         "max_mem_used",
@@ -223,6 +252,7 @@ PARAMS: tuple[Param, ...] = (
         flag=("RATIO", "memory in use at most this share of the card (default 50%; 100% for any)"),
         local=True,
         recheck=True,
+        limits=(Limit("memory used", "memory_used_bytes", RATIO, of_total=True, reports="memory"),),
     ),
     Param(
         "max_mem_util",
@@ -235,6 +265,9 @@ PARAMS: tuple[Param, ...] = (
         local=True,
         recheck=True,
         mem_default=True,
+        limits=(
+            Limit("memory utilization", "memory_utilization_ratio", RATIO, reports="utilization"),
+        ),
     ),
     Param(
         "max_sm_active",
@@ -248,6 +281,14 @@ PARAMS: tuple[Param, ...] = (
         local=True,
         recheck=True,
         mem_default=True,
+        limits=(
+            Limit(
+                "SM activity",
+                "sm_active_ratio",
+                RATIO,
+                fallback=Fallback("utilization_ratio", "utilization", "GPM"),
+            ),
+        ),
         cluster_help="SM activity (gpu_sm_active_ratio, GPM: Hopper and later) at most this; "
         "on a card without that series, its utilization (gpu_utilization_ratio). Checked again "
         "by the chosen host on its own sample.",
@@ -261,6 +302,7 @@ PARAMS: tuple[Param, ...] = (
         flag=("N", "at most N compute processes already on the GPU"),
         local=True,
         recheck=True,
+        limits=(Limit("compute processes", "compute_processes", COUNT, reports="processes"),),
     ),
     Param(
         "model",
@@ -355,6 +397,7 @@ PARAMS: tuple[Param, ...] = (
     ),
 )
 BY_NAME: Mapping[str, Param] = {p.name: p for p in PARAMS}
+LIMITS: tuple[Limit, ...] = tuple(limit for p in PARAMS for limit in p.limits)
 CHOOSE_PARAMS = tuple(p.name for p in PARAMS if p.choose)
 CLUSTER_PARAMS = tuple(p.name for p in PARAMS if p.cluster)
 LOCAL_FILTERS = tuple(p.name for p in PARAMS if p.local)

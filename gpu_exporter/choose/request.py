@@ -12,7 +12,7 @@ or Werkzeug's ``MultiDict`` (whose ``getlist`` also catches repeated parameters)
 is an :class:`~gpu_exporter.choose.refusal.ApiError` carrying the HTTP status, a code and the
 parameter.
 
->>> parse_choose_args({"n": "2", "min_free": "8GiB"}).filters.min_free_bytes
+>>> parse_choose_args({"n": "2", "min_free": "8GiB"}).filters.get("min_free")
 8589934592
 >>> parse_cluster_args({"n": "2", "spread": "1"}).spread
 True
@@ -35,10 +35,10 @@ its memory is the admission rule's, and a card whose memory others use is where 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeAlias
 
-from gpu_exporter.choose.filters import Filters
+from gpu_exporter.choose.filters import Bound, Filters
 from gpu_exporter.choose.params import (
     BY_NAME,
     CHOOSE_PARAMS,
@@ -58,6 +58,10 @@ Args: TypeAlias = Mapping[str, str]
 """What the parsers read: a ``dict[str, str]`` or a Werkzeug ``MultiDict`` (a dict too)."""
 
 NO_DEFAULTS: Mapping[str, str] = {}
+# The filters the request carries itself, not in Filters: the order, the window, a memory
+# lease. Every other filter is a limit (Param.limits) or the Filters field of its name.
+REQUEST_FILTERS = ("sort", "idle_for", "mem")
+_FIELDS = frozenset(f.name for f in fields(Filters)) - {"limits"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,20 +194,8 @@ def parse_choose_args(
             f"idle_for={most:g}s or less",
         )
     defaulted = tuple(k for k in merged if k not in args)
-    min_free = v["min_free"]
-    filters = Filters(
-        min_free_bytes=None if isinstance(min_free, OfTotal) else min_free,
-        min_free_ratio=min_free.ratio if isinstance(min_free, OfTotal) else None,
-        max_mem_used_ratio=v["max_mem_used"],
-        max_util_ratio=v["max_util"],
-        exclude=v["exclude"],
-        min_total_bytes=v["min_total"],
-        max_mem_util_ratio=v["max_mem_util"],
-        max_sm_active_ratio=v["max_sm_active"],
-        max_procs=v["max_procs"],
-        model=v["model"],
-        include=v["include"],
-        mig=v["mig"],
+    filters = filters_of(
+        **{p.name: v[p.name] for p in PARAMS if p.filter and p.choose},
         # mig=allow: several MIG devices only where the format gives each its own line.
         max_mig_devices=1 if v["mig"] == "allow" and v["format"] not in MIG_LIST_FORMATS else None,
         defaulted=defaulted,
@@ -226,6 +218,31 @@ def parse_choose_args(
         pids=v["pid"],
         mem_bytes=v["mem"],
     )
+
+
+def filters_of(**values: Any) -> Filters:
+    """The :class:`Filters` of parsed values by parameter name (None: not given): each limit
+    (:attr:`Param.limits <gpu_exporter.choose.params.Param.limits>`) a
+    :class:`~gpu_exporter.choose.filters.Bound`, every other the field of its name; the
+    request's own (:data:`REQUEST_FILTERS`) are passed over. TypeError for any other name.
+
+    >>> from gpu_exporter.choose.values import OfTotal
+    >>> filters_of(min_free=OfTotal(0.25), model="A100").limits[0].key
+    'min_free_share'
+    """
+    bounds = []
+    for param in PARAMS:
+        value = values.pop(param.name, None) if param.limits else None
+        if value is not None:
+            share = isinstance(value, OfTotal)
+            limit = next(limit for limit in param.limits if limit.unit.share == share)
+            bounds.append(Bound(param.name, limit, value.ratio if share else value))
+    for name in REQUEST_FILTERS:
+        values.pop(name, None)
+    if unknown := set(values) - _FIELDS:
+        raise TypeError(f"no filter {', '.join(sorted(unknown))}")
+    given = {name: value for name, value in values.items() if value is not None}
+    return Filters(limits=tuple(bounds), **given)
 
 
 def parse_cluster_args(args: Args, *, defaults: Mapping[str, str] = NO_DEFAULTS) -> ClusterRequest:

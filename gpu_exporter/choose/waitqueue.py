@@ -41,9 +41,12 @@ class Waiter:
     since_monotonic_seconds: float  # when it started waiting, on the claimer's clock
 
     def filters_json(self) -> dict[str, Any]:
-        """The filters it gave (those that differ from no filter), by field name."""
-        out: dict[str, Any] = {}
+        """The filters it gave (those that differ from no filter): its limits by
+        :attr:`~gpu_exporter.choose.filters.Bound.shown_as`, then the others by field name."""
+        out: dict[str, Any] = {bound.shown_as: bound.value for bound in self.filters.limits}
         for f in fields(Filters):
+            if f.name == "limits":
+                continue
             value = getattr(self.filters, f.name)
             if value != getattr(_NO_FILTERS, f.name):
                 out[f.name] = list(value) if isinstance(value, tuple) else value

@@ -11,10 +11,13 @@ comparison tests the field at the top of what is left) and ``%`` (which drops th
 the next one tested); what is left, ``free MiB × 1000 + utilization %``, is what the ranking
 orders by (:func:`unpack`). Exact where the thresholds fit the packing (:func:`packable`).
 
-SM activity (GPM) is not in the packing, a figure most cards lack: ``max_sm_active`` joins the
-packed series with the raw ``gpu_sm_active_ratio``, utilization where a card has none (the
-comparison is exact on the series, so any threshold fits), and ``sort=sm_active`` asks the
-SM activity of the GPUs that passed in a query of its own (:func:`sm_active_query`).
+Each limit (:class:`~gpu_exporter.choose.filters.Bound`) is tested by the figure it compares
+(:func:`packed_test`): in its packed field, where the limit fits it exactly; or, for a limit
+with a fallback (SM activity, GPM: a figure most cards lack, utilization where a card has
+none), on its raw series joined to the packed one (the comparison is exact on the series, so
+any threshold fits); any other limit is not packed, and the request takes the full read.
+``sort=sm_active`` asks the SM activity of the GPUs that passed in a query of its own
+(:func:`sm_active_query`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from gpu_exporter.choose.filters import Filters
-from gpu_exporter.fleet.queries import GPU_KEY, LIMITS, braces, model_regex
+from gpu_exporter.choose.filters import RATIO, Bound, Filters
+from gpu_exporter.fleet.queries import GPU_KEY, braces, judged, model_regex
 
 MIB: Final = 2**20
 PACKED: Final = "gpu_fleet:packed"
@@ -32,7 +35,7 @@ PROBLEM: Final = "gpu_fleet:problem"
 RECORDED_LAG_ABOVE: Final = 5  # the rule records a sampler's lag past this (seconds)
 # The orders free memory and utilization decide, and SM activity (sm_active_query).
 SORTS: Final = ("free", "util", "pack", "sm_active")
-SM_ACTIVE: Final = next(limit for limit in LIMITS if limit.reason == "max_sm_active")
+SM_ACTIVE: Final = "gpu_sm_active_ratio"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,23 +70,53 @@ KEPT_DIGITS: Final = BY_NAME["memory_free_mib"].high  # what the ranking orders 
 
 def packable(filters: Filters, sort: str, idle_for_seconds: float | None, max_age: float) -> bool:
     """Whether :func:`packed_query` tests this request exactly (else: the full read)."""
-    free, procs = filters.min_free_bytes, filters.max_procs
     return (
         not idle_for_seconds
         and filters.mig != "only"  # whole cards only
         and not filters.include
         and not filters.exclude
         and sort in SORTS
-        and filters.min_total_bytes is None
-        and _whole_percent(filters.max_mem_used_ratio)
-        # Not in the packing (100 % is no limit): memory-controller utilization, which no
-        # default asks for, and free memory as a share of the total.
-        and (filters.max_mem_util_ratio is None or filters.max_mem_util_ratio >= 1)
-        and filters.min_free_ratio is None
         and max_age >= RECORDED_LAG_ABOVE
-        and (procs is None or procs < BY_NAME["compute_processes"].top)
-        and (free is None or (free % MIB == 0 and free // MIB <= BY_NAME["memory_free_mib"].top))
+        and all(packed_test(bound) is not INEXACT for bound in filters.limits)
     )
+
+
+JOINED: Final = "joined"  # compared on its raw series beside the packed one
+NO_LIMIT: Final = "no limit"  # none there: 100 % of a ratio, 0 bytes free
+INEXACT: Final = "inexact"  # the packing cannot test it exactly: the full read
+
+
+def packed_test(bound: Bound) -> tuple[str, str, int] | str:
+    """How :func:`packed_query` tests one limit: (packed field, comparison, the limit in the
+    field's units), :data:`JOINED`, :data:`NO_LIMIT` or :data:`INEXACT`; by the figure the
+    limit compares, so a limit on any other figure is :data:`INEXACT`.
+
+    >>> from gpu_exporter.choose.filters import Limit
+    >>> packed_test(Bound("x", Limit("utilization", "utilization_ratio", RATIO), 0.505))
+    ('utilization_pct_test', '<=', 50)
+    >>> packed_test(Bound("x", Limit("memory utilization", "memory_utilization_ratio", RATIO), 0.5))
+    'inexact'
+    """
+    limit, value = bound.limit, bound.value
+    if limit.fallback is not None:  # one series or another per GPU: not in the packing
+        return JOINED
+    figure = (limit.compared, limit.most)
+    if figure == ("utilization_ratio", True):  # whole percent on every card: any limit fits
+        return ("utilization_pct_test", "<=", _pct(value)) if _pct(value) < 100 else NO_LIMIT
+    if figure == ("memory_used_ratio", True):  # rounded up: only a whole percent is exact
+        if not _whole_percent(value):
+            return INEXACT
+        return ("memory_used_pct", "<=", _pct(value)) if _pct(value) < 100 else NO_LIMIT
+    if figure == ("compute_processes", True):  # capped: 9 reads "9 or more"
+        top = BY_NAME["compute_processes"].top
+        return ("compute_processes", "<=", int(value)) if value < top else INEXACT
+    if figure == ("memory_free_bytes", False):  # whole MiB, rounded down: only whole MiB fit
+        if value % MIB or value // MIB > BY_NAME["memory_free_mib"].top:
+            return INEXACT
+        return ("memory_free_mib", ">=", int(value) // MIB) if value else NO_LIMIT
+    if limit.unit is RATIO and limit.most and value >= 1:  # 100 % is no limit
+        return NO_LIMIT
+    return INEXACT
 
 
 def _whole_percent(ratio: float | None) -> bool:
@@ -99,20 +132,23 @@ def _pct(ratio: float) -> int:
 def packed_query(filters: Filters, selector: str = "") -> str:
     """The GPUs that pass the request's filters, valued ``free MiB × 1000 + utilization %``.
 
-    >>> print(packed_query(Filters(min_free_bytes=40 * 2**30, max_util_ratio=0.1, max_procs=0)))
+    >>> from gpu_exporter.choose.request import parse_choose_args
+    >>> def packed(**args: str) -> str:
+    ...     return packed_query(parse_choose_args(args).filters)
+    >>> print(packed(min_free="40GiB", max_util="0.1", max_procs="0"))
     (((gpu_fleet:packed < 110000000000000) % 10000000000) < 1000000000) >= 40960000
-    >>> print(packed_query(Filters(max_util_ratio=0.5, max_mem_used_ratio=0.5), 'pool="a"'))
+    >>> print(packed_query(parse_choose_args({"max_util": "0.5", "max_mem_used": "0.5"}).filters,
+    ...                    'pool="a"'))
     (((gpu_fleet:packed{pool="a"} < 510000000000000) % 10000000000000) < 510000000000) % 1000000000
     """
     tests: dict[str, tuple[str, int]] = {}  # field → (op, its bound in the field's units)
-    if filters.max_util_ratio is not None and _pct(filters.max_util_ratio) < 100:
-        tests["utilization_pct_test"] = ("<=", _pct(filters.max_util_ratio))
-    if filters.max_mem_used_ratio is not None and _pct(filters.max_mem_used_ratio) < 100:
-        tests["memory_used_pct"] = ("<=", _pct(filters.max_mem_used_ratio))
-    if filters.max_procs is not None:
-        tests["compute_processes"] = ("<=", filters.max_procs)
-    if filters.min_free_bytes:
-        tests["memory_free_mib"] = (">=", -(-filters.min_free_bytes // MIB))
+    joined: list[Bound] = []
+    for given in filters.limits:
+        test = packed_test(given)
+        if isinstance(test, tuple):
+            tests[test[0]] = test[1:]
+        elif test == JOINED:
+            joined.append(given)
     expr = PACKED + braces(selector)
     above = 16  # the digits left in the value: all of them
 
@@ -136,9 +172,11 @@ def packed_query(filters: Filters, selector: str = "") -> str:
     if filters.model is not None:
         info = f"gpu_info{braces(selector, f'name=~{model_regex(filters.model)}')}"
         expr = f"({expr}) and {GPU_KEY} {info}"
-    if filters.max_sm_active_ratio is not None:  # not packed: the raw series, per GPU
-        judged = SM_ACTIVE.judged(braces(selector))
-        expr = f"({expr}) and {GPU_KEY} ({judged} <= {filters.max_sm_active_ratio!r})"
+    for given in joined:  # not packed: the raw series, per GPU
+        op = "<=" if given.limit.most else ">="
+        expr = (
+            f"({expr}) and {GPU_KEY} ({judged(given.limit, braces(selector))} {op} {given.value!r})"
+        )
     return expr
 
 
@@ -146,11 +184,12 @@ def sm_active_query(filters: Filters, selector: str = "") -> str:
     """``sort=sm_active``: the SM activity of the GPUs that pass (:func:`packed_query`); a GPU
     it leaves out has no GPM and ranks by its utilization, as on the host.
 
-    >>> print(sm_active_query(Filters(max_procs=0)))
+    >>> from gpu_exporter.choose.request import parse_choose_args
+    >>> print(sm_active_query(parse_choose_args({"max_procs": "0"}).filters))
     gpu_sm_active_ratio and on(instance, job, uuid) ((gpu_fleet:packed % 10000000000) < 1000000000)
     """
     packed = packed_query(filters, selector)
-    return f"{SM_ACTIVE.series}{braces(selector)} and {GPU_KEY} ({packed})"
+    return f"{SM_ACTIVE}{braces(selector)} and {GPU_KEY} ({packed})"
 
 
 def problems_query(selector: str, max_age_seconds: float) -> str:

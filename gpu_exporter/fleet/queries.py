@@ -6,6 +6,10 @@ The full read (:func:`full_queries`) asks every series a choice needs, per GPU: 
 last scrape time, on the store's clock; read first, it sizes the fleet), ``down`` (targets
 whose last scrape failed) and, for ``idle_for``, ``window``: each figure's worst over the
 window. A selector (label matchers only, :func:`check_selector`) narrows every query.
+
+Every limit is read from its row (:class:`~gpu_exporter.choose.filters.Limit`, carried by its
+parameter in :data:`~gpu_exporter.choose.params.PARAMS`): its series, its fallback's, the
+comparison that fails it (:func:`failing`) and how a refusal counts it (:func:`reasons_text`).
 """
 
 from __future__ import annotations
@@ -13,75 +17,43 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
-from gpu_exporter.choose.filters import Filters
-from gpu_exporter.units import format_bytes
+from gpu_exporter.choose.filters import Bound, Filters, Limit
 
 GPU_KEY: Final = "on(instance, job, uuid)"
 TOTAL: Final = "gpu_memory_total_bytes"
 
 
-class Limit(NamedTuple):
-    """One of a GPU's limits as the store tests it. idle_for judges each by its worst over the
-    window (min for "<", max for ">"). With a ``fallback``, a card without the series is
-    judged by that one instead (SM activity: utilization on a card without GPM), as
-    :func:`~gpu_exporter.choose.filters.sm_activity` does on the host."""
+def judged(limit: Limit, selector: str = "") -> str:
+    """The PromQL of the figure each GPU is judged by: its series, or where a card has none,
+    its fallback's (``or`` per GPU: only the fallback's GPUs with no series of their own), as
+    :meth:`Limit.judged <gpu_exporter.choose.filters.Limit.judged>` does on the host.
 
-    reason: str  # what it is counted as in a refusal (fleet_reason): the parameter's name
-    attr: str  # the Filters field
-    field: str  # the GpuSample field its series fills
-    series: str
-    op: str  # the comparison that fails it
-    of_total: bool = False  # the limit is a share of gpu_memory_total_bytes
-    fallback: tuple[str, str] | None = None  # (GpuSample field, series) where there is none
-
-    @property
-    def figures(self) -> tuple[tuple[str, str], ...]:
-        """(GpuSample field, series) of every figure the limit reads: its own, its fallback's."""
-        return ((self.field, self.series), *((self.fallback,) if self.fallback else ()))
-
-    def judged(self, selector: str = "") -> str:
-        """The PromQL of the figure each GPU is judged by: its series, or where a card has none,
-        its fallback's (``or`` per GPU: only the fallback's GPUs with no series of their own).
-
-        >>> print(LIMITS[6].judged())
-        (gpu_sm_active_ratio or on(instance, job, uuid) gpu_utilization_ratio)
-        """
-        if self.fallback is None:
-            return f"{self.series}{selector}"
-        return f"({self.series}{selector} or {GPU_KEY} {self.fallback[1]}{selector})"
-
-    @property
-    def compared(self) -> str:
-        """The GpuSample attribute the limit is compared with (a share: its ratio property)."""
-        return self.field.replace("_bytes", "_ratio") if self.of_total else self.field
-
-    def failing(self, limit: float, selector: str = "") -> str:
-        """The PromQL of the GPUs ``limit`` fails: ``gpu_utilization_ratio > 0.5``.
-
-        >>> LIMITS[1].failing(0.5)
-        'gpu_utilization_ratio > 0.5'
-        >>> print(LIMITS[2].failing(0.5, '{pool="a"}'))
-        gpu_memory_used_bytes{pool="a"} / gpu_memory_total_bytes{pool="a"} > 0.5
-        """
-        total = f" / {TOTAL}{selector}" if self.of_total else ""
-        return f"{self.judged(selector)}{total} {self.op} {limit!r}"
+    >>> from gpu_exporter.choose.filters import RATIO, Fallback
+    >>> print(judged(Limit("SM activity", "sm_active_ratio", RATIO,
+    ...                    fallback=Fallback("utilization_ratio", "utilization", "GPM"))))
+    (gpu_sm_active_ratio or on(instance, job, uuid) gpu_utilization_ratio)
+    """
+    if limit.fallback is None:
+        return f"{limit.series}{selector}"
+    return f"({limit.series}{selector} or {GPU_KEY} gpu_{limit.fallback.field}{selector})"
 
 
-LIMITS: Final = (
-    Limit("min_free", "min_free_bytes", "memory_free_bytes", "gpu_memory_free_bytes", "<"),
-    Limit("max_util", "max_util_ratio", "utilization_ratio", "gpu_utilization_ratio", ">"),
-    Limit("max_mem_used", "max_mem_used_ratio", "memory_used_bytes", "gpu_memory_used_bytes",
-          ">", of_total=True),
-    Limit("min_free_share", "min_free_ratio", "memory_free_bytes", "gpu_memory_free_bytes", "<",
-          of_total=True),
-    Limit("max_mem_util", "max_mem_util_ratio", "memory_utilization_ratio",
-          "gpu_memory_utilization_ratio", ">"),
-    Limit("max_procs", "max_procs", "compute_processes", "gpu_compute_processes", ">"),
-    Limit("max_sm_active", "max_sm_active_ratio", "sm_active_ratio", "gpu_sm_active_ratio", ">",
-          fallback=("utilization_ratio", "gpu_utilization_ratio")),
-)  # fmt: skip
+def failing(limit: Limit, value: float, selector: str = "") -> str:
+    """The PromQL of the GPUs ``value`` fails as ``limit``: ``gpu_utilization_ratio > 0.5``.
+
+    >>> from gpu_exporter.choose.filters import RATIO
+    >>> failing(Limit("utilization", "utilization_ratio", RATIO), 0.5)
+    'gpu_utilization_ratio > 0.5'
+    >>> used = Limit("memory used", "memory_used_bytes", RATIO, of_total=True)
+    >>> print(failing(used, 0.5, '{pool="a"}'))
+    gpu_memory_used_bytes{pool="a"} / gpu_memory_total_bytes{pool="a"} > 0.5
+    """
+    total = f" / {TOTAL}{selector}" if limit.of_total else ""
+    return f"{judged(limit, selector)}{total} {limit.op} {value!r}"
+
+
 _MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
 _SELECTOR = re.compile(rf"^(?:{_MATCHER}(?:,{_MATCHER})*)?$")
 _RE2_SPECIAL: Final = re.compile(r"[\\.+*?()|\[\]{}^$]")  # RE2 takes these escaped
@@ -138,12 +110,12 @@ def needed_metrics(filters: Filters, sort: str) -> tuple[str, ...]:
     by_bus_id = any(":" in sel for sel in (*filters.include, *filters.exclude))
     if filters.model is not None or by_bus_id:  # the name and PCI bus id are on gpu_info
         names.append("gpu_info")
-    if filters.min_total_bytes is not None or sort == "free_ratio":
-        names.append("gpu_memory_total_bytes")
-    for limit in LIMITS:
-        if getattr(filters, limit.attr) is not None:
-            wanted = (*(series for _, series in limit.figures), *[TOTAL] * limit.of_total)
-            names += [s for s in wanted if s not in names]
+    if sort == "free_ratio":
+        names.append(TOTAL)
+    for bound in filters.limits:
+        limit = bound.limit
+        wanted = (*(series for _, series in limit.figures), *[TOTAL] * limit.of_total)
+        names += [s for s in wanted if s not in names]
     if sort == "sm_active" and "gpu_sm_active_ratio" not in names:  # else utilization
         names.append("gpu_sm_active_ratio")
     if sort == "power":
@@ -180,21 +152,22 @@ def window_query(filters: Filters, seconds: float, selector: str = "") -> str:
     """One query for every worst-of-window figure idle_for needs, told apart by
     ``fleet_field``; ``gpu_up`` (min: down at any point) and the oldest exporter sample in
     the window (how far back the history reaches) always. A limit with a fallback asks both
-    figures' worst: a card without GPM is judged by its utilization's worst.
+    figures' worst: a card without GPM is judged by its utilization's worst. A figure no job
+    changes (:attr:`Limit.fixed <gpu_exporter.choose.filters.Limit.fixed>`) has no worst.
 
-    >>> q = window_query(Filters(max_sm_active_ratio=0.2), 60)
-    >>> "max_over_time(gpu_sm_active_ratio[60s])" in q, '"fleet_field", "utilization_ratio"' in q
-    (True, True)
+    >>> print(window_query(Filters(), 60).split(" or ")[0])
+    label_replace(min_over_time(gpu_up[60s]), "fleet_field", "up", "__name__", ".*")
     """
     rng = braces(selector) + f"[{max(1, math.ceil(seconds))}s]"
     parts = [
         ("up", f"min_over_time(gpu_up{rng})"),
         ("oldest", f"min_over_time(gpu_exporter_last_sample_timestamp_seconds{rng})"),
     ]
-    for limit in LIMITS:
-        if getattr(filters, limit.attr) is None:
+    for bound in filters.limits:
+        limit = bound.limit
+        if limit.fixed:
             continue
-        worst = "min" if limit.op == "<" else "max"
+        worst = "max" if limit.most else "min"
         for field, series in limit.figures:
             if field not in dict(parts):
                 parts.append((field, f"{worst}_over_time({series}{rng})"))
@@ -216,9 +189,8 @@ def reasons_query(filters: Filters, selector: str = "") -> str:
         ("leased", f"gpu_leased{whole} == 1"),
         ("pod", f"gpu_pod_info{whole}"),
     ]
-    for limit in LIMITS:
-        if (value := getattr(filters, limit.attr)) is not None:
-            parts.append((limit.reason, limit.failing(value, whole)))
+    for bound in filters.limits:
+        parts.append((bound.key, failing(bound.limit, bound.value, whole)))
     if filters.model is not None:
         name = f'uuid!~"MIG-.*", name!~{model_regex(filters.model)}'
         parts.append(("model", f"gpu_info{braces(selector, name)}"))
@@ -235,20 +207,29 @@ def reasons_text(samples: Sequence[Mapping[str, Any]], filters: Filters) -> str:
         "down": "down",
         "leased": "leased (at the last scrape)",
         "pod": "allocated to a Kubernetes pod",
-        "min_free": f"with free memory < min_free {format_bytes(filters.min_free_bytes or 0)}",
-        "min_free_share": "with free memory < min_free "
-        f"{(filters.min_free_ratio or 0) * 100:g}% of total",
-        "max_util": f"with utilization > max_util {filters.max_util_ratio or 0:.2f}",
-        "max_mem_used": "with memory used > max_mem_used "
-        f"{filters.max_mem_used_ratio or 0:.2f} of total",
-        "max_mem_util": "with memory utilization > max_mem_util "
-        f"{filters.max_mem_util_ratio or 0:.2f}",
-        "max_procs": f"with more than max_procs {filters.max_procs} compute processes",
-        "max_sm_active": "with SM activity (utilization without GPM) > max_sm_active "
-        f"{filters.max_sm_active_ratio or 0:.2f}",
+        **{bound.key: "with " + _failing_words(bound) for bound in filters.limits},
         "model": f"of a model that does not contain {filters.model!r}",
     }
     parts = [f"{int(float(counts[k])):,} {text}" for k, text in what.items() if k in counts]
     gpus = int(float(counts.get("gpus") or 0))
     total = f"of {gpus:,} GPU{'' if gpus == 1 else 's'} (counted in the store"
     return f"{total}; one may fail several filters): " + (", ".join(parts) or "none fails one")
+
+
+def _failing_words(bound: Bound) -> str:
+    """The GPUs a limit fails, in words: ``utilization > max_util 0.50``.
+
+    >>> from gpu_exporter.choose.filters import SHARE
+    >>> _failing_words(Bound("x", Limit("free memory", "memory_free_bytes", SHARE,
+    ...                                 most=False, of_total=True), 0.25))
+    'free memory < x 25% of total'
+    """
+    limit, name = bound.limit, bound.name
+    if limit.unit.counted:
+        than = "more" if limit.most else "fewer"
+        return f"{than} than {name} {limit.unit.show(bound.value)} {limit.what}"
+    what = limit.what
+    if limit.fallback is not None:
+        what += f" ({limit.fallback.what} without {limit.fallback.lacking})"
+    shown = f"{bound.value * 100:g}%" if limit.unit.share else limit.unit.show(bound.value)
+    return f"{what} {limit.op} {name} {shown}" + (" of total" if limit.of_total else "")

@@ -16,7 +16,6 @@ from typing import Any, Final
 from gpu_exporter.choose.filters import Filters
 from gpu_exporter.choose.rank import NotEnoughGpus, Ranking, how_many_qualify, rank, sort_key
 from gpu_exporter.fleet.inventory import Fleet, Host
-from gpu_exporter.fleet.queries import LIMITS
 from gpu_exporter.model import GpuSample
 from gpu_exporter.units import plural
 
@@ -88,9 +87,13 @@ def _quick_pass(f: Filters) -> Callable[[GpuSample], bool]:
     """False only where the filters surely reject the GPU (down, or a known figure past a
     limit), without formatting why."""
     limits = [
-        (x.compared, x.fallback[0] if x.fallback else "", lim, x.op == "<")
-        for x in LIMITS
-        if (lim := getattr(f, x.attr)) is not None
+        (
+            b.limit.compared,
+            b.limit.fallback.field if b.limit.fallback else "",
+            b.value,
+            not b.limit.most,
+        )
+        for b in f.limits
     ]
 
     def may_pass(gpu: GpuSample) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Final
 
 from gpu_exporter.choose.filters import Window
+from gpu_exporter.choose.params import LIMITS
 from gpu_exporter.choose.request import ClusterRequest
 from gpu_exporter.choose.values import digits
 from gpu_exporter.fleet.inventory import (
@@ -41,7 +42,6 @@ from gpu_exporter.fleet.packing import (
     unpack,
 )
 from gpu_exporter.fleet.queries import (
-    LIMITS,
     braces,
     full_queries,
     reasons_query,
@@ -57,15 +57,14 @@ log = logging.getLogger(__name__)
 DEFAULT_EXPORTER_PORT: Final = 9400
 LARGE_FLEET_HOSTS: Final = 500  # past this many exporters (4,000 GPUs), the packed read
 GIB: Final = 2**30
-# Per-GPU series → GpuSample field, and how to read the value.
-VALUE_METRICS: Final[Mapping[str, tuple[str, type]]] = {
+# Per-GPU series → GpuSample field, and how to read the value: every figure a limit reads (its
+# row: choose/params.py), and what the ranking orders by.
+VALUE_METRICS: Final[Mapping[str, tuple[str, Callable[[float], float]]]] = {
+    **{series: (field, limit.unit.kind) for limit in LIMITS for field, series in limit.figures},
     "gpu_memory_free_bytes": ("memory_free_bytes", int),
-    "gpu_memory_used_bytes": ("memory_used_bytes", int),
     "gpu_memory_total_bytes": ("memory_total_bytes", int),
     "gpu_utilization_ratio": ("utilization_ratio", float),
     "gpu_sm_active_ratio": ("sm_active_ratio", float),  # GPM: absent on a card without it
-    "gpu_memory_utilization_ratio": ("memory_utilization_ratio", float),
-    "gpu_compute_processes": ("compute_processes", int),
     "gpu_power_draw_watts": ("power_draw_watts", float),
     "gpu_power_limit_watts": ("power_limit_watts", float),
 }
@@ -385,6 +384,8 @@ def _window(
             continue
         changes: dict[str, Any] = {}
         for limit in LIMITS:
+            if limit.fixed:  # no worst over a window: window_query asks none
+                continue
             for field, series in limit.figures:  # with a fallback's (utilization without GPM)
                 if (value := worst.get((gpu.uuid, field))) is not None:
                     changes[field] = VALUE_METRICS[series][1](value)
