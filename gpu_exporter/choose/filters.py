@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from gpu_exporter.choose.selectors import selector_matches
 from gpu_exporter.model import GpuSample, all_devices
+from gpu_exporter.readings import BY_ATTRIBUTE
 from gpu_exporter.units import format_bytes, plural
 
 MIG_MODES = ("deny", "allow", "only")
@@ -58,11 +59,22 @@ SHARE = Unit("_ratio", float, _ratio, share=True)  # a size parameter given in %
 COUNT = Unit("", int, str, counted=True)
 
 
+def series_of(field: str) -> str:
+    """The series a GPU value is exported as: its row's family in the value table.
+
+    >>> series_of("memory_free_bytes"), series_of("energy_joules")
+    ('gpu_memory_free_bytes', 'gpu_energy_joules_total')
+    """
+    family = BY_ATTRIBUTE[field].family
+    assert family is not None, f"{field} is not exported: no limit can read it from a store"
+    return family.name
+
+
 @dataclass(frozen=True, slots=True)
 class Fallback:
     """The figure a card without the limit's own is judged by (SM activity: utilization)."""
 
-    field: str  # its GpuSample field (and, with gpu_ before it, its series)
+    field: str  # its GpuSample field (its series: series_of(field))
     what: str  # "utilization"
     lacking: str  # what such a card lacks: "GPM"
 
@@ -77,7 +89,7 @@ class Limit:
     """
 
     what: str  # the figure, as a refusal names it: "free memory"
-    field: str  # the GpuSample field its series (gpu_ + field) fills: "memory_free_bytes"
+    field: str  # the GpuSample field its series (series_of(field)) fills: "memory_free_bytes"
     unit: Unit
     most: bool = True  # at most the limit (False: at least)
     of_total: bool = False  # a share of memory_total_bytes: compared as the field's _ratio
@@ -100,7 +112,7 @@ class Limit:
     @property
     def series(self) -> str:
         """The exporter's series for the figure: ``gpu_memory_free_bytes``."""
-        return "gpu_" + self.field
+        return series_of(self.field)
 
     @property
     def figures(self) -> tuple[tuple[str, str], ...]:
@@ -109,7 +121,7 @@ class Limit:
         return (
             own
             if self.fallback is None
-            else (*own, (self.fallback.field, "gpu_" + self.fallback.field))
+            else (*own, (self.fallback.field, series_of(self.fallback.field)))
         )
 
     def fails(self, value: float, limit: float) -> bool:
