@@ -922,7 +922,7 @@ def slow_calls_per_sample() -> float:
     """The slow calls (``collect/fields.py`` SLOW) for 8 GPUs every --slow-interval (30
     samples): what a window averages at most on top of :func:`_expected_calls`. The
     "a100-sxm" card has no fan (asked once, then never again)."""
-    from gpu_exporter.collect.fields import SLOW
+    from gpu_exporter.valuerow import SLOW
 
     return GPUS * (_calls(SLOW) - (FAKE == "a100-sxm")) / 30
 
@@ -935,7 +935,7 @@ def gpm_calls_per_sample() -> float:
 
 def per_sample_calls() -> int:
     """The calls made every (fast) sample on a GPU of :func:`lab` (MIG off)."""
-    from gpu_exporter.collect.fields import FAST
+    from gpu_exporter.valuerow import FAST
 
     return _calls(FAST)
 

@@ -45,7 +45,6 @@ from gpu_exporter.valuerow import CORE, FAST, GPM, ONCE, SLOW, Reading
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-__all__ = ["CORE", "FAST", "GPM", "ONCE", "SLOW"]  # the cadences, where readers look for them
 
 # (device uuid, field) pairs that answered NOT_SUPPORTED: not asked again until re-init;
 # also (uuid, BY_GETTER + field): a batched field read by its getter (the driver does not
@@ -452,13 +451,15 @@ MIG_DEVICE_COUNT = _f(
 _LINK_COUNT = _f("nvlink_link_count", (), None, ONCE, "nvlink",
                  _every(_link_count, (FIELD_IDS["NVML_FI_DEV_NVLINK_LINK_COUNT"], 0)))  # fmt: skip
 
-# The fields of readings.READINGS that a getter row cannot read: code of their own, by field.
-_CODE: dict[str, Reader] = {
-    "memory": _memory(True),
-    "processes": _PROCESSES.read,  # type: ignore[dict-item]
-    "nvlink": None,  # type: ignore[dict-item]
+_MEMORY_FIELDS = tuple(f"memory_{x}_bytes" for x in ("total", "used", "free", "reserved"))
+# The rows of readings.READINGS no getter row can read, by name: the code that reads them.
+# (tests/test_readings.py checks each agrees with its rows on cadence and group.)
+_CODE: dict[str, tuple[Field, ...]] = {
+    "memory": (_f("memory", _MEMORY_FIELDS, _memory(True), FAST, CORE),),
+    # The process list; compute_processes, its length, follows from it (with_processes).
+    "processes": (_PROCESSES, _PROCESS_UTILIZATION),
+    "nvlink": (_f("nvlink", "nvlink", None, SLOW, "nvlink", Batched(_nvlink_entries, _nvlinks)),),
 }
-_CODE_BATCH: dict[str, Batched] = {"nvlink": Batched(_nvlink_entries, _nvlinks)}
 
 
 def _getter(rows: tuple[Reading, ...]) -> Reader | None:
@@ -519,26 +520,19 @@ def _fields_of_rows() -> tuple[Field, ...]:
     by_name: dict[str, list[Reading]] = {}
     for r in READINGS:
         by_name.setdefault(r.name, []).append(r)
-    out = []
+    out: list[Field] = []
     for name, listed in by_name.items():
         if name == GPM_FIELD.field:
             continue  # collect/gpm.py's
         rows = tuple(listed)
-        names = tuple(r.attribute for r in rows)
-        when, group = rows[0].when, rows[0].group
         if rows[0].code:
-            if name == "processes":  # its count, compute_processes, follows from the list
-                out.append(_PROCESSES)
-                out.append(_PROCESS_UTILIZATION)
-                continue
-            names = _MEMORY_FIELDS if name == "memory" else names
-            out.append(Field(name, names, _CODE[name], when, group, _CODE_BATCH.get(name)))
+            out.extend(_CODE[name])
             continue
-        out.append(Field(name, names, _getter(rows), when, group, _batch(rows)))
+        names = tuple(r.attribute for r in rows)
+        out.append(Field(name, names, _getter(rows), rows[0].when, rows[0].group, _batch(rows)))
     return tuple(out)
 
 
-_MEMORY_FIELDS = tuple(f"memory_{x}_bytes" for x in ("total", "used", "free", "reserved"))
 # A whole GPU, in the order read (MIG mode before processes: in MIG mode, processes are
 # read per MIG device instead), then the once-fields.
 GPU_FIELDS = (_LINK_COUNT, *_fields_of_rows())

@@ -13,12 +13,12 @@ import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpu_exporter.collect.fields import CORE, FAST, GPM, ONCE, SLOW
 from gpu_exporter.collect.gpm import DEFAULT_GPM_INTERVAL_SECONDS
 from gpu_exporter.collect.groups import GROUPS, OFF_BY_DEFAULT, fields_of, getter_fields
 from gpu_exporter.config import ServeConfig
 from gpu_exporter.export.spec import METRICS, PROCESS_MEMORY
 from gpu_exporter.model import PROCESS_LABELS
+from gpu_exporter.valuerow import CORE, FAST, GPM, ONCE, SLOW
 
 WIDTH = 92  # the README's prose lines
 
