@@ -72,22 +72,16 @@ class MetricSpec:
         return self.default.startswith(ON)
 
 
-_BY_ATTRIBUTE = {name: f for f in FIELDS.values() for name in f.names}
-_BY_ATTRIBUTE["compute_processes"] = FIELDS["processes"]  # the process list's length
-
-
 class _When(TypedDict):
     updated: str
     group: str
 
 
-def _read_as(*attributes: str, labels: tuple[str, ...] = ()) -> _When:
-    """When the values in these GpuSample attributes (or of these collect fields) are read:
-    their fields' cadence (each label value's, where they differ) and group."""
-    read = [_BY_ATTRIBUTE.get(a) or FIELDS[a] for a in attributes]
-    whens = [f.when for f in read]
-    each = "; ".join(f"{label}: {when}" for label, when in zip(labels, whens))  # noqa: B905
-    return {"updated": whens[0] if len(set(whens)) == 1 else each, "group": read[0].group}
+def _read_as(field: str) -> _When:
+    """When the values of this field of collect/fields.py are read: its cadence and group
+    (the families of readings.READINGS take theirs from their rows)."""
+    f = FIELDS[field]
+    return {"updated": f.when, "group": f.group}
 
 
 def _nvlink(attribute: str) -> Values:
